@@ -1,0 +1,4 @@
+from rl_lightning.cli import main
+
+if __name__ == "__main__":
+    main()

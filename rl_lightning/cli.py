@@ -1,0 +1,94 @@
+"""``python -m rl_lightning fit --config recipes/<task>.yaml``: the LightningCLI entry point.
+
+The recipe picks the task (``model: {class_path: rl_lightning.tasks.SFT, ...}``) and its DataModule; every knob is a
+typed ``__init__`` argument, so ``--help``, ``--model.help rl_lightning.tasks.SFT`` and ``--print_config`` document
+the whole surface. The working directory is put on ``sys.path`` so recipes can name the user's own callbacks and
+environments by dotted path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from rl_lightning.errors import UserError
+
+MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 characters
+
+
+def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into ``{"model.lr": "1e-05", ...}``, dropping jsonargparse's ``init_args`` level."""
+    if hasattr(config, "as_dict"):
+        config = config.as_dict()
+    flat: dict[str, str] = {}
+    if isinstance(config, dict):
+        for key, value in config.items():
+            name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
+            flat.update(flatten_config(value, name))
+    else:
+        flat[prefix] = str(config)
+    return flat
+
+
+class ConfigLogger(SaveConfigCallback):
+    """Log the resolved config to every logger: MLflow gets params (one per key) and ``config.yaml`` as an artifact.
+
+    Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
+    (Lightning issue #19441); this writes there only when a log_dir exists.
+    """
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        text = self.parser.dump(self.config, skip_none=False)
+        params = flatten_config(self.config)
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                from mlflow.entities import Param
+
+                items = [Param(k, v[:MLFLOW_PARAM_LIMIT]) for k, v in sorted(params.items())]
+                for start in range(0, len(items), 100):
+                    logger.experiment.log_batch(logger.run_id, params=items[start : start + 100])
+                logger.experiment.log_text(logger.run_id, text, self.config_filename)
+            else:
+                logger.log_hyperparams(params)
+        if trainer.log_dir is not None:
+            os.makedirs(trainer.log_dir, exist_ok=True)
+            with open(os.path.join(trainer.log_dir, self.config_filename), "w") as f:
+                f.write(text)
+
+
+class RLLightningCLI(LightningCLI):
+    """LightningCLI with task/data selection by class path, linked tokenizer and one-line errors."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
+
+
+def main(args: list[str] | None = None) -> None:
+    # Recipes may name user code (callbacks, environments) by dotted path relative to where the job is launched.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        RLLightningCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_callback=ConfigLogger,
+            save_config_kwargs={"save_to_log_dir": False},
+            parser_kwargs={"parser_mode": "omegaconf"},
+            seed_everything_default=42,
+            args=args,
+        )
+    except UserError as e:
+        print(f"rl_lightning: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,148 @@
+"""Load rows from a local file (JSON, JSONL, CSV, Parquet, Arrow), a `save_to_disk` folder or a Hugging Face dataset.
+
+Rows come back as plain dicts together with a human-readable location for each row, so validation errors can say
+"sft.jsonl line 12" instead of "index 11 of something".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_lightning.errors import DataError
+
+SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
+# Columns that hold nested structures; CSV stores them as JSON strings.
+NESTED_COLUMNS = ("messages", "chosen", "rejected")
+
+
+@dataclass
+class Rows:
+    """Loaded rows and where they came from (`source`); `locate(i)` names row i for error messages."""
+
+    rows: list[dict[str, Any]]
+    source: str
+    line_numbers: list[int] | None = None
+
+    def locate(self, index: int) -> str:
+        if self.line_numbers is not None:
+            return f"{self.source} line {self.line_numbers[index]}"
+        return f"{self.source} row {index}"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def load_rows(path: str, split: str = "train") -> Rows:
+    """Load every row of `path`.
+
+    Args:
+        path: a local file (``.json`` array or object-per-line, ``.jsonl``, ``.csv``, ``.parquet``, ``.arrow``), a
+            folder written by ``Dataset.save_to_disk``, or a Hugging Face dataset name (``org/name``).
+        split: the split to read for Hugging Face names and ``DatasetDict`` folders.
+    """
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return _load_saved_dataset(local, split)
+    if local.is_file():
+        return _load_file(local)
+    if local.suffix in SUPPORTED_EXTENSIONS or path.startswith((".", "/", "~")):
+        raise DataError(f"data file not found: '{path}' (resolved to {local.resolve()}); check the `path` setting")
+    return _load_hub(path, split)
+
+
+def _load_file(path: Path) -> Rows:
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_EXTENSIONS:
+        raise DataError(
+            f"unsupported data file extension '{path.suffix}' for '{path}'; use one of {', '.join(SUPPORTED_EXTENSIONS)}"
+        )
+    if suffix in (".json", ".jsonl"):
+        return _load_json(path)
+    if suffix == ".csv":
+        with path.open(newline="") as f:
+            rows = [_decode_nested(dict(row), path, i) for i, row in enumerate(csv.DictReader(f))]
+        return Rows(rows, str(path))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if suffix == ".parquet":
+        table = pq.read_table(path)
+    else:
+        table = _read_arrow(path, pa)
+    return Rows(table.to_pylist(), str(path))
+
+
+def _read_arrow(path: Path, pa: Any) -> Any:
+    # `datasets` writes Arrow *streams*; pyarrow's own default is the IPC *file* format. Accept both.
+    try:
+        with pa.memory_map(str(path)) as source:
+            return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        with pa.memory_map(str(path)) as source:
+            return pa.ipc.open_file(source).read_all()
+
+
+def _load_json(path: Path) -> Rows:
+    text = path.read_text()
+    stripped = text.lstrip()
+    if path.suffix.lower() == ".json" and stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return Rows(rows, str(path))
+    rows, line_numbers = [], []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {lineno}: invalid JSON ({e.msg}); expected one JSON object per line") from None
+        line_numbers.append(lineno)
+    return Rows(rows, str(path), line_numbers)
+
+
+def _decode_nested(row: dict[str, Any], path: Path, index: int) -> dict[str, Any]:
+    for key in NESTED_COLUMNS:
+        value = row.get(key)
+        if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
+            try:
+                row[key] = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} row {index}: column '{key}' is not valid JSON ({e.msg})") from None
+    return row
+
+
+def _load_saved_dataset(path: Path, split: str) -> Rows:
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise DataError(
+            f"'{path}' is a folder but not one written by Dataset.save_to_disk; point `path` at a data file instead"
+        ) from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DataError(f"split '{split}' not in '{path}' (has {', '.join(dataset)}); set `split` to one of them")
+        dataset = dataset[split]
+    return Rows(dataset.to_list(), str(path))
+
+
+def _load_hub(name: str, split: str) -> Rows:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - the hub raises many types; all mean "cannot load this name"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"'{name}' is neither a local file nor a loadable Hugging Face dataset ({first_line}); "
+            f"give a path to a {'/'.join(SUPPORTED_EXTENSIONS)} file"
+        ) from None
+    return Rows(dataset.to_list(), f"{name}[{split}]")

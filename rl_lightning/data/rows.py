@@ -1,0 +1,87 @@
+"""Row validation for the three task formats (seed formats, see README "Data formats").
+
+- SFT: ``{"messages": [...]}`` with at least one assistant message.
+- Preference (RM, DPO): ``{"messages": [prompt...], "chosen": str, "rejected": str}``.
+- Prompts (PPO family): ``{"messages": [prompt...], "answer": ...}``.
+
+Every error names the file and row (see `Rows.locate`), the field, the value and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_lightning.data.loading import Rows
+from rl_lightning.errors import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_messages(messages: Any, where: str, key: str = "messages") -> None:
+    """Raise `DataError` unless `messages` is a non-empty list of ``{"role": ROLE, "content": str}`` dicts."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: '{key}' must be a non-empty list of messages, got {_short(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {key}[{i}] must be a dict with 'role' and 'content', got {_short(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise DataError(f"{where}: {key}[{i}] has unknown role {_short(role)}; allowed roles: {', '.join(ROLES)}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise DataError(
+                f"{where}: {key}[{i}] content must be a string, got {type(content).__name__} {_short(content)}"
+            )
+
+
+def _require(row: Any, where: str, key: str, fmt: str) -> Any:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object per row, got {type(row).__name__}")
+    if key not in row:
+        raise DataError(f"{where}: missing '{key}' (have {sorted(row)}); {fmt} rows need it")
+    return row[key]
+
+
+def check_sft_rows(rows: Rows) -> None:
+    """Validate SFT rows: messages with at least one assistant message (otherwise nothing is learned)."""
+    _check_nonempty(rows)
+    for i, row in enumerate(rows.rows):
+        where = rows.locate(i)
+        messages = _require(row, where, "messages", "SFT")
+        check_messages(messages, where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message, so there is nothing to train on; add one or drop the row")
+
+
+def check_preference_rows(rows: Rows) -> None:
+    """Validate RM/DPO rows: a prompt in `messages` and two different string completions."""
+    _check_nonempty(rows)
+    for i, row in enumerate(rows.rows):
+        where = rows.locate(i)
+        check_messages(_require(row, where, "messages", "preference"), where)
+        chosen = _require(row, where, "chosen", "preference")
+        rejected = _require(row, where, "rejected", "preference")
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str):
+                raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__} {_short(value)}")
+        if chosen == rejected:
+            raise DataError(f"{where}: 'chosen' and 'rejected' are identical ({_short(chosen)}); drop the row")
+
+
+def check_prompt_rows(rows: Rows) -> None:
+    """Validate RL rows: a prompt in `messages` and an `answer` the reward function checks against."""
+    _check_nonempty(rows)
+    for i, row in enumerate(rows.rows):
+        where = rows.locate(i)
+        check_messages(_require(row, where, "messages", "RL prompt"), where)
+        _require(row, where, "answer", "RL prompt")
+
+
+def _check_nonempty(rows: Rows) -> None:
+    if len(rows) == 0:
+        raise DataError(f"dataset '{rows.source}' is empty; point `path` at a file with at least one row")

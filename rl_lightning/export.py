@@ -1,0 +1,52 @@
+"""Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every DTensor (FSDP2/TP shard) gathered to a full CPU tensor.
+
+    Collective under FSDP2/TP: every rank must call it.
+    """
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().cpu()
+    return state
+
+
+def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool = True) -> None:
+    """Write ``save_pretrained`` of `model` (gathered) and of the tokenizer `tokenizer_name` to `dirpath`."""
+    from rl_lightning.models import load_tokenizer
+
+    state = full_state_dict(model)
+    if is_global_zero:
+        model.save_pretrained(dirpath, state_dict=state)
+        load_tokenizer(tokenizer_name).save_pretrained(dirpath)
+        log.info("exported Hugging Face model to %s", dirpath)
+
+
+class HFExport(L.Callback):
+    """Export the task's model in Hugging Face format when training ends.
+
+    The module must have ``model`` (a transformers ``PreTrainedModel``) and ``hparams.model_name`` (its tokenizer).
+
+    Args:
+        dirpath: output folder (``save_pretrained`` layout; load it with ``AutoModelForCausalLM.from_pretrained``).
+    """
+
+    def __init__(self, dirpath: str = "exports/model") -> None:
+        self.dirpath = dirpath
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        export_hf(pl_module.model, pl_module.hparams.model_name, self.dirpath, trainer.is_global_zero)

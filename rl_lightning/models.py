@@ -1,0 +1,53 @@
+"""Loading Hugging Face models and tokenizers (local folders or hub names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_lightning.errors import ConfigError
+
+
+def load_tokenizer(name: str) -> Any:
+    """Load a tokenizer; a missing pad token falls back to EOS (needed for padded batches)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as e:
+        raise ConfigError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    name: str,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+) -> Any:
+    """Load a causal LM for training.
+
+    Args:
+        name: local folder or hub name.
+        dtype: parameter dtype; defaults to ``torch.get_default_dtype()``, which Lightning sets from the trainer's
+            precision inside ``configure_model`` (``bf16-true`` gives bf16 weights, ``bf16-mixed`` fp32 masters).
+        attn_implementation: a transformers attention implementation name (``sdpa``, ``eager``, ``flash_attention_2``).
+        gradient_checkpointing: recompute block activations in the backward pass.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation
+        )
+    except OSError as e:
+        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    # Training never reads a KV cache; with one, packed sequences would also attend to each other (reference §4.2).
+    model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
