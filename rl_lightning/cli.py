@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -17,6 +18,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from rl_lightning.errors import UserError
 
+# Lightning warnings that are expected with our design and only add noise to every run.
+QUIET_WARNINGS = (
+    ".*defined a `validation_step` but have no `val_dataloader`.*",  # validation is optional (data.val_path)
+    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",  # Lightning 2.6 vs torch 2.13, harmless
+)
 MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 characters
 
 
@@ -77,6 +83,8 @@ def main(args: list[str] | None = None) -> None:
     # Recipes may name user code (callbacks, environments) by dotted path relative to where the job is launched.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     try:
         RLLightningCLI(
             LightningModule,
@@ -89,6 +97,20 @@ def main(args: list[str] | None = None) -> None:
             seed_everything_default=42,
             args=args,
         )
-    except UserError as e:
-        print(f"rl_lightning: error: {e}", file=sys.stderr)
+    except Exception as e:
+        user_error = find_user_error(e)
+        if user_error is None:
+            raise
+        print(f"rl_lightning: error: {user_error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def find_user_error(exc: BaseException | None) -> UserError | None:
+    """The `UserError` behind `exc`, if any (jsonargparse wraps errors raised while instantiating classes)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, UserError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

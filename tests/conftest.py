@@ -1,0 +1,43 @@
+"""Shared fixtures: the shipped tiny model/tokenizer, repo paths, hermetic hub settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "rl_lightning" / "assets" / "tiny-qwen2"
+DEMO_DATA = REPO / "rl_lightning" / "assets" / "data"
+
+# Nothing may reach a model hub: fail fast instead of waiting for timeouts.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from rl_lightning.models import load_tokenizer
+
+    return load_tokenizer(str(TINY_MODEL))
+
+
+@pytest.fixture(autouse=True)
+def _reset_torch_state():
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6, rtol: float = 0.0) -> None:
+    """`torch.testing.assert_close` whose message always shows the max and mean absolute difference."""
+    diff = (actual.double() - expected.double()).abs()
+    torch.testing.assert_close(
+        actual, expected, atol=atol, rtol=rtol,
+        msg=lambda m: f"{m}\nmax |diff| = {diff.max().item():.3e}, mean |diff| = {diff.mean().item():.3e}",
+    )
