@@ -41,3 +41,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
         actual, expected, atol=atol, rtol=rtol,
         msg=lambda m: f"{m}\nmax |diff| = {diff.max().item():.3e}, mean |diff| = {diff.mean().item():.3e}",
     )
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A fresh working directory laid out like the repo root (recipes' relative paths resolve), so MLflow stores,
+    checkpoints and exports land in tmp_path."""
+    for name in ("recipes", "rl_lightning"):
+        (tmp_path / name).symlink_to(REPO / name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
