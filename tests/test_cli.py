@@ -15,6 +15,7 @@ from rl_lightning.cli import RLLightningCLI, flatten_config, main
 from rl_lightning.data import SFTDataModule
 from rl_lightning.tasks import SFT
 
+
 @pytest.fixture(autouse=True)
 def _plain_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["rl_lightning"])  # LightningCLI warns when pytest's own argv is present

@@ -16,16 +16,17 @@ class GradientRecorder(L.Callback):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()})
 
 
-def _fit(micro_batch_size, max_steps=1, data_kwargs=None, callbacks=()):
+def _fit(micro_batch_size, max_steps=1, data_kwargs=None, callbacks=(), model_kwargs=None, precision="32-true"):
     L.seed_everything(0)
     data = SFTDataModule(
         str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8,
         micro_batch_size=micro_batch_size, shuffle=False, max_length=64, **(data_kwargs or {}),
     )
-    model = SFT(str(TINY_MODEL), lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=0.0)
+    model = SFT(str(TINY_MODEL), lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=0.0,
+                **(model_kwargs or {}))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), precision=precision,
     )
     trainer.fit(model, datamodule=data)
     return model, data, trainer
@@ -73,3 +74,35 @@ def test_truncation_is_counted(tmp_path):
     assert short.stats["data/train_truncated"] == expected_truncated
     assert short.stats["data/train_dropped"] == expected_dropped
     assert len(short.train_examples) == 2000 - expected_dropped
+
+
+def test_gradient_checkpointing_gives_the_same_gradient():
+    plain, checkpointed = GradientRecorder(), GradientRecorder()
+    _fit(micro_batch_size=4, callbacks=[plain])
+    model, _, _ = _fit(micro_batch_size=4, callbacks=[checkpointed], model_kwargs={"gradient_checkpointing": True})
+    assert model.model.is_gradient_checkpointing
+    for name, grad in plain.grads[0].items():
+        assert_close(checkpointed.grads[0][name], grad, atol=1e-6)
+
+
+def test_bf16_true_precision_trains_bf16_weights():
+    recorder = GradientRecorder()
+    model, _, trainer = _fit(micro_batch_size=4, max_steps=2, callbacks=[recorder], precision="bf16-true")
+    assert {p.dtype for p in model.model.parameters()} == {torch.bfloat16}
+    loss = trainer.callback_metrics["train/loss"]
+    assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # ~ln(320) = 5.77 for the random model
+
+
+def test_too_few_rows_for_one_step_is_an_error(tmp_path):
+    import json
+
+    import pytest
+
+    from rl_lightning.errors import DataError
+
+    path = tmp_path / "two.jsonl"
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text((json.dumps(row) + "\n") * 2)
+    data = SFTDataModule(str(path), tokenizer_name=str(TINY_MODEL), batch_size=4, micro_batch_size=4)
+    with pytest.raises(DataError, match="2 usable conversations, fewer than one step needs"):
+        data.setup("fit")

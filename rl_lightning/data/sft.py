@@ -100,6 +100,12 @@ class SFTDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if not self.train_examples:
             self.train_examples = self._load(self.hparams.path, "train")
+            world_size = self.trainer.world_size if self.trainer is not None else 1
+            if len(self.train_examples) < self.hparams.batch_size * world_size:
+                raise DataError(
+                    f"{self.hparams.path}: {len(self.train_examples)} usable conversations, fewer than one step needs "
+                    f"(data.batch_size={self.hparams.batch_size} x {world_size} ranks); lower data.batch_size"
+                )
         if self.hparams.val_path and not self.val_examples:
             self.val_examples = self._load(self.hparams.val_path, "val")
 
