@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, TINY_MODEL
 
 from rl_lightning.cli import RLLightningCLI, flatten_config, main
 from rl_lightning.data import SFTDataModule
@@ -51,11 +51,11 @@ def test_recipe_parses_and_instantiates(recipe, workdir, capsys):
 
 def test_dotted_overrides_apply(workdir):
     cli = _cli(["--config", "recipes/sft.yaml", "--model.lr", "1e-5", "--trainer.max_steps", "5",
-                "--data.max_length", "77", "--model.model_name", "elsewhere/model"])
+                "--data.max_length", "77", "--model.model_name", str(TINY_MODEL)])
     assert cli.model.hparams.lr == 1e-5
     assert cli.trainer.max_steps == 5
     assert cli.datamodule.hparams.max_length == 77
-    assert cli.datamodule.hparams.tokenizer_name == "elsewhere/model"
+    assert cli.datamodule.hparams.tokenizer_name == str(TINY_MODEL)  # linked from the override
 
 
 @pytest.mark.parametrize(("flag", "cls"), [("--model.help", SFT), ("--data.help", SFTDataModule)])

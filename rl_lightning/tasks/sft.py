@@ -1,10 +1,11 @@
 """Supervised fine-tuning on chat conversations, loss on assistant tokens only.
 
-One training batch is one optimizer step on this rank (a list of micro-batches). The loss of every micro-batch is
-normalised by the number of assistant tokens in the whole step across all data-parallel ranks, so the update is the
-gradient of the mean token NLL of the global batch, whatever the micro-batch split or number of ranks. Optimisation
-is manual for that reason (gradient accumulation happens here, not in the Trainer): use ``model.max_grad_norm``
-instead of ``trainer.gradient_clip_val`` and ``data.micro_batch_size`` instead of ``trainer.accumulate_grad_batches``.
+One training batch is one optimizer step on this rank (a list of packed micro-batches). The loss of every
+micro-batch is normalised by the number of assistant tokens in the whole step across all data-parallel ranks, so the
+update is the gradient of the mean token NLL of the global batch, whatever the packing, micro-batch split or number
+of ranks. Optimisation is manual for that reason (gradient accumulation happens here, not in the Trainer): use
+``model.max_grad_norm`` instead of ``trainer.gradient_clip_val`` and ``data.max_length_per_device`` instead of
+``trainer.accumulate_grad_batches``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from rl_lightning.algorithms import sft_loss, token_logprobs
+from rl_lightning.algorithms import sft_loss
 from rl_lightning.models import load_causal_lm
-from rl_lightning.optim import adamw, check_optim_args, clip_grad_norm, scheduler
+from rl_lightning.optim import adamw, check_optim_args, scheduler
+from rl_lightning.tasks.step import data_parallel_sum, grad_average_size, optimizer_step, target_logprobs
 
 
 class SFT(L.LightningModule):
@@ -61,10 +63,8 @@ class SFT(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             hp = self.hparams
-            self.model = load_causal_lm(
-                hp.model_name, attn_implementation=hp.attn_implementation,
-                gradient_checkpointing=hp.gradient_checkpointing,
-            )
+            self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
+                                        gradient_checkpointing=hp.gradient_checkpointing)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -73,47 +73,30 @@ class SFT(L.LightningModule):
         schedule = scheduler(optimizer, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio)
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
-    def _logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, T-1) log-probabilities of tokens 1..T-1 given their prefixes."""
-        logits = self.model(
-            input_ids=micro_batch["input_ids"],
-            attention_mask=micro_batch["attention_mask"],
-            position_ids=micro_batch["position_ids"],
-            use_cache=False,
-        ).logits
-        return token_logprobs(logits[:, :-1], micro_batch["input_ids"][:, 1:])
-
-    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
-        return self.trainer.strategy.reduce(value.detach().float().clone(), reduce_op="sum")
-
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        optimizer, lr_scheduler = self.optimizers(), self.lr_schedulers()
-        # Targets are tokens 1..T-1: shift the mask like the labels.
-        num_tokens = self._global_sum(sum(mb["loss_mask"][:, 1:].sum() for mb in micro_batches))
-        # The strategy averages gradients over ranks, so scale the per-rank normaliser back up by the world size.
-        normaliser = num_tokens / self.trainer.world_size
+        num_tokens = data_parallel_sum(self.trainer, sum(mb["loss_mask"][:, 1:].sum() for mb in micro_batches))
+        normaliser = num_tokens / grad_average_size(self.trainer)
         nll_sum = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
-            loss, metrics = sft_loss(self._logprobs(micro_batch), micro_batch["loss_mask"][:, 1:], normaliser)
+            logprobs = target_logprobs(self.model, micro_batch)
+            loss, metrics = sft_loss(logprobs, micro_batch["loss_mask"][:, 1:], normaliser)
             self.manual_backward(loss)
             nll_sum += metrics["nll_sum"]
-        grad_norm = clip_grad_norm(self.parameters(), self.hparams.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
-        self.log("train/loss", self._global_sum(nll_sum) / num_tokens, prog_bar=True)
-        self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens})
+        lr = self.lr_schedulers().get_last_lr()[0]
+        grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
+        self.log("train/loss", data_parallel_sum(self.trainer, nll_sum) / num_tokens, prog_bar=True)
+        self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
+                       "train/micro_batches": float(len(micro_batches))})
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         for micro_batch in batch["micro_batches"]:
             mask = micro_batch["loss_mask"][:, 1:]
-            _, metrics = sft_loss(self._logprobs(micro_batch), mask, 1.0)
+            _, metrics = sft_loss(target_logprobs(self.model, micro_batch), mask, 1.0)
             self._val_sums.append(torch.stack([metrics["nll_sum"], metrics["num_tokens"]]))
 
     def on_validation_epoch_end(self) -> None:
         if self._val_sums:
-            nll_sum, num_tokens = self._global_sum(torch.stack(self._val_sums).sum(0))
+            nll_sum, num_tokens = data_parallel_sum(self.trainer, torch.stack(self._val_sums).sum(0))
             self.log("val/loss", nll_sum / num_tokens, prog_bar=True)
         self._val_sums.clear()

@@ -1,0 +1,204 @@
+"""Step batches: each item the DataLoader yields is one optimizer step's micro-batches for this data-parallel rank.
+
+All ranks walk the same seeded permutation of the dataset, take the same global step (``rows_per_rank`` x dp rows),
+plan it with `plan_micro_batches` and keep their own share, so balancing sees the whole global batch and needs no
+communication. The dataset is an ``IterableDataset`` so Lightning does not wrap it in a ``DistributedSampler``.
+
+A micro-batch is a dict of tensors:
+
+- ``input_ids``, ``position_ids``, ``loss_mask``: (B, T); ``loss_mask[b, t] = 1`` when token t is a target. Packed
+  micro-batches have B = 1 and position ids that restart at each sequence; padded ones add ``attention_mask``.
+- ``seq_index``: (B, T) which sequence of the micro-batch each token belongs to (-1 for padding).
+- ``last_index``: (S,) flat index (into the B*T grid) of each sequence's last token.
+- ``cu_seqlens``: (S + 1,) int32 cumulative lengths of the packed row (packed only; for varlen attention kernels).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from rl_lightning.data.packing import plan_micro_batches
+from rl_lightning.data.tokenization import TokenizedExample
+from rl_lightning.errors import ConfigError, DataError
+
+Unit = Any  # a TokenizedExample, or a tuple of them that must share a micro-batch (chosen, rejected)
+
+
+def unit_sequences(unit: Unit) -> tuple[TokenizedExample, ...]:
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
+def unit_length(unit: Unit) -> int:
+    return sum(len(s.input_ids) for s in unit_sequences(unit))
+
+
+def data_parallel_coords(trainer: Any) -> tuple[int, int]:
+    """(rank, size) of this process along the data-parallel dimension (ranks that differ only in tensor/context
+    parallel coordinates see the same data)."""
+    if trainer is None:
+        return 0, 1
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+        sub = mesh["data_parallel"]
+        return sub.get_local_rank(), sub.size()
+    return trainer.global_rank, trainer.world_size
+
+
+def _sequence_tensors(sequences: Sequence[TokenizedExample]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for s in sequences:
+        mask = torch.tensor(s.loss_mask, dtype=torch.long)
+        mask[0] = 0  # a sequence's first token has no prefix in this sequence: never a target
+        out.append({"input_ids": torch.tensor(s.input_ids, dtype=torch.long), "loss_mask": mask})
+    return out
+
+
+def pack(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Concatenate sequences into one (1, N) row with restarting position ids."""
+    if not sequences:  # an empty micro-batch still runs forward/backward so collectives stay matched
+        sequences = [TokenizedExample([pad_token_id], [0])]
+    tensors = _sequence_tensors(sequences)
+    lengths = torch.tensor([len(t["input_ids"]) for t in tensors])
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    return {
+        "input_ids": torch.cat([t["input_ids"] for t in tensors]).unsqueeze(0),  # (1, N)
+        "loss_mask": torch.cat([t["loss_mask"] for t in tensors]).unsqueeze(0),  # (1, N)
+        "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0),  # (1, N)
+        "seq_index": torch.repeat_interleave(torch.arange(len(lengths)), lengths).unsqueeze(0),  # (1, N)
+        "last_index": cu_seqlens[1:].long() - 1,  # (S,)
+        "cu_seqlens": cu_seqlens,
+    }
+
+
+def pad(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad sequences into (B, T) rows with an attention mask."""
+    if not sequences:
+        sequences = [TokenizedExample([pad_token_id], [0])]
+    tensors = _sequence_tensors(sequences)
+    length = max(len(t["input_ids"]) for t in tensors)
+    batch = {
+        "input_ids": torch.full((len(tensors), length), pad_token_id, dtype=torch.long),
+        "loss_mask": torch.zeros(len(tensors), length, dtype=torch.long),
+        "attention_mask": torch.zeros(len(tensors), length, dtype=torch.long),
+        "seq_index": torch.full((len(tensors), length), -1, dtype=torch.long),
+    }
+    last = []
+    for i, t in enumerate(tensors):
+        n = len(t["input_ids"])
+        batch["input_ids"][i, :n] = t["input_ids"]
+        batch["loss_mask"][i, :n] = t["loss_mask"]
+        batch["attention_mask"][i, :n] = 1
+        batch["seq_index"][i, :n] = i
+        last.append(i * length + n - 1)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    batch["last_index"] = torch.tensor(last)
+    return batch
+
+
+class StepDataset(IterableDataset):
+    """Yields ``{"micro_batches": [...]}`` for each optimizer step of an epoch, this rank's share only.
+
+    Args:
+        units: packing units (sequences, or tuples of sequences that stay together).
+        rows_per_rank: units per optimizer step per data-parallel rank.
+        dp_rank, dp_size: this rank's data-parallel coordinates.
+        packing: pack under `max_tokens` with balanced partitioning; False pads `micro_batch_size` units per pass.
+        max_tokens: token budget of a packed micro-batch.
+        micro_batch_size: units per padded micro-batch.
+        pad_token_id: filler token for padding and empty micro-batches.
+        shuffle: reshuffle every epoch, seeded by ``seed_everything`` and the epoch number.
+        epoch_fn: returns the current epoch (the trainer's), so shuffling survives restarts.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        rows_per_rank: int,
+        dp_rank: int,
+        dp_size: int,
+        packing: bool,
+        max_tokens: int,
+        micro_batch_size: int,
+        pad_token_id: int,
+        shuffle: bool,
+        epoch_fn: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.units, self.rows_per_rank, self.dp_rank, self.dp_size = units, rows_per_rank, dp_rank, dp_size
+        self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
+        self.pad_token_id, self.shuffle, self.epoch_fn = pad_token_id, shuffle, epoch_fn
+
+    def __len__(self) -> int:
+        return len(self.units) // (self.rows_per_rank * self.dp_size)
+
+    def step_units(self, step_indices: Sequence[int]) -> list[list[Unit]]:
+        """This rank's micro-batches (lists of units) for the global step made of `step_indices`."""
+        units = [self.units[i] for i in step_indices]
+        if self.packing:
+            plan = plan_micro_batches([unit_length(u) for u in units], self.dp_size, self.max_tokens)[self.dp_rank]
+            return [[units[i] for i in mb] for mb in plan]
+        mine = units[self.dp_rank * self.rows_per_rank : (self.dp_rank + 1) * self.rows_per_rank]
+        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+
+    def collate(self, micro_batch: list[Unit]) -> dict[str, torch.Tensor]:
+        sequences = [s for unit in micro_batch for s in unit_sequences(unit)]
+        return (pack if self.packing else pad)(sequences, self.pad_token_id)
+
+    def __iter__(self):
+        order = torch.arange(len(self.units))
+        if self.shuffle:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.epoch_fn()
+            order = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(seed))
+        rows = self.rows_per_rank * self.dp_size
+        for step in range(len(self)):
+            indices = order[step * rows : (step + 1) * rows].tolist()
+            yield {"micro_batches": [self.collate(mb) for mb in self.step_units(indices)]}
+
+
+def check_unit_budget(lengths: Sequence[int], locate: Callable[[int], str], max_tokens: int, what: str) -> None:
+    """Fail at start-up (not mid-run) when a unit cannot fit in one micro-batch."""
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ConfigError(
+                f"{locate(i)}: {what} has {n} tokens, more than data.max_length_per_device={max_tokens}; "
+                f"raise data.max_length_per_device to at least {max(lengths)} or lower data.max_length"
+            )
+
+
+def check_enough_rows(num_units: int, rows_per_rank: int, dp_size: int, source: str) -> None:
+    if num_units < rows_per_rank * dp_size:
+        raise DataError(
+            f"{source}: {num_units} usable rows, fewer than one step needs (data.batch_size={rows_per_rank} x "
+            f"{dp_size} data-parallel ranks); lower data.batch_size"
+        )
+
+
+def log_stats(trainer: Any, stats: dict[str, int]) -> None:
+    """Send data counters (rows, truncated, dropped) to every logger at step 0."""
+    if trainer is not None:
+        for logger in trainer.loggers:
+            logger.log_metrics({k: float(v) for k, v in stats.items()}, step=0)
+
+
+def check_batching_args(
+    max_length: int, batch_size: int, packing: bool, max_length_per_device: int, micro_batch_size: int
+) -> None:
+    errors = []
+    if max_length < 1:
+        errors.append(f"data.max_length must be >= 1, got {max_length}")
+    if batch_size < 1:
+        errors.append(f"data.batch_size must be >= 1, got {batch_size}")
+    if packing and max_length_per_device < 1:
+        errors.append(f"data.max_length_per_device must be >= 1, got {max_length_per_device}")
+    if not packing and (micro_batch_size < 1 or batch_size % micro_batch_size):
+        errors.append(
+            f"data.micro_batch_size ({micro_batch_size}) must be >= 1 and divide data.batch_size ({batch_size}) "
+            "when data.packing is false"
+        )
+    if errors:
+        raise ConfigError("; ".join(errors))
