@@ -51,3 +51,31 @@ def load_causal_lm(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def load_reward_model(
+    name: str,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+) -> Any:
+    """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone).
+
+    Loading a plain causal LM adds a freshly initialised head (transformers logs which weights are new). The pad
+    token id is set in the config because transformers pools at the last non-pad token at inference.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            name, num_labels=1, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation
+        )
+    except OSError as e:
+        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = load_tokenizer(name).pad_token_id
+    model.config.use_cache = False
+    model.train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

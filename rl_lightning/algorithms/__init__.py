@@ -4,6 +4,7 @@ No config objects, no logging, no torch.distributed: global normalisers are pass
 """
 
 from rl_lightning.algorithms.logprobs import token_logprobs
+from rl_lightning.algorithms.preference import DPO_LOSSES, bradley_terry_loss, dpo_logits, dpo_loss
 from rl_lightning.algorithms.sft import sft_loss
 
-__all__ = ["sft_loss", "token_logprobs"]
+__all__ = ["DPO_LOSSES", "bradley_terry_loss", "dpo_logits", "dpo_loss", "sft_loss", "token_logprobs"]

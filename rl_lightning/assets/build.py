@@ -12,7 +12,8 @@ training data and every string round-trips.
 
 Datasets (JSONL, one object per line), all built from arithmetic so rewards are verifiable:
 - ``sft.jsonl``: ``{"messages": [...]}`` single- and multi-turn chats with assistant answers.
-- ``preference.jsonl``: ``{"messages": [prompt], "chosen": str, "rejected": str}`` (right vs. wrong answer).
+- ``preference.jsonl``: ``{"messages": [prompt], "chosen": str, "rejected": str}``: the right answer vs. a wrong one,
+  half of the wrong ones also hedged and verbose.
 - ``arithmetic.jsonl`` / ``arithmetic_test.jsonl``: ``{"messages": [prompt], "answer": str}`` for RL.
 """
 
@@ -120,7 +121,10 @@ def preference_rows(rng: random.Random, n: int) -> list[dict]:
     for _ in range(n):
         question, answer = _question(rng)
         wrong = str(int(answer) + rng.choice([-10, -2, -1, 1, 2, 10]))
-        rows.append({"messages": _prompt(rng, question), "chosen": answer, "rejected": wrong})
+        # Half the rejected answers are only numerically wrong (hard to tell apart without arithmetic), half are
+        # also hedged and verbose against the system prompt (a style signal a tiny model picks up in a few steps).
+        rejected = wrong if rng.random() < 0.5 else f"I think it is {wrong}, but I am not sure."
+        rows.append({"messages": _prompt(rng, question), "chosen": answer, "rejected": rejected})
     return rows
 
 

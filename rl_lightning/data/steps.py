@@ -30,7 +30,9 @@ Unit = Any  # a TokenizedExample, or a tuple of them that must share a micro-bat
 
 
 def unit_sequences(unit: Unit) -> tuple[TokenizedExample, ...]:
-    return unit if isinstance(unit, tuple) else (unit,)
+    """The sequences of a packing unit: a `TokenizedExample`, or an object with ``sequences`` (e.g. a preference
+    pair) whose sequences must share a micro-batch."""
+    return (unit,) if isinstance(unit, TokenizedExample) else tuple(unit.sequences)
 
 
 def unit_length(unit: Unit) -> int:
@@ -147,7 +149,12 @@ class StepDataset(IterableDataset):
 
     def collate(self, micro_batch: list[Unit]) -> dict[str, torch.Tensor]:
         sequences = [s for unit in micro_batch for s in unit_sequences(unit)]
-        return (pack if self.packing else pad)(sequences, self.pad_token_id)
+        batch = (pack if self.packing else pad)(sequences, self.pad_token_id)
+        # Per-unit scalars (e.g. a preference pair's margin) ride along as (U,) tensors; U may be 0.
+        for key in getattr(self.units[0], "fields", {}) if self.units else {}:
+            batch[key] = torch.tensor([float(u.fields[key]) for u in micro_batch], dtype=torch.float32)
+        batch["num_units"] = torch.tensor(len(micro_batch))
+        return batch
 
     def __iter__(self):
         order = torch.arange(len(self.units))

@@ -1,5 +1,7 @@
 """One thin LightningModule per task. Each orchestrates data → model → `rl_lightning.algorithms` → logging."""
 
+from rl_lightning.tasks.dpo import DPO
+from rl_lightning.tasks.reward import RewardModel
 from rl_lightning.tasks.sft import SFT
 
-__all__ = ["SFT"]
+__all__ = ["DPO", "SFT", "RewardModel"]

@@ -17,8 +17,14 @@ import torch
 
 from rl_lightning.algorithms import sft_loss
 from rl_lightning.models import load_causal_lm
-from rl_lightning.optim import adamw, check_optim_args, scheduler
-from rl_lightning.tasks.step import data_parallel_sum, grad_average_size, optimizer_step, target_logprobs
+from rl_lightning.optim import check_optim_args
+from rl_lightning.tasks.step import (
+    configure_adamw,
+    data_parallel_sum,
+    grad_average_size,
+    optimizer_step,
+    target_logprobs,
+)
 
 
 class SFT(L.LightningModule):
@@ -67,11 +73,7 @@ class SFT(L.LightningModule):
                                         gradient_checkpointing=hp.gradient_checkpointing)
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        optimizer = adamw(self.model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps)
-        total = int(self.trainer.estimated_stepping_batches)
-        schedule = scheduler(optimizer, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio)
-        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+        return configure_adamw(self, self.model)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]

@@ -9,7 +9,7 @@ import torch
 
 from rl_lightning.algorithms import token_logprobs
 from rl_lightning.data.steps import data_parallel_coords
-from rl_lightning.optim import clip_grad_norm
+from rl_lightning.optim import adamw, clip_grad_norm, scheduler
 
 
 def model_inputs(micro_batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -59,3 +59,35 @@ def optimizer_step(module: Any, max_grad_norm: float) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
     return grad_norm
+
+
+def configure_adamw(module: Any, model: torch.nn.Module) -> Any:
+    """AdamW + warmup/decay schedule from the task's hparams (lr, weight_decay, betas, eps, warmup_steps,
+    lr_schedule, min_lr_ratio), stepped once per optimizer step."""
+    hp = module.hparams
+    optimizer = adamw(model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps)
+    total = int(module.trainer.estimated_stepping_batches)
+    schedule = scheduler(optimizer, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio)
+    return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+def pair_slices(values: torch.Tensor, num_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P,) chosen and (P,) rejected entries of per-sequence values laid out chosen, rejected, chosen, ..."""
+    return values[0 : 2 * num_pairs : 2], values[1 : 2 * num_pairs : 2]
+
+
+def log_global_means(module: Any, sums: dict[str, torch.Tensor], count: torch.Tensor, prefix: str) -> None:
+    """Log ``prefix/<name>`` = (sum over data-parallel ranks of sums[name]) / count (count already global)."""
+    names = sorted(sums)
+    totals = data_parallel_sum(module.trainer, torch.stack([sums[n].float() for n in names]))
+    module.log_dict({f"{prefix}/{n}": totals[i] / count.clamp(min=1) for i, n in enumerate(names)})
+
+
+def log_validation_means(module: Any, records: list[dict[str, torch.Tensor]], count_key: str) -> None:
+    """Log ``val/<name>`` global means of per-micro-batch metric sums; `count_key` holds each record's count.
+    Clears `records`."""
+    if records:
+        sums = {k: sum(r[k] for r in records) for k in records[0]}
+        count = data_parallel_sum(module.trainer, sums.pop(count_key))
+        log_global_means(module, sums, count, "val")
+    records.clear()

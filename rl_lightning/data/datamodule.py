@@ -1,0 +1,96 @@
+"""The DataModule skeleton every task's data shares: load → validate → tokenise into packing units (once, at
+``setup``, so bad rows fail before training) → serve one optimizer step per batch through `StepDataset`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from rl_lightning.data.loading import Rows, load_rows
+from rl_lightning.data.steps import (
+    StepDataset,
+    check_batching_args,
+    check_enough_rows,
+    data_parallel_coords,
+    log_stats,
+    unit_length,
+)
+from rl_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer_for_data(name: str | None) -> Any:
+    if name is None:
+        raise ConfigError("data.tokenizer_name is not set (the CLI links it from model.model_name)")
+    from rl_lightning.models import load_tokenizer
+
+    return load_tokenizer(name)
+
+
+class StepDataModule(L.LightningDataModule):
+    """Base of the task DataModules. Subclasses implement `build_units(rows, name)`, returning the packing units and
+    their row locations, and document their own arguments (the common ones are described in the subclasses)."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer_name: str | None,
+        val_path: str | None,
+        split: str,
+        max_length: int,
+        batch_size: int,
+        packing: bool,
+        max_length_per_device: int,
+        micro_batch_size: int,
+        shuffle: bool,
+    ) -> None:
+        super().__init__()
+        check_batching_args(max_length, batch_size, packing, max_length_per_device, micro_batch_size)
+        self.tokenizer = load_tokenizer_for_data(tokenizer_name)
+        self.units: dict[str, list[Any]] = {}
+        self.stats: dict[str, int] = {}
+        if val_path is None:
+            # Lightning skips validation when the hook is absent (`is_overridden` is False for None).
+            self.val_dataloader = None  # type: ignore[method-assign]
+
+    def build_units(self, rows: Rows, name: str) -> tuple[list[Any], list[str]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_units(rows, name)")
+
+    def setup(self, stage: str) -> None:
+        hp = self.hparams
+        for name, path in (("train", hp.path), ("val", hp.val_path)):
+            if path and name not in self.units:
+                units, _ = self.build_units(load_rows(path, hp.split), name)
+                self.units[name] = units
+        check_enough_rows(len(self.units["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
+        log_stats(self.trainer, self.stats)
+
+    def count(self, name: str, rows: int, truncated: int, dropped: int, source: str, what: str) -> None:
+        """Record (and warn about) rows, truncations and drops; logged as ``data/<name>_*`` metrics."""
+        self.stats.update({f"data/{name}_rows": rows, f"data/{name}_truncated": truncated,
+                           f"data/{name}_dropped": dropped})
+        if truncated or dropped:
+            log.warning("%s: %d of %d %s were truncated to data.max_length=%d; %d dropped (see data/%s_dropped)",
+                        source, truncated, rows, what, self.hparams.max_length, dropped, name)
+
+    def _loader(self, units: list[Any], shuffle: bool) -> DataLoader:
+        hp = self.hparams
+        dp_rank, dp_size = data_parallel_coords(self.trainer)
+        dataset = StepDataset(
+            units, hp.batch_size, dp_rank, dp_size, hp.packing, hp.max_length_per_device, hp.micro_batch_size,
+            self.tokenizer.pad_token_id, shuffle, lambda: self.trainer.current_epoch if self.trainer else 0,
+        )
+        return DataLoader(dataset, batch_size=None)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.units["train"], self.hparams.shuffle)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.units["val"], False)
+
+    def unit_lengths(self, name: str = "train") -> list[int]:
+        return [unit_length(u) for u in self.units[name]]

@@ -1,0 +1,111 @@
+"""Preference DataModule (reward modelling and DPO): a prompt with a chosen and a rejected completion.
+
+Each pair is one packing unit: its chosen and rejected sequences always share a micro-batch (the pairwise losses need
+both), in that order, so in a micro-batch sequence ``2p`` is pair p's chosen and ``2p + 1`` its rejected completion.
+Each side is truncated to `max_length`, so a pair can take up to 2 x `max_length` tokens of the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from rl_lightning.data.datamodule import StepDataModule
+from rl_lightning.data.loading import Rows
+from rl_lightning.data.rows import check_preference_rows
+from rl_lightning.data.tokenization import TokenizedExample, tokenize_messages
+from rl_lightning.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pair:
+    """A tokenised preference pair; `fields` are per-pair scalars passed to the task (``margin``)."""
+
+    chosen: TokenizedExample
+    rejected: TokenizedExample
+    fields: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sequences(self) -> tuple[TokenizedExample, TokenizedExample]:
+        return self.chosen, self.rejected
+
+
+class PreferenceDataModule(StepDataModule):
+    """Preference pairs ``{"messages": [prompt...], "chosen": str, "rejected": str}`` for RM and DPO.
+
+    An optional numeric ``margin`` field per row is passed to the Bradley–Terry loss (Llama 2 style margins).
+
+    Args:
+        path: training data (same sources as SFT); rows as above.
+        tokenizer_name: tokenizer to use (linked from ``model.model_name`` by the CLI).
+        val_path: optional validation pairs (whole steps only; a remainder is not evaluated).
+        split: split to read from Hugging Face datasets and ``DatasetDict`` folders.
+        max_length: tokens kept per side (prompt + completion); longer sides are truncated on the right and counted;
+            a pair where a side keeps no completion token is dropped and counted.
+        apply_chat_template: render with the chat template (False: plain concatenation, EOS after the completion).
+        batch_size: pairs per optimizer step per data-parallel rank.
+        packing: pack pairs into micro-batches under `max_length_per_device` tokens (balanced); False pads
+            `micro_batch_size` pairs per micro-batch.
+        max_length_per_device: token budget of one packed micro-batch; a whole pair must fit.
+        micro_batch_size: pairs per padded micro-batch (``packing: false``); must divide `batch_size`.
+        shuffle: reshuffle the training pairs every epoch (seeded by ``seed_everything``).
+        drop_overlong: skip (count and log) pairs longer than `max_length_per_device` instead of failing at start-up.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer_name: str | None = None,
+        val_path: str | None = None,
+        split: str = "train",
+        max_length: int = 1024,
+        apply_chat_template: bool = True,
+        batch_size: int = 8,
+        packing: bool = True,
+        max_length_per_device: int = 8192,
+        micro_batch_size: int = 4,
+        shuffle: bool = True,
+        drop_overlong: bool = False,
+    ) -> None:
+        super().__init__(path, tokenizer_name, val_path, split, max_length, batch_size, packing,
+                         max_length_per_device, micro_batch_size, shuffle)
+        self.save_hyperparameters(logger=False)
+
+    def _side(self, messages: list[dict], completion: str, where: str) -> TokenizedExample:
+        hp = self.hparams
+        conversation = messages + [{"role": "assistant", "content": completion}]
+        return tokenize_messages(self.tokenizer, conversation, hp.max_length, hp.apply_chat_template, where)
+
+    def build_units(self, rows: Rows, name: str) -> tuple[list[Pair], list[str]]:
+        hp = self.hparams
+        check_preference_rows(rows)
+        pairs, locations, truncated, overlong = [], [], 0, 0
+        for i, row in enumerate(rows.rows):
+            where = rows.locate(i)
+            chosen = self._side(row["messages"], row["chosen"], where)
+            rejected = self._side(row["messages"], row["rejected"], where)
+            truncated += chosen.truncated or rejected.truncated
+            if not (sum(chosen.loss_mask) and sum(rejected.loss_mask)):
+                continue  # truncation left a side with no completion token
+            length = len(chosen.input_ids) + len(rejected.input_ids)
+            if hp.packing and length > hp.max_length_per_device:
+                if not hp.drop_overlong:
+                    raise ConfigError(
+                        f"{where}: the chosen+rejected pair has {length} tokens, more than "
+                        f"data.max_length_per_device={hp.max_length_per_device}; raise data.max_length_per_device, "
+                        "lower data.max_length, or set data.drop_overlong: true to skip such pairs"
+                    )
+                overlong += 1
+                continue
+            pairs.append(Pair(chosen, rejected, {"margin": float(row.get("margin") or 0.0)}))
+            locations.append(where)
+        if overlong:
+            log.warning("%s: skipped %d pairs longer than data.max_length_per_device=%d (data.drop_overlong)",
+                        rows.source, overlong, hp.max_length_per_device)
+        if not pairs:
+            raise DataError(f"{rows.source}: no usable pair left after truncation/skipping; raise data.max_length")
+        self.count(name, len(rows), truncated, len(rows) - len(pairs), rows.source, "pairs")
+        self.stats[f"data/{name}_overlong"] = overlong
+        return pairs, locations

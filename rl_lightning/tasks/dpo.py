@@ -1,0 +1,162 @@
+"""Direct Preference Optimisation and its variants (cDPO/robust label smoothing, IPO, hinge).
+
+The policy's summed completion log-probabilities for the chosen and rejected answers are compared with a frozen
+reference's (computed without gradients, all micro-batches of the step in one pass so an offloaded reference moves to
+the accelerator once per step). ``reference_free`` drops the reference (log pi_ref = 0). The loss is averaged over the
+global number of pairs in the step, so packing and data parallelism do not change the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
+from rl_lightning.errors import ConfigError
+from rl_lightning.models import load_causal_lm
+from rl_lightning.optim import check_optim_args
+from rl_lightning.tasks.step import (
+    configure_adamw,
+    data_parallel_sum,
+    grad_average_size,
+    log_global_means,
+    log_validation_means,
+    optimizer_step,
+    pair_slices,
+    sequence_sums,
+    target_logprobs,
+)
+
+
+def completion_logps(model: Any, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(S,) summed log-probabilities of each sequence's completion tokens."""
+    return sequence_sums(target_logprobs(model, micro_batch), micro_batch["loss_mask"][:, 1:], micro_batch)
+
+
+class DPO(L.LightningModule):
+    """DPO-family preference optimisation of a causal LM against a frozen reference.
+
+    Args:
+        model_name: policy to train (HF folder or hub name); also the tokenizer (linked to ``data.tokenizer_name``).
+        ref_model_name: frozen reference; defaults to `model_name` (the usual SFT starting point).
+        beta: implicit-reward inverse temperature (IPO's tau).
+        loss_type: ``sigmoid`` (DPO), ``robust`` (rDPO), ``ipo`` or ``hinge``.
+        label_smoothing: probability that a preference label is flipped, for ``sigmoid`` (cDPO) and ``robust``;
+            in [0, 0.5).
+        reference_free: compare against a uniform reference (log pi_ref = 0) and load no reference model.
+        reference_offload: keep the reference on the CPU between steps (saves accelerator memory).
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup length in optimizer steps.
+        lr_schedule: decay after warmup: ``cosine``, ``linear`` or ``constant``.
+        min_lr_ratio: final learning rate as a fraction of `lr`.
+        max_grad_norm: clip the global gradient L2 norm; <= 0 disables clipping.
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        attn_implementation: transformers attention implementation.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        ref_model_name: str | None = None,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        reference_free: bool = False,
+        reference_offload: bool = False,
+        lr: float = 5e-7,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        lr_schedule: str = "cosine",
+        min_lr_ratio: float = 0.1,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        errors = []
+        if loss_type not in DPO_LOSSES:
+            errors.append(f"model.loss_type must be one of {', '.join(DPO_LOSSES)}, got '{loss_type}'")
+        if beta <= 0:
+            errors.append(f"model.beta must be > 0, got {beta}")
+        if not 0.0 <= label_smoothing < 0.5:
+            errors.append(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)
+        self.save_hyperparameters(logger=False)
+        self.automatic_optimization = False
+        self.model: Any = None
+        # Not a registered submodule: frozen weights stay out of the optimizer and checkpoints, and their device is
+        # managed here (offloading) rather than by Lightning.
+        self._reference: Any = None
+        self._val: list[dict[str, torch.Tensor]] = []
+
+    def configure_model(self) -> None:
+        hp = self.hparams
+        if self.model is None:
+            self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
+                                        gradient_checkpointing=hp.gradient_checkpointing)
+        if self._reference is None and not hp.reference_free:
+            reference = load_causal_lm(hp.ref_model_name or hp.model_name, attn_implementation=hp.attn_implementation)
+            self._reference = reference.eval().requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return configure_adamw(self, self.model)
+
+    def on_fit_start(self) -> None:
+        if self._reference is not None and not self.hparams.reference_offload:
+            self._reference.to(self.device)
+
+    @torch.no_grad()
+    def reference_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """(S,) reference completion log-probabilities for each micro-batch (zeros when reference-free)."""
+        if self._reference is None:
+            return [torch.zeros(len(mb["last_index"]), device=self.device) for mb in micro_batches]
+        self._reference.to(self.device)
+        logps = [completion_logps(self._reference, mb) for mb in micro_batches]
+        if self.hparams.reference_offload:
+            self._reference.to("cpu")
+        return logps
+
+    def _pair_loss(self, micro_batch: dict, ref_logps: torch.Tensor, normaliser: Any) -> tuple[torch.Tensor, dict]:
+        hp = self.hparams
+        logps = completion_logps(self.model, micro_batch)  # (S,)
+        num_pairs = int(micro_batch["num_units"])
+        chosen, rejected = pair_slices(logps, num_pairs)
+        ref_chosen, ref_rejected = pair_slices(ref_logps, num_pairs)
+        loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, normaliser, hp.beta,
+                                 DPO_LOSSES[hp.loss_type], hp.label_smoothing)
+        if num_pairs == 0:  # a filler micro-batch: keep the graph so every rank runs the same backward
+            loss = loss + 0.0 * logps.sum()
+        return loss, metrics
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        micro_batches = batch["micro_batches"]
+        num_pairs = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
+        normaliser = num_pairs / grad_average_size(self.trainer)
+        sums: dict[str, torch.Tensor] = {}
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_batch, ref_logps in zip(micro_batches, self.reference_logps(micro_batches), strict=True):
+            loss, metrics = self._pair_loss(micro_batch, ref_logps, normaliser)
+            self.manual_backward(loss)
+            loss_sum += loss.detach() * normaliser
+            sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
+        grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
+        log_global_means(self, {**sums, "loss": loss_sum}, num_pairs, "train")
+        self.log_dict({"train/grad_norm": grad_norm, "train/pairs": num_pairs})
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        micro_batches = batch["micro_batches"]
+        for micro_batch, ref_logps in zip(micro_batches, self.reference_logps(micro_batches), strict=True):
+            loss, metrics = self._pair_loss(micro_batch, ref_logps, 1.0)
+            self._val.append({**metrics, "loss": loss.detach(), "pairs": micro_batch["num_units"].float()})
+
+    def on_validation_epoch_end(self) -> None:
+        log_validation_means(self, self._val, "pairs")

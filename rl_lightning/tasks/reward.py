@@ -1,0 +1,116 @@
+"""Reward modelling: a causal-LM backbone with a scalar head trained with the Bradley–Terry loss on preference pairs.
+
+The reward of a sequence is the head's output at its last token (for chat templates, the token after the end-of-turn
+marker), which is where transformers' ``*ForSequenceClassification`` pools at inference, so the Hugging Face export
+(``AutoModelForSequenceClassification``) scores sequences exactly as training did. Chosen and rejected sequences are
+packed together; the loss is averaged over the global number of pairs in the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from rl_lightning.algorithms import bradley_terry_loss
+from rl_lightning.models import load_reward_model
+from rl_lightning.optim import check_optim_args
+from rl_lightning.tasks.step import (
+    configure_adamw,
+    data_parallel_sum,
+    grad_average_size,
+    log_global_means,
+    log_validation_means,
+    model_inputs,
+    optimizer_step,
+    pair_slices,
+)
+
+
+def sequence_rewards(model: Any, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(S,) scalar reward of each sequence of the micro-batch, read at its last token."""
+    hidden = model.base_model(**model_inputs(micro_batch)).last_hidden_state  # (B, T, H)
+    scores = model.score(hidden).squeeze(-1).float()  # (B, T)
+    return scores.flatten()[micro_batch["last_index"]]
+
+
+class RewardModel(L.LightningModule):
+    """Bradley–Terry reward model.
+
+    Args:
+        model_name: Hugging Face causal-LM folder or hub name for the backbone (a fresh scalar head is added) or an
+            existing sequence-classification reward model; also the tokenizer (linked to ``data.tokenizer_name``).
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup length in optimizer steps.
+        lr_schedule: decay after warmup: ``cosine``, ``linear`` or ``constant``.
+        min_lr_ratio: final learning rate as a fraction of `lr`.
+        max_grad_norm: clip the global gradient L2 norm; <= 0 disables clipping.
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        attn_implementation: transformers attention implementation.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        lr: float = 5e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        lr_schedule: str = "cosine",
+        min_lr_ratio: float = 0.1,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)
+        self.save_hyperparameters(logger=False)
+        self.automatic_optimization = False
+        self.model: Any = None
+        self._val: list[dict[str, torch.Tensor]] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            hp = self.hparams
+            self.model = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
+                                           gradient_checkpointing=hp.gradient_checkpointing)
+
+    def configure_optimizers(self) -> Any:
+        return configure_adamw(self, self.model)
+
+    def _pair_loss(self, micro_batch: dict[str, torch.Tensor], normaliser: Any) -> tuple[torch.Tensor, dict]:
+        rewards = sequence_rewards(self.model, micro_batch)  # (S,)
+        num_pairs = int(micro_batch["num_units"])
+        chosen, rejected = pair_slices(rewards, num_pairs)
+        loss, metrics = bradley_terry_loss(chosen, rejected, normaliser, micro_batch["margin"])
+        if num_pairs == 0:  # a filler micro-batch: keep the graph so every rank runs the same backward
+            loss = loss + 0.0 * rewards.sum()
+        return loss, metrics
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        micro_batches = batch["micro_batches"]
+        num_pairs = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
+        normaliser = num_pairs / grad_average_size(self.trainer)
+        sums: dict[str, torch.Tensor] = {}
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_batch in micro_batches:
+            loss, metrics = self._pair_loss(micro_batch, normaliser)
+            self.manual_backward(loss)
+            loss_sum += loss.detach() * normaliser
+            sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
+        grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
+        log_global_means(self, {**sums, "loss": loss_sum}, num_pairs, "train")
+        self.log_dict({"train/grad_norm": grad_norm, "train/pairs": num_pairs})
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        for micro_batch in batch["micro_batches"]:
+            loss, metrics = self._pair_loss(micro_batch, 1.0)
+            self._val.append({**metrics, "loss": loss.detach(), "pairs": micro_batch["num_units"].float()})
+
+    def on_validation_epoch_end(self) -> None:
+        log_validation_means(self, self._val, "pairs")
