@@ -28,3 +28,39 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple) ->
 def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Call ``fn(rank, *args)`` in `world_size` spawned processes; raises if any of them fails."""
     mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn")
+
+
+import lightning as L  # noqa: E402
+
+
+class GradientRecorder(L.Callback):
+    """Keeps every step's (already data-parallel-averaged) gradients and micro-batch counts."""
+
+    def __init__(self):
+        self.grads, self.micro_batches = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.micro_batches.append(len(batch["micro_batches"]))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()})
+
+
+def fit(model, data, max_steps=1, callbacks=(), precision="32-true", **trainer_kwargs):
+    """`Trainer.fit` on CPU with no logger, checkpointing or progress bar."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=trainer_kwargs.pop("devices", 1), max_steps=max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        precision=precision, **trainer_kwargs,
+    )
+    trainer.fit(model, datamodule=data)
+    return trainer
+
+
+def assert_same_grads(a: GradientRecorder, b: GradientRecorder, atol: float = 1e-5) -> None:
+    from conftest import assert_close
+
+    assert len(a.grads) == len(b.grads) >= 1
+    for step_a, step_b in zip(a.grads, b.grads, strict=True):
+        for name, grad in step_a.items():
+            assert_close(step_b[name], grad, atol=atol)

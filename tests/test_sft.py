@@ -7,24 +7,11 @@ import lightning as L
 import pytest
 import torch
 from conftest import DEMO_DATA, TINY_MODEL, assert_close
-from helpers import run_on_cpu_ranks
+from helpers import GradientRecorder, assert_same_grads, fit, run_on_cpu_ranks
 
 from rl_lightning.data import SFTDataModule
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.tasks import SFT
-
-
-class GradientRecorder(L.Callback):
-    """Keeps every step's (already data-parallel-averaged) gradients and micro-batch counts."""
-
-    def __init__(self):
-        self.grads, self.micro_batches = [], []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.micro_batches.append(len(batch["micro_batches"]))
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()})
 
 
 def fit_sft(max_steps=1, data_kwargs=None, model_kwargs=None, precision="32-true", callbacks=(), **trainer_kwargs):
@@ -33,13 +20,7 @@ def fit_sft(max_steps=1, data_kwargs=None, model_kwargs=None, precision="32-true
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), **data_kwargs)
     model = SFT(str(TINY_MODEL), lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=0.0,
                 **(model_kwargs or {}))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=trainer_kwargs.pop("devices", 1), max_steps=max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
-        precision=precision, **trainer_kwargs,
-    )
-    trainer.fit(model, datamodule=data)
-    return model, data, trainer
+    return model, data, fit(model, data, max_steps, callbacks, precision, **trainer_kwargs)
 
 
 def test_logged_loss_is_cross_entropy_over_assistant_tokens():
@@ -56,13 +37,6 @@ def test_logged_loss_is_cross_entropy_over_assistant_tokens():
         nll += torch.nn.functional.cross_entropy(logits[0, :-1], labels[0], reduction="sum")
         tokens += int((labels != -100).sum())
     assert_close(trainer.callback_metrics["train/loss"], nll / tokens, atol=1e-5)
-
-
-def _assert_same_grads(a, b, atol=1e-5):
-    assert len(a.grads) == len(b.grads) >= 1
-    for step_a, step_b in zip(a.grads, b.grads, strict=True):
-        for name, grad in step_a.items():
-            assert_close(step_b[name], grad, atol=atol)
 
 
 # Gradients are compared, not parameters: Adam divides by sqrt(v), turning 1e-9 gradient noise on near-zero
@@ -83,7 +57,7 @@ def test_packing_and_micro_batch_split_give_the_one_by_one_gradient(data_kwargs,
     fit_sft(data_kwargs=data_kwargs, callbacks=[other])
     assert one_by_one.micro_batches == [8]
     assert other.micro_batches == [expected_micro_batches]
-    _assert_same_grads(one_by_one, other)
+    assert_same_grads(one_by_one, other)
 
 
 def _dp_worker(rank, out_path):
@@ -103,7 +77,7 @@ def test_two_data_parallel_ranks_give_the_single_rank_gradient(tmp_path):
                             callbacks=[single])
     distributed = GradientRecorder()
     distributed.grads = dp2["grads"]
-    _assert_same_grads(single, distributed)
+    assert_same_grads(single, distributed)
     assert_close(dp2["loss"], trainer.callback_metrics["train/loss"], atol=1e-5)
 
 
@@ -112,7 +86,7 @@ def test_gradient_checkpointing_gives_the_same_gradient():
     fit_sft(callbacks=[plain])
     model, _, _ = fit_sft(callbacks=[checkpointed], model_kwargs={"gradient_checkpointing": True})
     assert model.model.is_gradient_checkpointing
-    _assert_same_grads(plain, checkpointed, atol=1e-6)
+    assert_same_grads(plain, checkpointed, atol=1e-6)
 
 
 def test_bf16_true_precision_trains_bf16_weights():
