@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from rl_lightning.attention import NAME as VARLEN_ATTENTION
+from rl_lightning.attention import register_varlen_attention
 from rl_lightning.errors import ConfigError
 
 
@@ -25,7 +27,7 @@ def load_tokenizer(name: str) -> Any:
 def load_causal_lm(
     name: str,
     dtype: torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "rl_varlen",
     gradient_checkpointing: bool = False,
 ) -> Any:
     """Load a causal LM for training.
@@ -34,11 +36,14 @@ def load_causal_lm(
         name: local folder or hub name.
         dtype: parameter dtype; defaults to ``torch.get_default_dtype()``, which Lightning sets from the trainer's
             precision inside ``configure_model`` (``bf16-true`` gives bf16 weights, ``bf16-mixed`` fp32 masters).
-        attn_implementation: a transformers attention implementation name (``sdpa``, ``eager``, ``flash_attention_2``).
+        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed rows, any device; see
+            `rl_lightning.attention`) or a transformers name (``sdpa``, ``eager``, ``flash_attention_2``).
         gradient_checkpointing: recompute block activations in the backward pass.
     """
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == VARLEN_ATTENTION:
+        register_varlen_attention()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation
@@ -56,7 +61,7 @@ def load_causal_lm(
 def load_reward_model(
     name: str,
     dtype: torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "rl_varlen",
     gradient_checkpointing: bool = False,
 ) -> Any:
     """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone).
@@ -66,6 +71,8 @@ def load_reward_model(
     """
     from transformers import AutoModelForSequenceClassification
 
+    if attn_implementation == VARLEN_ATTENTION:
+        register_varlen_attention()
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
             name, num_labels=1, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation

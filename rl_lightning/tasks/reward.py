@@ -50,7 +50,8 @@ class RewardModel(L.LightningModule):
         min_lr_ratio: final learning rate as a fraction of `lr`.
         max_grad_norm: clip the global gradient L2 norm; <= 0 disables clipping.
         gradient_checkpointing: recompute activations in the backward pass to save memory.
-        attn_implementation: transformers attention implementation.
+        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
+            transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class RewardModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
         max_grad_norm: float = 1.0,
         gradient_checkpointing: bool = False,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
         check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)

@@ -42,7 +42,8 @@ class SFT(L.LightningModule):
         max_grad_norm: clip the global gradient L2 norm to this value; <= 0 disables clipping (the norm is still
             logged).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
-        attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``).
+        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
+            transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
     """
 
     def __init__(
@@ -57,7 +58,7 @@ class SFT(L.LightningModule):
         min_lr_ratio: float = 0.1,
         max_grad_norm: float = 1.0,
         gradient_checkpointing: bool = False,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
         check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)
