@@ -26,7 +26,7 @@ def test_packed_varlen_equals_each_sequence_alone_with_gradients():
     assert_close(packed, alone, atol=1e-5)
     # Same objective, one sequence at a time: sum of per-sequence squared logits over the same N * V normaliser.
     alone.pow(2).mean().backward()
-    for (name, a), (_, b) in zip(varlen.named_parameters(), reference.named_parameters(), strict=True):
+    for (_, a), (_, b) in zip(varlen.named_parameters(), reference.named_parameters(), strict=True):
         assert_close(a.grad, b.grad, atol=1e-6)
 
 
