@@ -19,38 +19,18 @@ from pathlib import Path
 import lightning as L
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
-from rl_lightning.data.steps import StepDataset, unit_length
+from rl_lightning.data.steps import layout_stats
 from rl_lightning.tasks import DPO, SFT
 
 ASSETS = Path(__file__).resolve().parents[1] / "rl_lightning" / "assets"
 MODEL = str(ASSETS / "tiny-qwen2")
 
 
-def layout_stats(units, dp: int, rows: int, packing: bool, budget: int, micro_batch_size: int) -> tuple[float, float]:
-    """(non-pad fraction over all micro-batches, worst max/min rank load) over every full step of the data."""
-    real_total = carried_total = 0
-    worst = 1.0
-    for step in range(len(units) // (rows * dp)):
-        indices = list(range(step * rows * dp, (step + 1) * rows * dp))
-        loads = []
-        for rank in range(dp):
-            dataset = StepDataset(units, rows, rank, dp, packing, budget, micro_batch_size, 0, False)
-            load = 0
-            for micro_batch in dataset.step_units(indices):
-                real = sum(unit_length(u) for u in micro_batch)
-                load += real
-                carried_total += dataset.collate(micro_batch)["input_ids"].numel()
-            loads.append(load)
-            real_total += load
-        worst = max(worst, max(loads) / max(1, min(loads)))
-    return real_total / carried_total, worst
-
-
 class Throughput(L.Callback):
     """Real (loss-relevant, non-pad) tokens per second over the steps after the first (warm-up)."""
 
-    def __init__(self, units_per_step: int, lengths: list[int]):
-        self.tokens, self.start = 0, None
+    def __init__(self):
+        self.tokens, self.start, self.seconds = 0, None, 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 1:
@@ -72,7 +52,7 @@ def train_throughput(task: str, packing: bool, steps: int, rows: int, budget: in
         data = PreferenceDataModule(str(ASSETS / "data" / "preference.jsonl"), tokenizer_name=MODEL, batch_size=rows,
                                     packing=packing, max_length_per_device=budget, micro_batch_size=micro_batch_size)
         model = DPO(MODEL, lr=1e-4)
-    meter = Throughput(rows, [])
+    meter = Throughput()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps + 1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[meter])
     trainer.fit(model, datamodule=data)

@@ -24,6 +24,24 @@ def load_tokenizer(name: str) -> Any:
     return tokenizer
 
 
+def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, attn_implementation: str,
+                       gradient_checkpointing: bool, **kwargs: Any) -> Any:
+    if attn_implementation == VARLEN_ATTENTION:
+        register_varlen_attention()
+    try:
+        model = auto_class.from_pretrained(
+            name, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation, **kwargs
+        )
+    except OSError as e:
+        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    # Training never reads a KV cache; with one, packed sequences would also attend to each other (reference §4.2).
+    model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def load_causal_lm(
     name: str,
     dtype: torch.dtype | None = None,
@@ -42,20 +60,7 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    if attn_implementation == VARLEN_ATTENTION:
-        register_varlen_attention()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation
-        )
-    except OSError as e:
-        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
-    # Training never reads a KV cache; with one, packed sequences would also attend to each other (reference §4.2).
-    model.config.use_cache = False
-    model.train()  # from_pretrained returns eval mode
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return _load_for_training(AutoModelForCausalLM, name, dtype, attn_implementation, gradient_checkpointing)
 
 
 def load_reward_model(
@@ -64,25 +69,16 @@ def load_reward_model(
     attn_implementation: str = "rl_varlen",
     gradient_checkpointing: bool = False,
 ) -> Any:
-    """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone).
+    """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone); the
+    arguments are `load_causal_lm`'s.
 
     Loading a plain causal LM adds a freshly initialised head (transformers logs which weights are new). The pad
     token id is set in the config because transformers pools at the last non-pad token at inference.
     """
     from transformers import AutoModelForSequenceClassification
 
-    if attn_implementation == VARLEN_ATTENTION:
-        register_varlen_attention()
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=1, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation
-        )
-    except OSError as e:
-        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    model = _load_for_training(AutoModelForSequenceClassification, name, dtype, attn_implementation,
+                               gradient_checkpointing, num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(name).pad_token_id
-    model.config.use_cache = False
-    model.train()
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

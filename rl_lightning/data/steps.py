@@ -209,3 +209,22 @@ def check_batching_args(
         )
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def layout_stats(units: Sequence[Unit], dp_size: int, rows_per_rank: int, packing: bool, max_tokens: int,
+                 micro_batch_size: int) -> tuple[float, float]:
+    """How well a layout uses compute, over every full step of `units` (read in order):
+    (fraction of carried tokens that are real, worst max/min real-token load across data-parallel ranks)."""
+    real_total = carried_total = 0
+    worst = 1.0
+    for step in range(len(units) // (rows_per_rank * dp_size)):
+        indices = list(range(step * rows_per_rank * dp_size, (step + 1) * rows_per_rank * dp_size))
+        loads = []
+        for rank in range(dp_size):
+            dataset = StepDataset(units, rows_per_rank, rank, dp_size, packing, max_tokens, micro_batch_size, 0, False)
+            micro_batches = dataset.step_units(indices)
+            loads.append(sum(unit_length(u) for mb in micro_batches for u in mb))
+            carried_total += sum(dataset.collate(mb)["input_ids"].numel() for mb in micro_batches)
+        real_total += sum(loads)
+        worst = max(worst, max(loads) / max(1, min(loads)))
+    return real_total / carried_total, worst

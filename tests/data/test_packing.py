@@ -9,7 +9,7 @@ from conftest import DEMO_DATA, TINY_MODEL, assert_close
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.data.packing import karmarkar_karp, plan_micro_batches
-from rl_lightning.data.steps import StepDataset, pack, pad, unit_length
+from rl_lightning.data.steps import layout_stats, pack, pad
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
 
@@ -42,35 +42,16 @@ def test_plan_respects_budget_and_gives_every_rank_the_same_count():
         plan_micro_batches([300, 3], 1, 299)
 
 
-def _demo_stats(units, dp_size, rows_per_rank, budget, packing, micro_batch_size=8):
-    """Non-pad fraction of every micro-batch and max/min token load across ranks, over every full step."""
-    fractions, balances = [], []
-    for step in range(len(units) // (rows_per_rank * dp_size)):
-        idx = list(range(step * rows_per_rank * dp_size, (step + 1) * rows_per_rank * dp_size))
-        loads = []
-        for rank in range(dp_size):
-            ds = StepDataset(units, rows_per_rank, rank, dp_size, packing, budget, micro_batch_size, 0, False)
-            load = 0
-            for mb in ds.step_units(idx):
-                real = sum(unit_length(u) for u in mb)
-                batch = ds.collate(mb)
-                fractions.append(real / batch["input_ids"].numel())
-                load += real
-            loads.append(load)
-        balances.append(max(loads) / min(loads))
-    return min(fractions), max(balances)
-
-
 def test_demo_packing_is_dense_and_balanced():
     sft = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL))
     sft.setup("fit")
-    fraction, balance = _demo_stats(sft.units["train"], dp_size=4, rows_per_rank=64, budget=1024, packing=True)
+    fraction, balance = layout_stats(sft.units["train"], 4, 64, True, 1024, 8)
     assert fraction == 1.0 and balance <= 1.05, (fraction, balance)
-    padded_fraction, _ = _demo_stats(sft.units["train"], 4, 64, 1024, packing=False)
+    padded_fraction, _ = layout_stats(sft.units["train"], 4, 64, False, 1024, 8)
     assert padded_fraction < 0.98  # padding wastes tokens on the same data
     pairs = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL))
     pairs.setup("fit")
-    fraction, balance = _demo_stats(pairs.units["train"], dp_size=2, rows_per_rank=32, budget=1024, packing=True)
+    fraction, balance = layout_stats(pairs.units["train"], 2, 32, True, 1024, 4)
     assert fraction == 1.0 and balance <= 1.05, (fraction, balance)
 
 
