@@ -3,8 +3,10 @@
 With a packed micro-batch (one row, position ids restarting per sequence, no attention mask) transformers' stock SDPA
 path builds an N x N block-diagonal mask and attends over the whole row: O(N^2) work for O(sum l_i^2) useful work.
 ``rl_varlen`` instead runs causal SDPA on each sequence separately (the CPU/any-device counterpart of flash-attn's
-varlen kernel), and defers to stock SDPA with its mask for padded batches and cached generation. Installed by an
-explicit `register_varlen_attention()` call (in `rl_lightning.models`), never at import.
+varlen kernel), and defers to stock SDPA with its mask for padded batches and cached generation. When the forward
+carries a ``cp_layout`` (a context-parallel shard), it runs zigzag ring attention over the context-parallel group
+(`rl_lightning.parallel.ring_attention`). Installed by an explicit `register_varlen_attention()` call (in
+`rl_lightning.models`), never at import.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def varlen_attention(
     """transformers attention function: query (B, H, N, D), key/value (B, H_kv, N, D) -> output (B, N, H, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    layout = kwargs.get("cp_layout")
+    if layout is not None:  # a context-parallel shard of a packed row (rl_lightning.parallel.ring_attention)
+        from rl_lightning.parallel.ring_attention import ring_attention
+
+        return ring_attention(query, key, value, layout, scaling), None
     position_ids = kwargs.get("position_ids")
     packed = (
         attention_mask is None and position_ids is not None and query.shape[0] == 1

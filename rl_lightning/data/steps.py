@@ -4,13 +4,17 @@ All ranks walk the same seeded permutation of the dataset, take the same global 
 plan it with `plan_micro_batches` and keep their own share, so balancing sees the whole global batch and needs no
 communication. The dataset is an ``IterableDataset`` so Lightning does not wrap it in a ``DistributedSampler``.
 
-A micro-batch is a dict of tensors:
+A micro-batch is a dict of tensors, all (B, T) unless noted; packed micro-batches have B = 1 and position ids that
+restart at each sequence, padded ones add ``attention_mask``. Targets are stored at the position that predicts them, so
+every per-token tensor can be sliced along T (context parallelism) without looking at neighbours:
 
-- ``input_ids``, ``position_ids``, ``loss_mask``: (B, T); ``loss_mask[b, t] = 1`` when token t is a target. Packed
-  micro-batches have B = 1 and position ids that restart at each sequence; padded ones add ``attention_mask``.
-- ``seq_index``: (B, T) which sequence of the micro-batch each token belongs to (-1 for padding).
-- ``last_index``: (S,) flat index (into the B*T grid) of each sequence's last token.
-- ``cu_seqlens``: (S + 1,) int32 cumulative lengths of the packed row (packed only; for varlen attention kernels).
+- ``input_ids``, ``position_ids``;
+- ``target_ids``: the next token of the same sequence (0 at a sequence's last token);
+- ``target_mask``: 1 where ``target_ids`` is a training target (an assistant/completion token);
+- ``last_mask``: 1 at each sequence's last token (where a reward model reads its score);
+- ``seq_index``: which sequence of the micro-batch each token belongs to (-1 for padding);
+- ``cu_seqlens``: (S + 1,) int32 cumulative sequence lengths (packed only);
+- ``num_sequences``, ``num_units`` (scalars) and per-unit scalars such as ``margin`` (U,).
 """
 
 from __future__ import annotations
@@ -52,12 +56,21 @@ def data_parallel_coords(trainer: Any) -> tuple[int, int]:
 
 
 def _sequence_tensors(sequences: Sequence[TokenizedExample]) -> list[dict[str, torch.Tensor]]:
+    """Per sequence: ids, next-token targets (the last token has none) and which tokens are targets/last."""
     out = []
     for s in sequences:
-        mask = torch.tensor(s.loss_mask, dtype=torch.long)
-        mask[0] = 0  # a sequence's first token has no prefix in this sequence: never a target
-        out.append({"input_ids": torch.tensor(s.input_ids, dtype=torch.long), "loss_mask": mask})
+        ids = torch.tensor(s.input_ids, dtype=torch.long)
+        target_mask = torch.zeros_like(ids)
+        target_mask[:-1] = torch.tensor(s.loss_mask[1:], dtype=torch.long)  # token t predicts token t+1
+        target_ids = torch.zeros_like(ids)
+        target_ids[:-1] = ids[1:]
+        last_mask = torch.zeros_like(ids)
+        last_mask[-1] = 1
+        out.append({"input_ids": ids, "target_ids": target_ids, "target_mask": target_mask, "last_mask": last_mask})
     return out
+
+
+TOKEN_FIELDS = ("input_ids", "target_ids", "target_mask", "last_mask")
 
 
 def pack(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -68,14 +81,12 @@ def pack(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, 
     lengths = torch.tensor([len(t["input_ids"]) for t in tensors])
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = lengths.cumsum(0)
-    return {
-        "input_ids": torch.cat([t["input_ids"] for t in tensors]).unsqueeze(0),  # (1, N)
-        "loss_mask": torch.cat([t["loss_mask"] for t in tensors]).unsqueeze(0),  # (1, N)
-        "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0),  # (1, N)
-        "seq_index": torch.repeat_interleave(torch.arange(len(lengths)), lengths).unsqueeze(0),  # (1, N)
-        "last_index": cu_seqlens[1:].long() - 1,  # (S,)
-        "cu_seqlens": cu_seqlens,
-    }
+    batch = {key: torch.cat([t[key] for t in tensors]).unsqueeze(0) for key in TOKEN_FIELDS}  # (1, N) each
+    batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0)  # (1, N)
+    batch["seq_index"] = torch.repeat_interleave(torch.arange(len(lengths)), lengths).unsqueeze(0)  # (1, N)
+    batch["cu_seqlens"] = cu_seqlens  # (S + 1,)
+    batch["num_sequences"] = torch.tensor(len(lengths))
+    return batch
 
 
 def pad(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -83,23 +94,18 @@ def pad(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, t
     if not sequences:
         sequences = [TokenizedExample([pad_token_id], [0])]
     tensors = _sequence_tensors(sequences)
-    length = max(len(t["input_ids"]) for t in tensors)
-    batch = {
-        "input_ids": torch.full((len(tensors), length), pad_token_id, dtype=torch.long),
-        "loss_mask": torch.zeros(len(tensors), length, dtype=torch.long),
-        "attention_mask": torch.zeros(len(tensors), length, dtype=torch.long),
-        "seq_index": torch.full((len(tensors), length), -1, dtype=torch.long),
-    }
-    last = []
+    size = (len(tensors), max(len(t["input_ids"]) for t in tensors))
+    batch = {key: torch.zeros(size, dtype=torch.long) for key in (*TOKEN_FIELDS, "attention_mask")}
+    batch["input_ids"].fill_(pad_token_id)
+    batch["seq_index"] = torch.full(size, -1, dtype=torch.long)
     for i, t in enumerate(tensors):
         n = len(t["input_ids"])
-        batch["input_ids"][i, :n] = t["input_ids"]
-        batch["loss_mask"][i, :n] = t["loss_mask"]
+        for key in TOKEN_FIELDS:
+            batch[key][i, :n] = t[key]
         batch["attention_mask"][i, :n] = 1
         batch["seq_index"][i, :n] = i
-        last.append(i * length + n - 1)
     batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    batch["last_index"] = torch.tensor(last)
+    batch["num_sequences"] = torch.tensor(len(tensors))
     return batch
 
 
