@@ -63,9 +63,27 @@ def scheduler(
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip gradients to a total L2 norm of `max_norm` (no clipping when <= 0) and return the norm before clipping."""
-    grads = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else math.inf)
-    if hasattr(norm, "full_tensor"):  # DTensor norm under FSDP2
-        norm = norm.full_tensor()
-    return norm
+    """Clip gradients to a global L2 norm of `max_norm` (no clipping when <= 0); returns the norm before clipping.
+
+    Works when gradients live on different device meshes or placements (TP-sharded linears next to FSDP-only norms),
+    which ``torch.nn.utils.clip_grad_norm_`` rejects (pytorch#180346): one norm per (mesh, placements) group, made
+    full and combined, then one Python-float coefficient for every group — the same arithmetic as torch's
+    ``max_norm / (norm + 1e-6)`` clamped to 1, so sharded and single-process runs clip identically.
+    """
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (id(p.grad.device_mesh), tuple(p.grad.placements)) if hasattr(p.grad, "device_mesh") else None
+            groups.setdefault(key, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.stack([n.float() for n in norms]).norm()
+    coef = max_norm / (float(total) + 1e-6) if max_norm > 0 else 1.0
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total

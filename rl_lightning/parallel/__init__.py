@@ -1,1 +1,5 @@
 """Parallelism: the 3-D (data x context x tensor) strategy, model sharding and zigzag ring attention."""
+
+from rl_lightning.parallel.strategy import ParallelStrategy
+
+__all__ = ["ParallelStrategy"]

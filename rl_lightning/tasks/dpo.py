@@ -17,22 +17,26 @@ from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
 from rl_lightning.models import load_causal_lm
 from rl_lightning.optim import check_optim_args
+from rl_lightning.parallel.parallelize import parallelize_for
+from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.tasks.step import (
     configure_adamw,
     data_parallel_sum,
     grad_average_size,
+    local_micro_batch,
     log_global_means,
     log_validation_means,
     optimizer_step,
     pair_slices,
+    parallel_layout,
     sequence_sums,
     target_logprobs,
 )
 
 
-def completion_logps(model: Any, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def completion_logps(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
     """(S,) summed log-probabilities of each sequence's completion tokens."""
-    return sequence_sums(target_logprobs(model, micro_batch), micro_batch["loss_mask"][:, 1:], micro_batch)
+    return sequence_sums(target_logprobs(model, micro_batch), micro_batch["target_mask"], micro_batch)
 
 
 class DPO(L.LightningModule):
@@ -104,9 +108,15 @@ class DPO(L.LightningModule):
         if self.model is None:
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
+        self.model = parallelize_for(self, self.model)
         if self._reference is None and not hp.reference_free:
+            if hp.reference_offload and isinstance(self.trainer.strategy, ParallelStrategy):
+                raise ConfigError("model.reference_offload moves a whole model between devices; under ParallelStrategy "
+                                  "use strategy.cpu_offload instead")
             reference = load_causal_lm(hp.ref_model_name or hp.model_name, attn_implementation=hp.attn_implementation)
-            self._reference = reference.eval().requires_grad_(False)
+            # object.__setattr__: nn.Module would register it as a submodule (checkpointed, moved, mode-switched).
+            object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
+                                                                   trainable=False))
 
     def configure_optimizers(self) -> Any:
         return configure_adamw(self, self.model)
@@ -119,16 +129,17 @@ class DPO(L.LightningModule):
     def reference_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """(S,) reference completion log-probabilities for each micro-batch (zeros when reference-free)."""
         if self._reference is None:
-            return [torch.zeros(len(mb["last_index"]), device=self.device) for mb in micro_batches]
+            return [torch.zeros(int(mb["num_sequences"]), device=self.device) for mb in micro_batches]
         self._reference.to(self.device)
-        logps = [completion_logps(self._reference, mb) for mb in micro_batches]
+        layout = parallel_layout(self.trainer)
+        logps = [completion_logps(self._reference, local_micro_batch(layout, mb)) for mb in micro_batches]
         if self.hparams.reference_offload:
             self._reference.to("cpu")
         return logps
 
     def _pair_loss(self, micro_batch: dict, ref_logps: torch.Tensor, normaliser: Any) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
-        logps = completion_logps(self.model, micro_batch)  # (S,)
+        logps = completion_logps(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
         num_pairs = int(micro_batch["num_units"])
         chosen, rejected = pair_slices(logps, num_pairs)
         ref_chosen, ref_rejected = pair_slices(ref_logps, num_pairs)

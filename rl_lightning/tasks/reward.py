@@ -16,23 +16,27 @@ import torch
 from rl_lightning.algorithms import bradley_terry_loss
 from rl_lightning.models import load_reward_model
 from rl_lightning.optim import check_optim_args
+from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.tasks.step import (
     configure_adamw,
     data_parallel_sum,
     grad_average_size,
+    local_micro_batch,
     log_global_means,
     log_validation_means,
     model_inputs,
     optimizer_step,
     pair_slices,
+    parallel_layout,
+    sequence_sums,
 )
 
 
-def sequence_rewards(model: Any, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def sequence_rewards(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
     """(S,) scalar reward of each sequence of the micro-batch, read at its last token."""
     hidden = model.base_model(**model_inputs(micro_batch)).last_hidden_state  # (B, T, H)
     scores = model.score(hidden).squeeze(-1).float()  # (B, T)
-    return scores.flatten()[micro_batch["last_index"]]
+    return sequence_sums(scores, micro_batch["last_mask"], micro_batch)
 
 
 class RewardModel(L.LightningModule):
@@ -80,12 +84,13 @@ class RewardModel(L.LightningModule):
             hp = self.hparams
             self.model = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
                                            gradient_checkpointing=hp.gradient_checkpointing)
+        self.model = parallelize_for(self, self.model)
 
     def configure_optimizers(self) -> Any:
         return configure_adamw(self, self.model)
 
-    def _pair_loss(self, micro_batch: dict[str, torch.Tensor], normaliser: Any) -> tuple[torch.Tensor, dict]:
-        rewards = sequence_rewards(self.model, micro_batch)  # (S,)
+    def _pair_loss(self, micro_batch: dict[str, Any], normaliser: Any) -> tuple[torch.Tensor, dict]:
+        rewards = sequence_rewards(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
         num_pairs = int(micro_batch["num_units"])
         chosen, rejected = pair_slices(rewards, num_pairs)
         loss, metrics = bradley_terry_loss(chosen, rejected, normaliser, micro_batch["margin"])

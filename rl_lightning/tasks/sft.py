@@ -18,11 +18,15 @@ import torch
 from rl_lightning.algorithms import sft_loss
 from rl_lightning.models import load_causal_lm
 from rl_lightning.optim import check_optim_args
+from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.tasks.step import (
     configure_adamw,
     data_parallel_sum,
     grad_average_size,
+    local_micro_batch,
     optimizer_step,
+    parallel_layout,
+    shard_sum,
     target_logprobs,
 )
 
@@ -72,34 +76,36 @@ class SFT(L.LightningModule):
             hp = self.hparams
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
+        self.model = parallelize_for(self, self.model)
 
     def configure_optimizers(self) -> Any:
         return configure_adamw(self, self.model)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        micro_batches = batch["micro_batches"]
-        num_tokens = data_parallel_sum(self.trainer, sum(mb["loss_mask"][:, 1:].sum() for mb in micro_batches))
+        micro_batches, layout = batch["micro_batches"], parallel_layout(self.trainer)
+        num_tokens = data_parallel_sum(self.trainer, sum(mb["target_mask"].sum() for mb in micro_batches))
         normaliser = num_tokens / grad_average_size(self.trainer)
         nll_sum = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
-            logprobs = target_logprobs(self.model, micro_batch)
-            loss, metrics = sft_loss(logprobs, micro_batch["loss_mask"][:, 1:], normaliser)
+            local = local_micro_batch(layout, micro_batch)
+            loss, metrics = sft_loss(target_logprobs(self.model, local), local["target_mask"], normaliser)
             self.manual_backward(loss)
             nll_sum += metrics["nll_sum"]
         lr = self.lr_schedulers().get_last_lr()[0]
         grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
-        self.log("train/loss", data_parallel_sum(self.trainer, nll_sum) / num_tokens, prog_bar=True)
+        self.log("train/loss", shard_sum(self.trainer, nll_sum) / num_tokens, prog_bar=True)
         self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
                        "train/micro_batches": float(len(micro_batches))})
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        layout = parallel_layout(self.trainer)
         for micro_batch in batch["micro_batches"]:
-            mask = micro_batch["loss_mask"][:, 1:]
-            _, metrics = sft_loss(target_logprobs(self.model, micro_batch), mask, 1.0)
+            local = local_micro_batch(layout, micro_batch)
+            _, metrics = sft_loss(target_logprobs(self.model, local), local["target_mask"], 1.0)
             self._val_sums.append(torch.stack([metrics["nll_sum"], metrics["num_tokens"]]))
 
     def on_validation_epoch_end(self) -> None:
         if self._val_sums:
-            nll_sum, num_tokens = data_parallel_sum(self.trainer, torch.stack(self._val_sums).sum(0))
+            nll_sum, num_tokens = shard_sum(self.trainer, torch.stack(self._val_sums).sum(0))
             self.log("val/loss", nll_sum / num_tokens, prog_bar=True)
         self._val_sums.clear()

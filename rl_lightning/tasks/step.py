@@ -1,8 +1,16 @@
-"""Plumbing every task's step shares: model forward on a micro-batch, per-sequence sums, global counts, the
-optimizer step. No loss maths here (that is `rl_lightning.algorithms`)."""
+"""Plumbing every task's step shares: the parallel layout, model forward on a (context-parallel shard of a)
+micro-batch, per-sequence sums, global counts, the optimizer step. No loss maths here (that is
+`rl_lightning.algorithms`).
+
+Normalisation contract: counts (tokens, pairs) come from the *whole* micro-batches, which every context/tensor-parallel
+peer holds, and are summed over data-parallel ranks only (`data_parallel_sum`). Losses are computed on this rank's
+tokens, divided by the global count and multiplied by `grad_average_size` (the ranks FSDP/DDP average gradients
+over: data x context parallel), so the averaged gradient is the gradient of the global-batch loss.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,42 +20,109 @@ from rl_lightning.data.steps import data_parallel_coords
 from rl_lightning.optim import adamw, clip_grad_norm, scheduler
 
 
-def model_inputs(micro_batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Keyword arguments for a transformers forward. Packed micro-batches pass no attention mask: with
-    ``use_cache=False`` transformers builds a block-diagonal causal mask from the position-id resets."""
+@dataclass
+class Layout:
+    """This rank's place in the parallel layout (sizes are 1 and groups None without `ParallelStrategy`)."""
+
+    dp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: Any = None
+
+
+def parallel_layout(trainer: Any) -> Layout:
+    strategy = trainer.strategy
+    cp_mesh = getattr(strategy, "cp_mesh", None)
+    if cp_mesh is None:
+        return Layout(dp_size=data_parallel_coords(trainer)[1])
+    return Layout(strategy.dp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
+
+
+def local_micro_batch(layout: Layout, micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """This rank's share of a micro-batch: its zigzag slice under context parallelism, else the whole of it."""
+    if layout.cp_size == 1:
+        return micro_batch
+    from rl_lightning.parallel.ring_attention import shard_micro_batch
+
+    if "cu_seqlens" not in micro_batch:
+        raise ValueError("context parallelism needs packed micro-batches; set data.packing: true")
+    return shard_micro_batch(micro_batch, layout.cp_rank, layout.cp_size, layout.cp_group)
+
+
+def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for a transformers forward. Packed micro-batches pass no attention mask (``rl_varlen``
+    attention isolates the sequences by their position-id resets, or runs ring attention given ``cp_layout``)."""
     inputs = {"input_ids": micro_batch["input_ids"], "position_ids": micro_batch["position_ids"], "use_cache": False}
     if "attention_mask" in micro_batch:
         inputs["attention_mask"] = micro_batch["attention_mask"]
+    if "cp_layout" in micro_batch:
+        inputs["cp_layout"] = micro_batch["cp_layout"]
     return inputs
 
 
-def target_logprobs(model: Any, micro_batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-    """(B, T-1) log-probability of token t+1 given tokens up to t; align masks with ``[:, 1:]``."""
+def target_logprobs(model: Any, micro_batch: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) log-probability of ``target_ids`` (each token's next token); meaningful where ``target_mask`` is 1."""
     logits = model(**model_inputs(micro_batch)).logits  # (B, T, V)
-    return token_logprobs(logits[:, :-1], micro_batch["input_ids"][:, 1:], temperature)
+    return token_logprobs(logits, micro_batch["target_ids"], temperature)
 
 
-def sequence_sums(values: torch.Tensor, mask: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(S,) per-sequence sums of ``values * mask`` for values aligned with targets ((B, T-1), as `target_logprobs`)."""
-    seq_index = micro_batch["seq_index"][:, 1:]  # (B, T-1)
+class _SumAcrossContext(torch.autograd.Function):
+    """All-reduce (sum) over the context-parallel group whose backward passes each rank's gradient through
+    unchanged: every context rank then computes the same loss from the summed values, and FSDP's sum over the
+    data x context group adds up each rank's own contribution exactly once."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: Any) -> torch.Tensor:
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=group)
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def sequence_sums(values: torch.Tensor, mask: torch.Tensor, micro_batch: dict[str, Any]) -> torch.Tensor:
+    """(S,) per-sequence sums of ``values * mask`` ((B, T) tensors of this rank's tokens), completed over the
+    context-parallel group when the micro-batch is a context-parallel shard."""
+    seq_index = micro_batch["seq_index"]
     keep = (mask > 0) & (seq_index >= 0)
-    sums = torch.zeros(len(micro_batch["last_index"]), dtype=values.dtype, device=values.device)
-    return sums.index_add(0, seq_index[keep], values[keep])
+    sums = torch.zeros(int(micro_batch["num_sequences"]), dtype=values.dtype, device=values.device)
+    sums = sums.index_add(0, seq_index[keep], values[keep])
+    layout = micro_batch.get("cp_layout")
+    return _SumAcrossContext.apply(sums, layout.group) if layout is not None else sums
 
 
 def data_parallel_sum(trainer: Any, value: torch.Tensor) -> torch.Tensor:
-    """Sum a detached count over data-parallel ranks (tensor/context-parallel peers hold the same data)."""
+    """Sum a detached count over data-parallel ranks (context/tensor-parallel peers hold the same micro-batches)."""
     value = value.detach().float().clone()
-    mesh = getattr(trainer.strategy, "device_mesh", None)
-    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
-        torch.distributed.all_reduce(value, group=mesh["data_parallel"].get_group())
+    dp_mesh = getattr(trainer.strategy, "dp_mesh", None)
+    if dp_mesh is not None:
+        if dp_mesh.size() > 1:
+            torch.distributed.all_reduce(value, group=dp_mesh.get_group())
         return value
     return trainer.strategy.reduce(value, reduce_op="sum")
 
 
+def shard_sum(trainer: Any, value: torch.Tensor) -> torch.Tensor:
+    """Sum a detached per-rank quantity of this rank's tokens over data x context parallel ranks (tensor-parallel
+    peers hold the same tokens)."""
+    value = value.detach().float().clone()
+    strategy = trainer.strategy
+    if getattr(strategy, "cp_mesh", None) is None:
+        return trainer.strategy.reduce(value, reduce_op="sum")
+    for mesh in (strategy.dp_mesh, strategy.cp_mesh):
+        if mesh.size() > 1:
+            torch.distributed.all_reduce(value, group=mesh.get_group())
+    return value
+
+
 def grad_average_size(trainer: Any) -> int:
-    """How many ranks the strategy averages gradients over (DDP/FSDP mean-reduce over data-parallel ranks); losses
-    normalised by a global count are multiplied by it so the averaged gradient is the global-batch gradient."""
+    """How many ranks gradients are averaged over: data x context parallel under `ParallelStrategy` (FSDP's shard
+    and replica groups), the data-parallel size under DDP."""
+    strategy = trainer.strategy
+    if getattr(strategy, "cp_mesh", None) is not None:
+        return strategy.dp_mesh.size() * strategy.cp_mesh.size()
     return data_parallel_coords(trainer)[1]
 
 

@@ -60,15 +60,20 @@ def test_pack_and_pad_layouts():
     packed = pack([a, b], pad_token_id=0)
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
-    assert packed["loss_mask"].tolist() == [[0, 1, 1, 0, 1]]  # a sequence's first token is never a target
+    # token t carries its next token as target; a sequence's first token (8) is never a target, even if masked 1
+    assert packed["target_ids"].tolist() == [[6, 7, 0, 9, 0]]
+    assert packed["target_mask"].tolist() == [[1, 1, 0, 1, 0]]
+    assert packed["last_mask"].tolist() == [[0, 0, 1, 0, 1]]
     assert packed["seq_index"].tolist() == [[0, 0, 0, 1, 1]]
-    assert packed["cu_seqlens"].tolist() == [0, 3, 5] and packed["last_index"].tolist() == [2, 4]
+    assert packed["cu_seqlens"].tolist() == [0, 3, 5] and packed["num_sequences"].item() == 2
     padded = pad([a, b], pad_token_id=0)
     assert padded["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
     assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
-    assert padded["seq_index"].tolist() == [[0, 0, 0], [1, 1, -1]] and padded["last_index"].tolist() == [2, 4]
+    assert padded["seq_index"].tolist() == [[0, 0, 0], [1, 1, -1]]
+    assert padded["target_mask"].tolist() == [[1, 1, 0], [1, 0, 0]]
+    assert padded["last_mask"].tolist() == [[0, 0, 1], [0, 1, 0]]
     filler = pack([], pad_token_id=0)  # empty micro-batch: one masked pad token keeps collectives matched
-    assert filler["input_ids"].tolist() == [[0]] and filler["loss_mask"].sum() == 0
+    assert filler["input_ids"].tolist() == [[0]] and filler["target_mask"].sum() == 0
 
 
 def test_packed_forward_equals_sequences_one_by_one():

@@ -1,0 +1,80 @@
+"""Shard a Hugging Face decoder for `ParallelStrategy`: tensor-parallel plan per block, optional activation
+checkpointing, then FSDP2 ``fully_shard`` on every decoder block and the root."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_lightning.errors import ConfigError
+
+# Llama/Qwen2/Mistral-style blocks: split q/k/v and gate/up by output features (each rank gets whole heads / a slice
+# of the MLP), o/down by input features, so each block needs one all-reduce after attention and one after the MLP.
+TP_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+
+
+def decoder_layers(model: Any) -> Any:
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__} has no `base_model.layers`; ParallelStrategy supports Llama/Qwen2-style "
+                          "decoders")
+    return layers
+
+
+def check_tensor_parallel(model: Any, tp_size: int) -> None:
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    if heads % tp_size or kv_heads % tp_size:
+        raise ConfigError(
+            f"the model has {heads} attention heads and {kv_heads} key-value heads, not both divisible by "
+            f"strategy.tensor_parallel_size={tp_size}; pick a tensor_parallel_size that divides {kv_heads}"
+        )
+
+
+def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    check_tensor_parallel(model, tp_mesh.size())
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in decoder_layers(model):
+        plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
+    """Apply TP (when the strategy's tensor-parallel size > 1), activation checkpointing (trainable models) and
+    FSDP2 to `model` in place; returns it. Idempotent."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return model
+    if strategy.tp_size > 1:
+        apply_tensor_parallel(model, strategy.tp_mesh)
+    if trainable and strategy.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"mesh": strategy.fsdp_mesh, "mp_policy": strategy.mp_policy(),
+              "offload_policy": strategy.offload_policy(), "reshard_after_forward": strategy.reshard_after_forward}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:
+    """Shard `model` if `module` runs under `ParallelStrategy`, else return it unchanged. Checks what the model and
+    task must support for the configured sizes (head counts for TP, ``rl_varlen`` attention for CP)."""
+    from rl_lightning.parallel.strategy import ParallelStrategy
+
+    trainer = getattr(module, "_trainer", None)
+    strategy = trainer.strategy if trainer is not None else None
+    if model is None or not isinstance(strategy, ParallelStrategy):
+        return model
+    attn = model.config._attn_implementation
+    if strategy.cp_size > 1 and attn != "rl_varlen":
+        raise ConfigError(
+            f"strategy.context_parallel_size={strategy.cp_size} needs model.attn_implementation: rl_varlen (ring "
+            f"attention over packed sequences), got '{attn}'"
+        )
+    return parallelize(model, strategy, trainable)

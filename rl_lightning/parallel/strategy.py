@@ -1,0 +1,145 @@
+"""`ParallelStrategy`: Lightning's ModelParallelStrategy with a 3-D mesh (data x context x tensor parallel).
+
+- **Data parallel** ranks see different sequences. FSDP2 shards parameters, gradients and optimizer state over the
+  flattened data x context group (ZeRO-3). ``replicate_size`` > 1 splits the data-parallel ranks into replica groups
+  (HSDP: shard within a group, replicate across groups, all-reduce between replicas) — RL2's ``ddp_size``.
+- **Context parallel** ranks see the same sequences and each keeps a zigzag share of every packed sequence; attention
+  runs as ring attention over the group (`rl_lightning.parallel.ring_attention`).
+- **Tensor parallel** ranks see the same tokens and hold column/row shards of each block's linear layers.
+
+Mesh dims (outermost first): ``replicate, shard, context_parallel, tensor_parallel``; the derived 1-D meshes are
+`dp_mesh` (data loading and count reductions), `cp_mesh`, `tp_mesh`, and `fsdp_mesh` (what ``fully_shard`` uses).
+The tasks shard their models through `rl_lightning.parallel.parallelize.parallelize_for` in ``configure_model``.
+
+Lightning hand-offs relied on (pinned by tests/test_strategy.py): ``ModelParallelStrategy._setup_distributed()``
+initialises the process group; ``lightning_module._device_mesh`` is what ``LightningModule.device_mesh`` returns;
+``distributed_sampler_kwargs`` is the only place Lightning reads the data-parallel layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.constants import default_pg_timeout
+
+from rl_lightning.errors import ConfigError
+
+
+class ParallelStrategy(ModelParallelStrategy):
+    """FSDP2 x ring-attention context parallel x tensor parallel on one device mesh.
+
+    Args:
+        data_parallel_size: data-parallel ranks (including replicas).
+        context_parallel_size: ranks that split each sequence (ring attention); needs ``attn_implementation:
+            rl_varlen`` and packed micro-batches.
+        tensor_parallel_size: ranks that split each block's linear layers; must divide the attention and key-value
+            head counts.
+        replicate_size: HSDP replica groups: FSDP shards within ``data_parallel_size / replicate_size`` x context
+            ranks and replicates across groups; must divide `data_parallel_size`.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).
+        mixed_precision: ``bf16`` computes in bfloat16 with fp32 master weights and fp32 gradient reduction (keep
+            ``trainer.precision: 32-true``); ``null`` computes in the parameters' dtype.
+        reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); False keeps them until
+            the backward (ZeRO-2-like: faster, more memory).
+        activation_checkpointing: recompute each decoder block's activations in the backward pass.
+        save_distributed_checkpoint: save sharded (DCP) checkpoints; False gathers a full state dict on rank 0.
+        process_group_backend: ``nccl`` / ``gloo``; default by device.
+        timeout: collective timeout.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        replicate_size: int = 1,
+        cpu_offload: bool = False,
+        mixed_precision: str | None = None,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        sizes = {"data_parallel_size": data_parallel_size, "context_parallel_size": context_parallel_size,
+                 "tensor_parallel_size": tensor_parallel_size, "replicate_size": replicate_size}
+        errors = [f"strategy.{k} must be an integer >= 1, got {v!r}" for k, v in sizes.items()
+                  if not isinstance(v, int) or v < 1]
+        if not errors and data_parallel_size % replicate_size:
+            errors.append(f"strategy.replicate_size={replicate_size} must divide "
+                          f"strategy.data_parallel_size={data_parallel_size}")
+        if mixed_precision not in (None, "bf16"):
+            errors.append(f"strategy.mixed_precision must be 'bf16' or null, got {mixed_precision!r}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        super().__init__(data_parallel_size * context_parallel_size, tensor_parallel_size,
+                         save_distributed_checkpoint, process_group_backend, timeout)
+        self.dp_size, self.cp_size, self.tp_size, self.replicate_size = (
+            data_parallel_size, context_parallel_size, tensor_parallel_size, replicate_size)
+        self.cpu_offload, self.mixed_precision = cpu_offload, mixed_precision
+        self.reshard_after_forward, self.activation_checkpointing = reshard_after_forward, activation_checkpointing
+        self.dp_mesh: Any = None
+        self.cp_mesh: Any = None
+        self.tp_mesh: Any = None
+        self.fsdp_mesh: Any = None
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        product = self.dp_size * self.cp_size * self.tp_size
+        if product != self.world_size:
+            raise ConfigError(
+                f"strategy sizes data_parallel_size={self.dp_size} x context_parallel_size={self.cp_size} x "
+                f"tensor_parallel_size={self.tp_size} = {product}, but the job has {self.world_size} processes "
+                f"(trainer.devices x trainer.num_nodes); make the product equal the world size"
+            )
+        self._build_meshes()
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _build_meshes(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard = self.dp_size // self.replicate_size
+        mesh = init_device_mesh(
+            self.root_device.type, (self.replicate_size, shard, self.cp_size, self.tp_size),
+            mesh_dim_names=("replicate", "shard", "context_parallel", "tensor_parallel"),
+        )
+        self._device_mesh = mesh
+        self.dp_mesh = mesh["replicate", "shard"]._flatten("data_parallel")
+        fsdp_shard = mesh["shard", "context_parallel"]._flatten("fsdp_shard")
+        self.cp_mesh, self.tp_mesh = mesh["context_parallel"], mesh["tensor_parallel"]
+        if self.replicate_size > 1:
+            with warnings.catch_warnings():  # slicing a flattened dim back out of the root mesh; still supported
+                warnings.simplefilter("ignore")
+                self.fsdp_mesh = mesh["replicate", "fsdp_shard"]
+        else:
+            self.fsdp_mesh = fsdp_shard
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # offloaded FSDP2 parameters must stay on the CPU
+            super().model_to_device()
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.dp_mesh = self.cp_mesh = self.tp_mesh = self.fsdp_mesh = None
+
+    def mp_policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.mixed_precision == "bf16":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def offload_policy(self) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if self.cpu_offload:
+            return CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+        return OffloadPolicy()
