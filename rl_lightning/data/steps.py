@@ -48,7 +48,10 @@ def data_parallel_coords(trainer: Any) -> tuple[int, int]:
     parallel coordinates see the same data)."""
     if trainer is None:
         return 0, 1
-    mesh = getattr(trainer.strategy, "device_mesh", None)
+    dp_mesh = getattr(trainer.strategy, "dp_mesh", None)  # rl_lightning.parallel.ParallelStrategy
+    if dp_mesh is not None:
+        return dp_mesh.get_local_rank(), dp_mesh.size()
+    mesh = getattr(trainer.strategy, "_device_mesh", None)  # Lightning's ModelParallelStrategy
     if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
         sub = mesh["data_parallel"]
         return sub.get_local_rank(), sub.size()

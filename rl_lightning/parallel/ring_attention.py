@@ -41,6 +41,34 @@ class ZigzagLayout:
     group: Any
 
 
+class _AllGather(torch.autograd.Function):
+    """All-gather over `group` -> (size, *shape); the backward sums every rank's gradient for this rank's piece
+    (a reduce-scatter, done as all-reduce + slice, which gloo supports). torch.distributed.nn's version breaks on
+    sub-groups under gloo (its backward scatters with group ranks taken as global ranks)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Differentiable all-gather: (size, *tensor.shape)."""
+    return _AllGather.apply(tensor, group)
+
+
 def zigzag_layout(cu_seqlens: torch.Tensor, rank: int, size: int, group: Any = None) -> ZigzagLayout:
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     sources, padded_lengths = [], []
@@ -84,10 +112,10 @@ def shard_micro_batch(micro_batch: dict[str, Any], rank: int, size: int, group: 
 
 
 def gather_tokens(local: torch.Tensor, layout: ZigzagLayout) -> torch.Tensor:
-    """(1, n, ...) per-token values of this rank -> (1, N, ...) for the whole original row, in order, with autograd."""
-    from torch.distributed.nn.functional import all_gather
-
-    parts = all_gather(local.contiguous(), group=layout.group)  # size x (1, n, ...)
+    """(1, n, ...) per-token values of this rank -> (1, N, ...) for the whole original row, in order. Differentiable,
+    but meant for outputs every rank then uses differently or not at all (e.g. logging, rollout logprobs): a loss
+    computed identically on every rank from the gathered row would count each gradient `size` times."""
+    parts = all_gather(local, layout.group)  # (size, 1, n, ...)
     padded = torch.zeros((1, len(layout.source), *local.shape[2:]), dtype=local.dtype, device=local.device)
     for r, part in enumerate(parts):
         index = _local_index(layout, r).to(local.device)
@@ -151,11 +179,9 @@ def ring_attention(
     """
     if _flash_ring_available(query):
         return _flash_ring(query, key, value, layout, scaling)
-    from torch.distributed.nn.functional import all_gather
-
     size, rank = layout.size, layout.rank
-    keys = all_gather(key.contiguous(), group=layout.group)  # size x (1, H_kv, n, D)
-    values = all_gather(value.contiguous(), group=layout.group)
+    keys = all_gather(key, layout.group)  # (size, 1, H_kv, n, D)
+    values = all_gather(value, layout.group)
     cu = layout.local_cu_seqlens.tolist()
     outputs = []
     for s, padded in enumerate(layout.padded_lengths):
