@@ -44,7 +44,7 @@ class ConfigLogger(SaveConfigCallback):
     """Log the resolved config to every logger: MLflow gets params (one per key) and ``config.yaml`` as an artifact.
 
     Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
-    (Lightning issue #19441); this writes there only when a log_dir exists.
+    (Lightning issue #19441); this writes ``config.yaml`` into the log_dir of loggers that have one.
     """
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -62,10 +62,12 @@ class ConfigLogger(SaveConfigCallback):
                 logger.experiment.log_text(logger.run_id, text, self.config_filename)
             else:
                 logger.log_hyperparams(params)
-        if trainer.log_dir is not None:
-            os.makedirs(trainer.log_dir, exist_ok=True)
-            with open(os.path.join(trainer.log_dir, self.config_filename), "w") as f:
-                f.write(text)
+            # Not trainer.log_dir: it broadcasts, and this hook runs on rank 0 only (a multi-process deadlock).
+            log_dir = None if isinstance(logger, MLFlowLogger) else getattr(logger, "log_dir", None)
+            if log_dir is not None:
+                os.makedirs(log_dir, exist_ok=True)
+                with open(os.path.join(log_dir, self.config_filename), "w") as f:
+                    f.write(text)
 
 
 class RLLightningCLI(LightningCLI):

@@ -134,3 +134,15 @@ def test_errors_from_a_real_process_have_no_traceback(args, expected, workdir):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert expected in result.stderr
+
+
+def test_parallel_strategy_from_the_command_line(workdir):
+    from rl_lightning.parallel import ParallelStrategy
+
+    cli = _cli(["--config", "recipes/sft.yaml", "--trainer.devices", "4",
+                "--trainer.strategy", "rl_lightning.parallel.ParallelStrategy",
+                "--trainer.strategy.data_parallel_size", "2", "--trainer.strategy.context_parallel_size", "2",
+                "--trainer.strategy.cpu_offload", "true"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ParallelStrategy)
+    assert (strategy.dp_size, strategy.cp_size, strategy.tp_size, strategy.cpu_offload) == (2, 2, 1, True)

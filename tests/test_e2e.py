@@ -106,3 +106,26 @@ def test_preference_accuracy_rises_and_margins_grow(task, tmp_path_factory):
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(workdir / "exports" / "dpo")
+
+
+def test_cli_launches_two_processes_with_context_parallel_ring_attention(tmp_path_factory):
+    """`--trainer.devices 2` with ParallelStrategy(cp=2): Lightning's launcher re-runs the module for rank 1; the run
+    logs from rank 0 only, saves a sharded checkpoint and exports gathered weights."""
+    from conftest import REPO
+    from transformers import AutoModelForCausalLM
+
+    workdir = tmp_path_factory.mktemp("cp_run")
+    for name in ("recipes", "rl_lightning"):
+        (workdir / name).symlink_to(REPO / name)
+    result = subprocess.run(
+        [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--trainer.max_steps", "6",
+         "--trainer.devices", "2", "--trainer.strategy", "rl_lightning.parallel.ParallelStrategy",
+         "--trainer.strategy.data_parallel_size", "1", "--trainer.strategy.context_parallel_size", "2"],
+        cwd=workdir, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    client, run = _run(workdir)
+    losses = _history(client, run, "train/loss")
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert any((workdir / "checkpoints" / "sft" / "last.ckpt").glob("*.distcp"))
+    AutoModelForCausalLM.from_pretrained(workdir / "exports" / "sft")

@@ -77,20 +77,24 @@ class StepDataModule(L.LightningDataModule):
             log.warning("%s: %d of %d %s were truncated to data.max_length=%d; %d dropped (see data/%s_dropped)",
                         source, truncated, rows, what, self.hparams.max_length, dropped, name)
 
-    def _loader(self, units: list[Any], shuffle: bool) -> DataLoader:
+    def _loader(self, units: list[Any], shuffle: bool, resumable: bool) -> DataLoader:
         hp = self.hparams
         dp_rank, dp_size = data_parallel_coords(self.trainer)
+        trainer = self.trainer
         dataset = StepDataset(
             units, hp.batch_size, dp_rank, dp_size, hp.packing, hp.max_length_per_device, hp.micro_batch_size,
-            self.tokenizer.pad_token_id, shuffle, lambda: self.trainer.current_epoch if self.trainer else 0,
+            self.tokenizer.pad_token_id, shuffle, lambda: trainer.current_epoch if trainer else 0,
+            # Lightning does not fast-forward iterable datasets when resuming mid-epoch: start where training stopped.
+            (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed) if resumable and trainer else
+            (lambda: 0),
         )
         return DataLoader(dataset, batch_size=None)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.units["train"], self.hparams.shuffle)
+        return self._loader(self.units["train"], self.hparams.shuffle, resumable=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.units["val"], False)
+        return self._loader(self.units["val"], False, resumable=False)
 
     def unit_lengths(self, name: str = "train") -> list[int]:
         return [unit_length(u) for u in self.units[name]]

@@ -125,6 +125,8 @@ class StepDataset(IterableDataset):
         pad_token_id: filler token for padding and empty micro-batches.
         shuffle: reshuffle every epoch, seeded by ``seed_everything`` and the epoch number.
         epoch_fn: returns the current epoch (the trainer's), so shuffling survives restarts.
+        start_step_fn: returns how many steps of this epoch are already done (the trainer's progress), so a run
+            resumed mid-epoch continues with the next step's data instead of replaying the epoch's first steps.
     """
 
     def __init__(
@@ -139,10 +141,11 @@ class StepDataset(IterableDataset):
         pad_token_id: int,
         shuffle: bool,
         epoch_fn: Callable[[], int] = lambda: 0,
+        start_step_fn: Callable[[], int] = lambda: 0,
     ) -> None:
         self.units, self.rows_per_rank, self.dp_rank, self.dp_size = units, rows_per_rank, dp_rank, dp_size
         self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
-        self.pad_token_id, self.shuffle, self.epoch_fn = pad_token_id, shuffle, epoch_fn
+        self.pad_token_id, self.shuffle, self.epoch_fn, self.start_step_fn = pad_token_id, shuffle, epoch_fn, start_step_fn
 
     def __len__(self) -> int:
         return len(self.units) // (self.rows_per_rank * self.dp_size)
@@ -171,7 +174,7 @@ class StepDataset(IterableDataset):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.epoch_fn()
             order = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(seed))
         rows = self.rows_per_rank * self.dp_size
-        for step in range(len(self)):
+        for step in range(self.start_step_fn(), len(self)):
             indices = order[step * rows : (step + 1) * rows].tolist()
             yield {"micro_batches": [self.collate(mb) for mb in self.step_units(indices)]}
 
