@@ -23,7 +23,7 @@ class LossRecorder(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), **trainer_kwargs):
+def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), strategy_kwargs=None, **trainer_kwargs):
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=GLOBAL_ROWS // dp,
                          shuffle=True, max_length=96, max_length_per_device=256)
@@ -31,13 +31,13 @@ def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), **trainer_kwargs):
     world = dp * cp * tp
     if world > 1:
         trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
-                                                      tensor_parallel_size=tp)
+                                                      tensor_parallel_size=tp, **(strategy_kwargs or {}))
     return fit(model, data, max_steps, callbacks, devices=world, **trainer_kwargs)
 
 
-def _sft_worker(rank, sizes, out_path):
+def _sft_worker(rank, sizes, out_path, strategy_kwargs=None):
     recorder = LossRecorder()
-    _sft(*sizes, callbacks=[recorder])
+    _sft(*sizes, callbacks=[recorder], strategy_kwargs=strategy_kwargs)
     if rank == 0:
         torch.save(recorder.losses, out_path)
 
@@ -56,6 +56,18 @@ def test_sft_parallel_losses_equal_single_process(sizes, single_process_losses, 
     run_on_cpu_ranks(_sft_worker, sizes[0] * sizes[1] * sizes[2], sizes, tmp_path / "losses.pt")
     losses = torch.load(tmp_path / "losses.pt")
     assert len(losses) == 3
+    for step, (parallel, single) in enumerate(zip(losses, single_process_losses, strict=True)):
+        assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
+
+
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [{"replicate_size": 2}, {"cpu_offload": True}, {"activation_checkpointing": True, "reshard_after_forward": False}],
+    ids=["hsdp-replicate2", "cpu-offload", "checkpointing-zero2"],
+)
+def test_sft_strategy_options_keep_single_process_losses(strategy_kwargs, single_process_losses, tmp_path):
+    run_on_cpu_ranks(_sft_worker, 2, (2, 1, 1), tmp_path / "losses.pt", strategy_kwargs)
+    losses = torch.load(tmp_path / "losses.pt")
     for step, (parallel, single) in enumerate(zip(losses, single_process_losses, strict=True)):
         assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
 
