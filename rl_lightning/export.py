@@ -34,6 +34,8 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
         model.save_pretrained(dirpath, state_dict=state)
         load_tokenizer(tokenizer_name).save_pretrained(dirpath)
         log.info("exported Hugging Face model to %s", dirpath)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank leaves (and tears down the process group) while rank 0 writes
 
 
 class HFExport(L.Callback):

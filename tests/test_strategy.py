@@ -10,7 +10,7 @@ from helpers import fit, run_on_cpu_ranks
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel import ParallelStrategy
-from rl_lightning.tasks import DPO, SFT
+from rl_lightning.tasks import DPO, SFT, RewardModel
 
 GLOBAL_ROWS = 8
 
@@ -72,27 +72,36 @@ def test_sft_strategy_options_keep_single_process_losses(strategy_kwargs, single
         assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
 
 
-def _dpo(dp=1, callbacks=(), **trainer_kwargs):
+def _pairs(task, dp=1, cp=1, tp=1, callbacks=(), **trainer_kwargs):
     L.seed_everything(0)
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL),
                                 batch_size=GLOBAL_ROWS // dp, max_length=96, max_length_per_device=512)
-    model = DPO(str(TINY_MODEL), lr=1e-3, lr_schedule="constant", beta=0.5)
-    if dp > 1:
-        trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp)
-    return fit(model, data, 3, callbacks, devices=dp, **trainer_kwargs)
+    if task == "dpo":
+        model = DPO(str(TINY_MODEL), lr=1e-3, lr_schedule="constant", beta=0.5)
+    else:
+        model = RewardModel(str(TINY_MODEL), lr=1e-3, lr_schedule="constant")
+    if dp * cp * tp > 1:
+        trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
+                                                      tensor_parallel_size=tp)
+    return fit(model, data, 3, callbacks, devices=dp * cp * tp, **trainer_kwargs)
 
 
-def _dpo_worker(rank, out_path):
+def _pairs_worker(rank, task, sizes, out_path):
     recorder = LossRecorder()
-    _dpo(2, callbacks=[recorder])
+    _pairs(task, *sizes, callbacks=[recorder])
     if rank == 0:
         torch.save(recorder.losses, out_path)
 
 
-def test_dpo_data_parallel_losses_equal_single_process(tmp_path):
-    run_on_cpu_ranks(_dpo_worker, 2, tmp_path / "losses.pt")
+@pytest.mark.parametrize(("task", "sizes"), [("dpo", (2, 1, 1)), ("dpo", (1, 2, 1)), ("rm", (1, 2, 1)),
+                                             ("rm", (1, 1, 2))],
+                         ids=["dpo-dp2", "dpo-cp2", "rm-cp2", "rm-tp2"])
+def test_preference_tasks_parallel_losses_equal_single_process(task, sizes, tmp_path):
+    """Per-sequence sums (DPO log-probabilities, RM last-token rewards) are completed across context-parallel ranks;
+    their gradient must still count each token once."""
+    run_on_cpu_ranks(_pairs_worker, sizes[0] * sizes[1] * sizes[2], task, sizes, tmp_path / "losses.pt")
     single = LossRecorder()
-    _dpo(1, callbacks=[single])
+    _pairs(task, callbacks=[single])
     parallel = torch.load(tmp_path / "losses.pt")
     assert len(parallel) == len(single.losses) == 3
     for a, b in zip(parallel, single.losses, strict=True):

@@ -58,6 +58,11 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
               "offload_policy": strategy.offload_policy(), "reshard_after_forward": strategy.reshard_after_forward}
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
+    if hasattr(model, "score"):
+        # Reward models call the backbone and the scalar head separately (per-token scores for packed rows), so each
+        # must be its own FSDP unit: the root's hooks only gather the root's parameters around model(...).
+        fully_shard(model.base_model, **kwargs)
+        fully_shard(model.score, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
