@@ -3,8 +3,32 @@
 No config objects, no logging, no torch.distributed: global normalisers are passed in as arguments.
 """
 
+from rl_lightning.algorithms.advantages import (
+    gae,
+    group_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from rl_lightning.algorithms.kl import KL_ESTIMATORS
 from rl_lightning.algorithms.logprobs import token_logprobs
+from rl_lightning.algorithms.policy import clipped_policy_loss, clipped_value_loss, sequence_mean, token_mean
 from rl_lightning.algorithms.preference import DPO_LOSSES, bradley_terry_loss, dpo_logits, dpo_loss
 from rl_lightning.algorithms.sft import sft_loss
 
-__all__ = ["DPO_LOSSES", "bradley_terry_loss", "dpo_logits", "dpo_loss", "sft_loss", "token_logprobs"]
+__all__ = [
+    "DPO_LOSSES",
+    "KL_ESTIMATORS",
+    "bradley_terry_loss",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "dpo_logits",
+    "dpo_loss",
+    "gae",
+    "group_advantages",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "sequence_mean",
+    "sft_loss",
+    "token_logprobs",
+    "token_mean",
+]

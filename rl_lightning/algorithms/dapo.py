@@ -1,0 +1,70 @@
+"""DAPO's sampling-side pieces: group filtering for dynamic sampling, soft overlong punishment, truncation masks.
+
+Paper: Yu et al. 2025, DAPO, https://arxiv.org/abs/2503.14476 (section 3.2 dynamic sampling, 3.4 overlong shaping).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_groups(rewards: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """(B / G,) bool: prompt groups whose mean reward is strictly inside (low, high). With (0, 1) and 0/1 rewards this
+    drops groups that are all correct or all wrong, whose group-baseline advantages are all zero."""
+    means = rewards.view(-1, group_size).mean(dim=1)
+    return (means > low) & (means < high)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cache_length: int) -> torch.Tensor:
+    """(B,) soft overlong punishment added to the reward (DAPO eq. 13), with L_max = `max_new_tokens` and
+    L_cache = `cache_length`:
+
+    0 if |y| <= L_max - L_cache;  (L_max - L_cache - |y|) / L_cache if L_max - L_cache < |y| <= L_max;  -1 beyond.
+    """
+    lengths = lengths.to(torch.float32)
+    start = max_new_tokens - cache_length
+    ramp = (start - lengths) / cache_length
+    penalty = torch.where(lengths <= start, torch.zeros_like(lengths), ramp)
+    return torch.where(lengths > max_new_tokens, torch.full_like(lengths, -1.0), penalty)
+
+
+def mask_truncated(completion_mask: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+    """(B, T) completion mask with the rows of truncated completions (no stop token, `finished` False) zeroed, so
+    they do not contribute to the loss (DAPO's overlong filtering)."""
+    return completion_mask * finished.to(completion_mask.dtype)[:, None]
+
+
+class GroupRefill:
+    """Dynamic-sampling buffer: accumulate the kept prompt groups of successive generation rounds until `target`
+    groups are collected or `max_rounds` rounds were tried.
+
+    ``add(groups, keep)`` takes a list of per-group items and the `keep_groups` mask; ``full`` says whether the batch
+    is complete; ``take()`` returns exactly `target` groups (or all collected when rounds ran out) and resets.
+    """
+
+    def __init__(self, target: int, max_rounds: int) -> None:
+        if target < 1 or max_rounds < 1:
+            raise ValueError(f"target and max_rounds must be >= 1, got {target}, {max_rounds}")
+        self.target, self.max_rounds = target, max_rounds
+        self.groups: list = []
+        self.rounds = 0
+        self.dropped = 0
+
+    def add(self, groups: list, keep: torch.Tensor) -> None:
+        self.rounds += 1
+        kept = [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
+        self.dropped += len(groups) - len(kept)
+        self.groups.extend(kept)
+
+    @property
+    def full(self) -> bool:
+        return len(self.groups) >= self.target
+
+    @property
+    def exhausted(self) -> bool:
+        return self.full or self.rounds >= self.max_rounds
+
+    def take(self) -> list:
+        batch, self.groups = self.groups[: self.target], []
+        self.rounds = 0
+        return batch

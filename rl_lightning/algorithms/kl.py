@@ -1,0 +1,101 @@
+"""KL estimators between the policy and the reference, and KL-coefficient controllers.
+
+Estimators take per-token log-probabilities (B, T) of the sampled tokens under the policy (`logprobs`) and the
+reference (`ref_logprobs`) and return per-token estimates of KL(policy || reference); with r = p_ref / p_policy
+(Schulman 2020, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html):
+
+- k1 = -log r            unbiased, high variance, can be negative
+- k2 = (log r)^2 / 2     biased, low variance
+- k3 = (r - 1) - log r   unbiased, low variance, always >= 0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    return logprobs - ref_logprobs
+
+
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+class FixedKLController:
+    """Constant coefficient."""
+
+    def __init__(self, coef: float) -> None:
+        self.coef = coef
+
+    def update(self, measured_kl: float, steps: int = 1) -> float:
+        return self.coef
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593, section 2.2): multiplicative update towards a target KL,
+    e = clip(KL / target - 1, -0.2, 0.2);  coef <- coef * (1 + e * steps / horizon)."""
+
+    def __init__(self, coef: float, target: float, horizon: float) -> None:
+        self.coef, self.target, self.horizon = coef, target, horizon
+
+    def update(self, measured_kl: float, steps: int = 1) -> float:
+        error = min(max(measured_kl / self.target - 1.0, -0.2), 0.2)
+        self.coef *= 1.0 + error * steps / self.horizon
+        return self.coef
+
+
+class LinearKLController:
+    """Additive (integral) update towards a target: coef <- max(0, coef + rate * (KL - target))."""
+
+    def __init__(self, coef: float, target: float, rate: float) -> None:
+        self.coef, self.target, self.rate = coef, target, rate
+
+    def update(self, measured_kl: float, steps: int = 1) -> float:
+        self.coef = max(0.0, self.coef + self.rate * (measured_kl - self.target))
+        return self.coef
+
+
+class PIDKLController:
+    """PID control of the coefficient on e = KL - target: coef = max(0, coef0 + kp e + ki sum(e) + kd (e - e_prev))."""
+
+    def __init__(self, coef: float, target: float, kp: float, ki: float, kd: float) -> None:
+        self.base, self.coef, self.target = coef, coef, target
+        self.kp, self.ki, self.kd = kp, ki, kd
+        self.integral, self.previous = 0.0, None
+
+    def update(self, measured_kl: float, steps: int = 1) -> float:
+        error = measured_kl - self.target
+        self.integral += error * steps
+        derivative = 0.0 if self.previous is None else error - self.previous
+        self.previous = error
+        self.coef = max(0.0, self.base + self.kp * error + self.ki * self.integral + self.kd * derivative)
+        return self.coef
+
+
+class ScheduledKLController:
+    """Open-loop schedule from `coef` to `final_coef` over `total_steps` (``cosine`` or ``linear``)."""
+
+    def __init__(self, coef: float, final_coef: float, total_steps: int, schedule: str = "cosine") -> None:
+        self.start, self.final, self.total, self.schedule = coef, final_coef, total_steps, schedule
+        self.step, self.coef = 0, coef
+
+    def update(self, measured_kl: float, steps: int = 1) -> float:
+        self.step = min(self.total, self.step + steps)
+        progress = self.step / max(1, self.total)
+        if self.schedule == "cosine":
+            weight = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            weight = 1.0 - progress
+        self.coef = self.final + (self.start - self.final) * weight
+        return self.coef

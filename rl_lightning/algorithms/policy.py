@@ -1,0 +1,114 @@
+"""Policy-gradient and value losses (PPO family) with their reductions.
+
+Per-token tensors are (B, T) over completion tokens; `completion_mask` marks the tokens the loss covers. Reductions
+take the global normaliser as an argument (tokens or sequences summed over micro-batches and ranks), so results do
+not depend on how a step is split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO clipped surrogate loss, with asymmetric clipping and optional dual clip.
+
+    ratio = exp(logprobs - old_logprobs)
+    loss  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+    dual clip (A < 0 only): loss = min(loss, -dual_clip * A), bounding the loss when the ratio explodes.
+
+    Papers: PPO, Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7; clip-higher (clip_high > clip_low),
+    DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476, eq. 10; dual clip, Ye et al. 2020,
+    https://arxiv.org/abs/1912.09729, eq. 5.
+
+    Args:
+        logprobs: (B, T) current policy log-probabilities (with grad).
+        old_logprobs: (B, T) log-probabilities of the policy that sampled (detached).
+        advantages: (B, T).
+        dual_clip: c > 1, or None.
+
+    Returns:
+        (B, T) per-token losses and per-token float indicators ``clipped`` (the clip term was active) and
+        ``dual_clipped``, for the caller to average over the mask.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"clipped": (clipped > unclipped).float()}
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["dual_clipped"] = dual.float()
+    return loss, metrics
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float
+                                 ) -> torch.Tensor:
+    """(B, T) detached weights min(pi_old / pi_engine, cap) correcting for the inference engine's sampling
+    distribution differing from the trainer's (truncated importance sampling, Yao et al. 2025,
+    https://fengyao.notion.site/off-policy-rl)."""
+    return torch.exp(old_logprobs - engine_logprobs).clamp(max=cap).detach()
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.Tensor) -> torch.Tensor:
+    """Token-level aggregation: sum over every masked token / `num_tokens` (the global token count): long and short
+    completions weigh by their length (DAPO, Dr. GRPO)."""
+    return (values * mask).sum() / num_tokens
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, num_sequences: float | torch.Tensor) -> torch.Tensor:
+    """Sequence-level aggregation: each sequence's mean over its masked tokens, summed / `num_sequences` (the global
+    count); fully masked rows contribute 0."""
+    m = mask.to(values.dtype)
+    per_sequence = (values * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
+    return per_sequence.sum() / num_sequences
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> torch.Tensor:
+    """(B, T) per-token value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) with
+    V_clipped = V_old + clip(V - V_old, -clip, clip); plain 0.5 (V - R)^2 when `clip` is None.
+    (PPO's value clipping as in OpenAI baselines' ppo2.)"""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T) entropy of the next-token distribution, H = logsumexp(z) - sum softmax(z) * z, in fp32."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def lagrangian_terms(
+    log_multiplier: torch.Tensor, measured: torch.Tensor, target: float, sign: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learned Lagrange multiplier keeping a measured quantity on one side of a target.
+
+    The constraint is ``sign * (measured - target) <= 0`` (sign = +1: keep KL below a target; sign = -1: keep entropy
+    above a floor). With lambda = exp(log_multiplier) >= 0 and violation g = sign * (measured - target):
+
+    - policy term ``lambda.detach() * g`` (added to the policy loss; gradient flows into `measured`),
+    - multiplier loss ``-lambda * g.detach()`` (minimising it raises lambda while the constraint is violated and
+      lowers it otherwise: dual gradient ascent).
+
+    Reference: constrained policy optimisation via Lagrangian relaxation, e.g. Stooke et al. 2020,
+    https://arxiv.org/abs/2007.03964, eq. 3-4.
+    """
+    violation = sign * (measured - target)
+    multiplier = log_multiplier.exp()
+    return multiplier.detach() * violation, -multiplier * violation.detach()
