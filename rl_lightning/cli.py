@@ -8,6 +8,7 @@ environments by dotted path.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -17,6 +18,8 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from rl_lightning.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # Lightning warnings that are expected with our design and only add noise to every run.
 QUIET_WARNINGS = (
@@ -48,26 +51,33 @@ class ConfigLogger(SaveConfigCallback):
     """
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lightning.pytorch.loggers import MLFlowLogger
-
         text = self.parser.dump(self.config, skip_none=False)
         params = flatten_config(self.config)
         for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger):
-                from mlflow.entities import Param
+            try:
+                self._log_to(logger, text, params)
+            except Exception as e:  # noqa: BLE001 - never let logging kill rank 0 (the other ranks would hang)
+                # e.g. MLflow refuses to change a parameter of a resumed run (MLFlowLogger(run_id=...)).
+                log.warning("could not log the config to %s: %s", type(logger).__name__, str(e).splitlines()[0])
 
-                items = [Param(k, v[:MLFLOW_PARAM_LIMIT]) for k, v in sorted(params.items())]
-                for start in range(0, len(items), 100):
-                    logger.experiment.log_batch(logger.run_id, params=items[start : start + 100])
-                logger.experiment.log_text(logger.run_id, text, self.config_filename)
-            else:
-                logger.log_hyperparams(params)
-            # Not trainer.log_dir: it broadcasts, and this hook runs on rank 0 only (a multi-process deadlock).
-            log_dir = None if isinstance(logger, MLFlowLogger) else getattr(logger, "log_dir", None)
-            if log_dir is not None:
-                os.makedirs(log_dir, exist_ok=True)
-                with open(os.path.join(log_dir, self.config_filename), "w") as f:
-                    f.write(text)
+    def _log_to(self, logger: Any, text: str, params: dict[str, str]) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        if isinstance(logger, MLFlowLogger):
+            from mlflow.entities import Param
+
+            items = [Param(k, v[:MLFLOW_PARAM_LIMIT]) for k, v in sorted(params.items())]
+            for start in range(0, len(items), 100):
+                logger.experiment.log_batch(logger.run_id, params=items[start : start + 100])
+            logger.experiment.log_text(logger.run_id, text, self.config_filename)
+            return
+        logger.log_hyperparams(params)
+        # Not trainer.log_dir: it broadcasts, and this hook runs on rank 0 only (a multi-process deadlock).
+        log_dir = getattr(logger, "log_dir", None)
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, self.config_filename), "w") as f:
+                f.write(text)
 
 
 class RLLightningCLI(LightningCLI):

@@ -62,6 +62,9 @@ class StepDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         hp = self.hparams
+        cp_size = getattr(getattr(self.trainer, "strategy", None), "cp_size", 1)
+        if cp_size > 1 and not hp.packing:
+            raise ConfigError(f"strategy.context_parallel_size={cp_size} splits packed sequences; set data.packing: true")
         for name, path in (("train", hp.path), ("val", hp.val_path)):
             if path and name not in self.units:
                 units, _ = self.build_units(load_rows(path, hp.split), name)
@@ -87,6 +90,7 @@ class StepDataModule(L.LightningDataModule):
             # Lightning does not fast-forward iterable datasets when resuming mid-epoch: start where training stopped.
             (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed) if resumable and trainer else
             (lambda: 0),
+            drop_remainder=resumable,
         )
         return DataLoader(dataset, batch_size=None)
 

@@ -76,7 +76,9 @@ class PreferenceDataModule(StepDataModule):
     def _side(self, messages: list[dict], completion: str, where: str) -> TokenizedExample:
         hp = self.hparams
         conversation = messages + [{"role": "assistant", "content": completion}]
-        return tokenize_messages(self.tokenizer, conversation, hp.max_length, hp.apply_chat_template, where)
+        # Only the completion is compared: earlier assistant turns of a multi-turn prompt are context.
+        return tokenize_messages(self.tokenizer, conversation, hp.max_length, hp.apply_chat_template, where,
+                                 last_turn_only=True)
 
     def build_units(self, rows: Rows, name: str) -> tuple[list[Pair], list[str]]:
         hp = self.hparams
@@ -87,7 +89,7 @@ class PreferenceDataModule(StepDataModule):
             chosen = self._side(row["messages"], row["chosen"], where)
             rejected = self._side(row["messages"], row["rejected"], where)
             truncated += chosen.truncated or rejected.truncated
-            if not (sum(chosen.loss_mask) and sum(rejected.loss_mask)):
+            if not (chosen.has_targets and rejected.has_targets):
                 continue  # truncation left a side with no completion token
             length = len(chosen.input_ids) + len(rejected.input_ids)
             if hp.packing and length > hp.max_length_per_device:
@@ -99,7 +101,7 @@ class PreferenceDataModule(StepDataModule):
                     )
                 overlong += 1
                 continue
-            pairs.append(Pair(chosen, rejected, {"margin": float(row.get("margin") or 0.0)}))
+            pairs.append(Pair(chosen, rejected, {"margin": float(row.get("margin", 0.0))}))
             locations.append(where)
         if overlong:
             log.warning("%s: skipped %d pairs longer than data.max_length_per_device=%d (data.drop_overlong)",

@@ -9,6 +9,7 @@ Every error names the file and row (see `Rows.locate`), the field, the value and
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rl_lightning.data.loading import Rows
@@ -71,6 +72,9 @@ def check_preference_rows(rows: Rows) -> None:
                 raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__} {_short(value)}")
         if chosen == rejected:
             raise DataError(f"{where}: 'chosen' and 'rejected' are identical ({_short(chosen)}); drop the row")
+        margin = row.get("margin", 0.0)
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+            raise DataError(f"{where}: 'margin' must be a finite number, got {_short(margin)}; fix or remove it")
 
 
 def check_prompt_rows(rows: Rows) -> None:

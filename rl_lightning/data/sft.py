@@ -66,7 +66,7 @@ class SFTDataModule(StepDataModule):
             where = rows.locate(i)
             example = tokenize_messages(self.tokenizer, row["messages"], hp.max_length, hp.apply_chat_template, where)
             truncated += example.truncated
-            if sum(example.loss_mask) > 0:  # zero only after truncation: nothing left to learn, drop it
+            if example.has_targets:  # False only after truncation: nothing left to learn, drop it
                 examples.append(example)
                 locations.append(where)
         if not examples:

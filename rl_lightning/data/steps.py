@@ -58,8 +58,12 @@ def data_parallel_coords(trainer: Any) -> tuple[int, int]:
     return trainer.global_rank, trainer.world_size
 
 
-def _sequence_tensors(sequences: Sequence[TokenizedExample]) -> list[dict[str, torch.Tensor]]:
-    """Per sequence: ids, next-token targets (the last token has none) and which tokens are targets/last."""
+def _sequence_tensors(sequences: Sequence[TokenizedExample], pad_token_id: int) -> list[dict[str, torch.Tensor]]:
+    """Per sequence: ids, next-token targets (the last token has none) and which tokens are targets/last.
+
+    ``last_mask`` marks the last token that is not the pad token, which is where transformers' sequence classifiers
+    pool: when a tokenizer pads with EOS and sequences end with EOS, the reward is read before the trailing EOS, in
+    training exactly as in the exported model."""
     out = []
     for s in sequences:
         ids = torch.tensor(s.input_ids, dtype=torch.long)
@@ -68,7 +72,8 @@ def _sequence_tensors(sequences: Sequence[TokenizedExample]) -> list[dict[str, t
         target_ids = torch.zeros_like(ids)
         target_ids[:-1] = ids[1:]
         last_mask = torch.zeros_like(ids)
-        last_mask[-1] = 1
+        not_pad = (ids != pad_token_id).nonzero()
+        last_mask[int(not_pad[-1]) if len(not_pad) else len(ids) - 1] = 1
         out.append({"input_ids": ids, "target_ids": target_ids, "target_mask": target_mask, "last_mask": last_mask})
     return out
 
@@ -80,7 +85,7 @@ def pack(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, 
     """Concatenate sequences into one (1, N) row with restarting position ids."""
     if not sequences:  # an empty micro-batch still runs forward/backward so collectives stay matched
         sequences = [TokenizedExample([pad_token_id], [0])]
-    tensors = _sequence_tensors(sequences)
+    tensors = _sequence_tensors(sequences, pad_token_id)
     lengths = torch.tensor([len(t["input_ids"]) for t in tensors])
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = lengths.cumsum(0)
@@ -96,7 +101,7 @@ def pad(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, t
     """Right-pad sequences into (B, T) rows with an attention mask."""
     if not sequences:
         sequences = [TokenizedExample([pad_token_id], [0])]
-    tensors = _sequence_tensors(sequences)
+    tensors = _sequence_tensors(sequences, pad_token_id)
     size = (len(tensors), max(len(t["input_ids"]) for t in tensors))
     batch = {key: torch.zeros(size, dtype=torch.long) for key in (*TOKEN_FIELDS, "attention_mask")}
     batch["input_ids"].fill_(pad_token_id)
@@ -127,6 +132,8 @@ class StepDataset(IterableDataset):
         epoch_fn: returns the current epoch (the trainer's), so shuffling survives restarts.
         start_step_fn: returns how many steps of this epoch are already done (the trainer's progress), so a run
             resumed mid-epoch continues with the next step's data instead of replaying the epoch's first steps.
+        drop_remainder: skip the last, incomplete step (training: every step has the same global batch size);
+            False serves it too (validation: every row is evaluated; ranks left without rows run filler passes).
     """
 
     def __init__(
@@ -142,13 +149,16 @@ class StepDataset(IterableDataset):
         shuffle: bool,
         epoch_fn: Callable[[], int] = lambda: 0,
         start_step_fn: Callable[[], int] = lambda: 0,
+        drop_remainder: bool = True,
     ) -> None:
         self.units, self.rows_per_rank, self.dp_rank, self.dp_size = units, rows_per_rank, dp_rank, dp_size
         self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
         self.pad_token_id, self.shuffle, self.epoch_fn, self.start_step_fn = pad_token_id, shuffle, epoch_fn, start_step_fn
+        self.drop_remainder = drop_remainder
 
     def __len__(self) -> int:
-        return len(self.units) // (self.rows_per_rank * self.dp_size)
+        rows = self.rows_per_rank * self.dp_size
+        return len(self.units) // rows if self.drop_remainder else -(-len(self.units) // rows)
 
     def step_units(self, step_indices: Sequence[int]) -> list[list[Unit]]:
         """This rank's micro-batches (lists of units) for the global step made of `step_indices`."""
@@ -157,7 +167,8 @@ class StepDataset(IterableDataset):
             plan = plan_micro_batches([unit_length(u) for u in units], self.dp_size, self.max_tokens)[self.dp_rank]
             return [[units[i] for i in mb] for mb in plan]
         mine = units[self.dp_rank * self.rows_per_rank : (self.dp_rank + 1) * self.rows_per_rank]
-        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+        count = -(-self.rows_per_rank // self.micro_batch_size)  # the same on every rank, even for a short last step
+        return [mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size] for i in range(count)]
 
     def collate(self, micro_batch: list[Unit]) -> dict[str, torch.Tensor]:
         sequences = [s for unit in micro_batch for s in unit_sequences(unit)]

@@ -27,6 +27,11 @@ class TokenizedExample:
     loss_mask: list[int]
     truncated: bool = False
 
+    @property
+    def has_targets(self) -> bool:
+        """Whether some token is predicted (a sequence's first token never is: nothing precedes it)."""
+        return any(self.loss_mask[1:])
+
 
 def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -36,14 +41,18 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _chat_segments(tokenizer: Any, messages: list[dict], where: str) -> list[tuple[str, int]]:
+def _target_turns(messages: list[dict], last_turn_only: bool) -> set[int]:
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return set(turns[-1:] if last_turn_only else turns)
+
+
+def _chat_segments(tokenizer: Any, messages: list[dict], where: str, targets: set[int]) -> list[tuple[str, int]]:
     """Split the rendered conversation into (text, is_target) segments by rendering prefixes."""
     segments: list[tuple[str, int]] = []
     rendered = ""
-    for i, message in enumerate(messages):
-        is_assistant = message["role"] == "assistant"
-        steps = [(messages[:i], True, 0)] if is_assistant else []
-        steps.append((messages[: i + 1], False, int(is_assistant)))
+    for i in range(len(messages)):
+        steps = [(messages[:i], True, 0)] if i in targets else []
+        steps.append((messages[: i + 1], False, int(i in targets)))
         for prefix, generation_prompt, is_target in steps:
             text = _render(tokenizer, prefix, generation_prompt) if prefix or generation_prompt else ""
             if not text.startswith(rendered):
@@ -63,6 +72,7 @@ def tokenize_messages(
     max_length: int | None = None,
     apply_chat_template: bool = True,
     where: str = "row",
+    last_turn_only: bool = False,
 ) -> TokenizedExample:
     """Tokenise a conversation and mark the assistant tokens.
 
@@ -73,15 +83,18 @@ def tokenize_messages(
         apply_chat_template: when False (base models), concatenate the contents with no template and append the EOS
             token after each assistant message so the model learns to stop.
         where: row location for error messages.
+        last_turn_only: only the last assistant message is a target (preference completions); otherwise every
+            assistant message is.
     """
+    targets = _target_turns(messages, last_turn_only)
     if apply_chat_template:
-        segments = _chat_segments(tokenizer, messages, where)
+        segments = _chat_segments(tokenizer, messages, where, targets)
     else:
         if tokenizer.eos_token is None:
             raise DataError("`apply_chat_template: false` appends the EOS token, but the tokenizer defines none")
         segments = []
-        for message in messages:
-            is_target = int(message["role"] == "assistant")
+        for i, message in enumerate(messages):
+            is_target = int(i in targets)
             segments.append((message["content"], is_target))
             if is_target:
                 segments.append((tokenizer.eos_token, 1))

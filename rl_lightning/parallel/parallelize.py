@@ -70,10 +70,19 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
 def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:
     """Shard `model` if `module` runs under `ParallelStrategy`, else return it unchanged. Checks what the model and
     task must support for the configured sizes (head counts for TP, ``rl_varlen`` attention for CP)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
     from rl_lightning.parallel.strategy import ParallelStrategy
 
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None
+    if strategy is not None and not isinstance(strategy, (ParallelStrategy, DDPStrategy, SingleDeviceStrategy)):
+        # e.g. Lightning's ModelParallelStrategy (nothing would shard or synchronise the model) or FSDP1 (flat
+        # parameters the global-norm clipping would treat as full copies).
+        raise ConfigError(
+            f"trainer.strategy {type(strategy).__name__} is not supported; use rl_lightning.parallel.ParallelStrategy "
+            "(FSDP2 x context x tensor parallel), ddp, or a single device"
+        )
     if model is None or not isinstance(strategy, ParallelStrategy):
         return model
     attn = model.config._attn_implementation

@@ -138,13 +138,12 @@ def _local_index(layout: ZigzagLayout, rank: int) -> torch.Tensor:
 
 
 def _flash_ring_available(query: torch.Tensor) -> bool:
-    if not query.is_cuda:
+    """CUDA, a dtype flash-attn supports (fp16/bf16; fp32 falls back to the exact torch path) and both libraries."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
         return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("flash_attn", "ring_flash_attn"))
 
 
 def _flash_ring(query, key, value, layout: ZigzagLayout, scaling: float | None) -> torch.Tensor:

@@ -122,6 +122,12 @@ class ParallelStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
 
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend is None and self.cpu_offload and self.root_device.type == "cuda":
+            # Offloaded gradients and weights live on the CPU: their norm/gather collectives need a CPU backend.
+            return "cuda:nccl,cpu:gloo"
+        return super()._get_process_group_backend()
+
     def model_to_device(self) -> None:
         if not self.cpu_offload:  # offloaded FSDP2 parameters must stay on the CPU
             super().model_to_device()

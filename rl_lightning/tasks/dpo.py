@@ -122,6 +122,9 @@ class DPO(L.LightningModule):
         return configure_adamw(self, self.model)
 
     def on_fit_start(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ParallelStrategy) and strategy.cpu_offload:
+            return  # FSDP2 keeps the offloaded reference's shards on the CPU and streams them in
         if self._reference is not None and not self.hparams.reference_offload:
             self._reference.to(self.device)
 
@@ -130,7 +133,8 @@ class DPO(L.LightningModule):
         """(S,) reference completion log-probabilities for each micro-batch (zeros when reference-free)."""
         if self._reference is None:
             return [torch.zeros(int(mb["num_sequences"]), device=self.device) for mb in micro_batches]
-        self._reference.to(self.device)
+        if self.hparams.reference_offload:
+            self._reference.to(self.device)
         layout = parallel_layout(self.trainer)
         logps = [completion_logps(self._reference, local_micro_batch(layout, mb)) for mb in micro_batches]
         if self.hparams.reference_offload:
