@@ -1,0 +1,52 @@
+"""The rollout engine protocol: token ids in, token ids (+ log-probabilities) out.
+
+Token-in/token-out means completions are never re-tokenised: the trainer scores exactly the tokens the engine
+sampled, and the engine's per-token log-probabilities can correct for sampling mismatches (truncated importance
+sampling). Engines: `rl_lightning.rollout.hf.HFEngine` (transformers ``generate`` on the policy itself) and, next, a
+colocated vLLM engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. `temperature` 0 is greedy; `seed` makes sampling reproducible (per request: seed + index)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled completion: its token ids, the engine's log-probability of each (None if not provided) and whether
+    it ended with a stop token (False: truncated at `max_new_tokens`)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (a list of token ids), in prompt order."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors by Hugging Face parameter name."""
+
+    def wake(self) -> None:
+        """Make weights and cache resident before generation (no-op where sleeping is not supported)."""
+
+    def sleep(self) -> None:
+        """Release generation memory for training (no-op where sleeping is not supported)."""

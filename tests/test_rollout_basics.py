@@ -1,0 +1,86 @@
+"""HF engine: greedy == argmax decoding, seeded sampling reproducible, engine logprobs == recomputed processed
+logprobs; environment loading and the reward-error policy."""
+
+import math
+
+import pytest
+import torch
+from conftest import TINY_MODEL, assert_close
+
+from rl_lightning.algorithms import token_logprobs
+from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.models import load_causal_lm
+from rl_lightning.rollout.engine import SamplingParams
+from rl_lightning.rollout.env import load_environment
+from rl_lightning.rollout.hf import HFEngine
+
+PROMPT = [258, 84, 82, 68, 81, 198, 54, 71, 64, 83, 256, 198, 258, 64]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = load_causal_lm(str(TINY_MODEL))
+    return HFEngine(model, pad_token_id=257)
+
+
+def test_greedy_equals_argmax_decoding(engine):
+    (completion,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=6))[0]
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, engine.model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert completion.token_ids == ids[0, len(PROMPT):].tolist() and not completion.finished
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(engine):
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, seed=123)
+    first = engine.generate([PROMPT, PROMPT[:5]], params)
+    second = engine.generate([PROMPT, PROMPT[:5]], params)
+    assert [[c.token_ids for c in g] for g in first] == [[c.token_ids for c in g] for g in second]
+    assert len({tuple(c.token_ids) for c in first[0]}) > 1  # n samples differ from each other
+    completion = first[0][0]
+    ids = torch.tensor([PROMPT + completion.token_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[:, len(PROMPT) - 1 : -1]
+    recomputed = token_logprobs(logits, ids[:, len(PROMPT):], temperature=0.7)[0]
+    assert_close(torch.tensor(completion.logprobs), recomputed, atol=1e-4)  # generate's cached vs full forward
+
+
+def test_stop_tokens_end_completions(engine):
+    (greedy,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=6))[0]
+    stop = greedy.token_ids[2]
+    (stopped,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[stop]))[0]
+    first = greedy.token_ids.index(stop)
+    assert stopped.finished and stopped.token_ids == greedy.token_ids[: first + 1]
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+
+
+def _env(tmp_path, source):
+    path = tmp_path / "env.py"
+    path.write_text(source)
+    return str(path)
+
+
+def test_environment_loading_errors(tmp_path):
+    with pytest.raises(ConfigError, match="env_path '.*missing.py' does not exist"):
+        load_environment(str(tmp_path / "missing.py"))
+    with pytest.raises(ConfigError, match="must define reward_fn"):
+        load_environment(_env(tmp_path, "def score(messages, answer):\n    return 1.0\n"))
+    with pytest.raises(ConfigError, match="reward_fn must take"):
+        load_environment(_env(tmp_path, "def reward_fn(messages):\n    return 1.0\n"))
+    with pytest.raises(ConfigError, match="failed to import: ZeroDivisionError"):
+        load_environment(_env(tmp_path, "x = 1 / 0\n"))
+
+
+def test_reward_errors_fail_fast_or_score_zero(tmp_path):
+    path = _env(tmp_path, "def reward_fn(messages, answer):\n    if answer == 'nan':\n        return float('nan')\n"
+                          "    return 1 / int(answer)\n\ndef interact(messages):\n    return []\n")
+    env = load_environment(path)
+    assert env.interact is not None and env.score([], "4", "row 1") == 0.25
+    with pytest.raises(DataError, match=r"row 2: reward_fn from .*env.py failed \(ZeroDivisionError"):
+        env.score([], "0", "row 2")
+    with pytest.raises(DataError, match="non-finite"):
+        env.score([], "nan", "row 3")
+    lenient = load_environment(path, on_error="zero")
+    assert lenient.score([], "0", "row 2") == 0.0 and lenient.score([], "nan", "row 3") == 0.0
+    assert lenient.failures == 2 and not math.isnan(lenient.score([], "2", "row 4"))
