@@ -13,6 +13,8 @@ every per-token tensor can be sliced along T (context parallelism) without looki
 - ``target_mask``: 1 where ``target_ids`` is a training target (an assistant/completion token);
 - ``last_mask``: 1 at each sequence's last token (where a reward model reads its score);
 - ``seq_index``: which sequence of the micro-batch each token belongs to (-1 for padding);
+- ``target_<name>``: float per-token values of the target token (from `TokenizedExample.values`, e.g. engine
+  log-probabilities or advantages of sampled completions);
 - ``cu_seqlens``: (S + 1,) int32 cumulative sequence lengths (packed only);
 - ``num_sequences``, ``num_units`` (scalars) and per-unit scalars such as ``margin`` (U,).
 """
@@ -74,11 +76,20 @@ def _sequence_tensors(sequences: Sequence[TokenizedExample], pad_token_id: int) 
         last_mask = torch.zeros_like(ids)
         not_pad = (ids != pad_token_id).nonzero()
         last_mask[int(not_pad[-1]) if len(not_pad) else len(ids) - 1] = 1
-        out.append({"input_ids": ids, "target_ids": target_ids, "target_mask": target_mask, "last_mask": last_mask})
+        tensors = {"input_ids": ids, "target_ids": target_ids, "target_mask": target_mask, "last_mask": last_mask}
+        for name, per_token in s.values.items():
+            shifted = torch.zeros(len(ids), dtype=torch.float32)
+            shifted[:-1] = torch.tensor(per_token[1:], dtype=torch.float32)
+            tensors[f"target_{name}"] = shifted
+        out.append(tensors)
     return out
 
 
-TOKEN_FIELDS = ("input_ids", "target_ids", "target_mask", "last_mask")
+def _token_fields(tensors: list[dict[str, torch.Tensor]]) -> list[str]:
+    names = [set(t) for t in tensors]
+    if any(n != names[0] for n in names):
+        raise ValueError("every sequence of a micro-batch must carry the same per-token values")
+    return sorted(names[0])
 
 
 def pack(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -89,7 +100,7 @@ def pack(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, 
     lengths = torch.tensor([len(t["input_ids"]) for t in tensors])
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = lengths.cumsum(0)
-    batch = {key: torch.cat([t[key] for t in tensors]).unsqueeze(0) for key in TOKEN_FIELDS}  # (1, N) each
+    batch = {key: torch.cat([t[key] for t in tensors]).unsqueeze(0) for key in _token_fields(tensors)}  # (1, N)
     batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0)  # (1, N)
     batch["seq_index"] = torch.repeat_interleave(torch.arange(len(lengths)), lengths).unsqueeze(0)  # (1, N)
     batch["cu_seqlens"] = cu_seqlens  # (S + 1,)
@@ -103,12 +114,14 @@ def pad(sequences: Sequence[TokenizedExample], pad_token_id: int) -> dict[str, t
         sequences = [TokenizedExample([pad_token_id], [0])]
     tensors = _sequence_tensors(sequences, pad_token_id)
     size = (len(tensors), max(len(t["input_ids"]) for t in tensors))
-    batch = {key: torch.zeros(size, dtype=torch.long) for key in (*TOKEN_FIELDS, "attention_mask")}
+    fields = _token_fields(tensors)
+    batch = {key: torch.zeros(size, dtype=tensors[0][key].dtype) for key in fields}
+    batch["attention_mask"] = torch.zeros(size, dtype=torch.long)
     batch["input_ids"].fill_(pad_token_id)
     batch["seq_index"] = torch.full(size, -1, dtype=torch.long)
     for i, t in enumerate(tensors):
         n = len(t["input_ids"])
-        for key in TOKEN_FIELDS:
+        for key in fields:
             batch[key][i, :n] = t[key]
         batch["attention_mask"][i, :n] = 1
         batch["seq_index"][i, :n] = i

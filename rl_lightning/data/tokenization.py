@@ -13,7 +13,7 @@ at generation time (the prompt is tokenised, then the completion is generated to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rl_lightning.errors import DataError
@@ -21,11 +21,14 @@ from rl_lightning.errors import DataError
 
 @dataclass
 class TokenizedExample:
-    """One tokenised conversation: `loss_mask[t] == 1` marks token t as a training target."""
+    """One tokenised sequence: `loss_mask[t] == 1` marks token t as a training target."""
 
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False
+    # Per-token floats about token i as a *target* (e.g. the engine's log-probability of sampling it, its advantage);
+    # batches carry them at the predicting position as ``target_<name>``.
+    values: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def has_targets(self) -> bool:

@@ -23,8 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TOKEN_KEYS = ("input_ids", "position_ids", "target_ids", "target_mask", "last_mask", "seq_index")
-
 
 @dataclass
 class ZigzagLayout:
@@ -90,11 +88,11 @@ def _pad_row(row: torch.Tensor, source: torch.Tensor, key: str, padded_lengths: 
     """(1, N) -> (1, N') with each sequence padded; padding is never a target or a last token."""
     out = row[:, source.clamp(min=0)].clone()
     pad = source < 0
-    if key in ("target_mask", "last_mask", "target_ids", "input_ids"):
-        out[:, pad] = 0
-    elif key == "position_ids":  # continue counting so rotary embeddings stay defined for the padding
+    if key == "position_ids":  # continue counting so rotary embeddings stay defined for the padding
         positions = torch.cat([torch.arange(n) for n in padded_lengths]).to(out.device)
         out[0] = positions
+    elif key != "seq_index":  # padding joins its sequence (seq_index) but is never a target or last token
+        out[:, pad] = 0
     return out
 
 
@@ -103,7 +101,9 @@ def shard_micro_batch(micro_batch: dict[str, Any], rank: int, size: int, group: 
     plus ``cp_layout`` for the attention and for `gather_tokens`."""
     layout = zigzag_layout(micro_batch["cu_seqlens"].cpu(), rank, size, group)
     local = dict(micro_batch)
-    for key in TOKEN_KEYS:
+    length = micro_batch["input_ids"].shape[1]
+    token_keys = [k for k, v in micro_batch.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == length]
+    for key in token_keys:
         row = micro_batch[key]
         padded = _pad_row(row, layout.source.to(row.device), key, layout.padded_lengths)
         local[key] = padded[:, layout.local_index.to(row.device)]

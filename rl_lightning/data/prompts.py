@@ -1,0 +1,153 @@
+"""Prompt DataModule for reinforcement learning: each batch is one rollout's prompts for this data-parallel rank.
+
+Rows are ``{"messages": [prompt...], "answer": ...}``. Prompts are rendered with the chat template and the generation
+prompt (or concatenated for base models) and tokenised once at ``setup``. Prompts longer than `max_prompt_length` are
+dropped, counted and logged (never truncated: a cut question has no right answer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from rl_lightning.data.datamodule import load_tokenizer_for_data
+from rl_lightning.data.loading import Rows, load_rows
+from rl_lightning.data.rows import check_prompt_rows
+from rl_lightning.data.steps import check_enough_rows, data_parallel_coords, log_stats
+from rl_lightning.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """A tokenised prompt with what the reward function needs (`messages`, `answer`) and its row location."""
+
+    prompt_ids: list[int]
+    messages: list[dict]
+    answer: Any
+    where: str
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict], apply_chat_template: bool) -> list[int]:
+    if apply_chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "".join(m["content"] for m in messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class PromptBatches(IterableDataset):
+    """Yields this rank's share (a list of `Prompt`) of each rollout's global prompt batch; every rank walks the same
+    seeded permutation, and a run resumed mid-epoch continues at the next rollout."""
+
+    def __init__(self, prompts: list[Prompt], per_rank: int, dp_rank: int, dp_size: int, shuffle: bool,
+                 epoch_fn: Callable[[], int] = lambda: 0, start_fn: Callable[[], int] = lambda: 0) -> None:
+        self.prompts, self.per_rank, self.dp_rank, self.dp_size = prompts, per_rank, dp_rank, dp_size
+        self.shuffle, self.epoch_fn, self.start_fn = shuffle, epoch_fn, start_fn
+
+    def __len__(self) -> int:
+        return len(self.prompts) // (self.per_rank * self.dp_size)
+
+    def __iter__(self):
+        order = torch.arange(len(self.prompts))
+        if self.shuffle:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.epoch_fn()
+            order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
+        rows = self.per_rank * self.dp_size
+        for step in range(self.start_fn(), len(self)):
+            mine = order[step * rows + self.dp_rank * self.per_rank : step * rows + (self.dp_rank + 1) * self.per_rank]
+            yield [self.prompts[i] for i in mine.tolist()]
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts with reference answers for RL.
+
+    Args:
+        path: training prompts (local JSON/JSONL/CSV/Parquet/Arrow, ``save_to_disk`` folder or Hugging Face name);
+            rows ``{"messages": [...], "answer": ...}``.
+        tokenizer_name: tokenizer (linked from ``model.model_name`` by the CLI).
+        val_path: optional held-out prompts, scored with greedy decoding at validation.
+        split: split for Hugging Face datasets and ``DatasetDict`` folders.
+        max_prompt_length: prompts with more tokens are dropped and counted (``data/train_dropped``).
+        apply_chat_template: render with the chat template and generation prompt; False concatenates contents.
+        batch_size: prompts per rollout per data-parallel rank (each gets ``responses_per_prompt`` completions).
+        shuffle: reshuffle every epoch (seeded by ``seed_everything``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer_name: str | None = None,
+        val_path: str | None = None,
+        split: str = "train",
+        max_prompt_length: int = 512,
+        apply_chat_template: bool = True,
+        batch_size: int = 8,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        errors = []
+        if max_prompt_length < 1:
+            errors.append(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
+        if batch_size < 1:
+            errors.append(f"data.batch_size must be >= 1, got {batch_size}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        self.save_hyperparameters(logger=False)
+        self.tokenizer = load_tokenizer_for_data(tokenizer_name)
+        self.prompts: dict[str, list[Prompt]] = {}
+        self.stats: dict[str, int] = {}
+        if val_path is None:
+            self.val_dataloader = None  # type: ignore[method-assign]
+
+    def _load(self, rows: Rows, name: str) -> list[Prompt]:
+        hp = self.hparams
+        check_prompt_rows(rows)
+        prompts = []
+        for i, row in enumerate(rows.rows):
+            ids = encode_prompt(self.tokenizer, row["messages"], hp.apply_chat_template)
+            if len(ids) <= hp.max_prompt_length:
+                prompts.append(Prompt(ids, row["messages"], row["answer"], rows.locate(i)))
+        dropped = len(rows) - len(prompts)
+        if not prompts:
+            raise DataError(f"{rows.source}: every prompt is longer than data.max_prompt_length="
+                            f"{hp.max_prompt_length}; raise it")
+        if dropped:
+            log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d", rows.source, dropped,
+                        len(rows), hp.max_prompt_length)
+        self.stats.update({f"data/{name}_rows": len(rows), f"data/{name}_dropped": dropped})
+        return prompts
+
+    def setup(self, stage: str) -> None:
+        hp = self.hparams
+        for name, path in (("train", hp.path), ("val", hp.val_path)):
+            if path and name not in self.prompts:
+                self.prompts[name] = self._load(load_rows(path, hp.split), name)
+        check_enough_rows(len(self.prompts["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
+        log_stats(self.trainer, self.stats)
+
+    def _loader(self, name: str, shuffle: bool) -> DataLoader:
+        dp_rank, dp_size = data_parallel_coords(self.trainer)
+        trainer = self.trainer
+        dataset = PromptBatches(
+            self.prompts[name], self.hparams.batch_size, dp_rank, dp_size, shuffle,
+            lambda: trainer.current_epoch if trainer else 0,
+            (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed)
+            if trainer and name == "train" else (lambda: 0),
+        )
+        # Prompts stay Python objects (the rollout callback tokenises nothing again and moves nothing to a device).
+        return DataLoader(dataset, batch_size=None, collate_fn=lambda batch: batch)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.hparams.shuffle)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", False)
