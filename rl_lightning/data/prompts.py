@@ -143,8 +143,8 @@ class PromptDataModule(L.LightningDataModule):
             (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed)
             if trainer and name == "train" else (lambda: 0),
         )
-        # Prompts stay Python objects (the rollout callback tokenises nothing again and moves nothing to a device).
-        return DataLoader(dataset, batch_size=None, collate_fn=lambda batch: batch)
+        # A dict the rollout callback can extend in place (``batch["trajectories"]``); prompts stay Python objects.
+        return DataLoader(dataset, batch_size=None, collate_fn=lambda prompts: {"prompts": prompts})
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.hparams.shuffle)

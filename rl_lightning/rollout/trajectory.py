@@ -1,0 +1,108 @@
+"""Turning prompts into scored trajectories with an engine: single- or multi-turn, token-in/token-out.
+
+Generated tokens are kept exactly as sampled (never re-tokenised) and are the only training targets; text the
+environment adds (tool results, the chat template's turn markers) is tokenised and appended with mask 0. Each turn's
+context text is the difference between the chat template's rendering of the conversation before and after the tool
+messages, so the token sequence is what the template would produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rl_lightning.data.prompts import Prompt
+from rl_lightning.data.tokenization import TokenizedExample
+from rl_lightning.errors import DataError
+from rl_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
+from rl_lightning.rollout.env import Environment
+
+
+@dataclass
+class Trajectory:
+    """One sampled conversation: tokens, which were generated (`completion_mask`), the engine's log-probabilities of
+    the generated tokens (0 elsewhere), the decoded conversation and its reward."""
+
+    prompt: Prompt
+    input_ids: list[int]
+    completion_mask: list[int]
+    engine_logprobs: list[float]
+    messages: list[dict]
+    finished: bool
+    turns: int = 1
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completion_length(self) -> int:
+        return sum(self.completion_mask)
+
+    def example(self, **values: list[float]) -> TokenizedExample:
+        """As a packing unit: targets are the generated tokens; per-token `values` (e.g. advantages) ride along."""
+        return TokenizedExample(self.input_ids, self.completion_mask, values={"engine_logprobs": self.engine_logprobs,
+                                                                              **values})
+
+
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _start(prompt: Prompt, completion: Completion, tokenizer: Any) -> Trajectory:
+    logprobs = completion.logprobs or [0.0] * len(completion.token_ids)
+    text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    return Trajectory(
+        prompt, prompt.prompt_ids + completion.token_ids, [0] * len(prompt.prompt_ids) + [1] * len(completion.token_ids),
+        [0.0] * len(prompt.prompt_ids) + list(logprobs), prompt.messages + [{"role": "assistant", "content": text}],
+        completion.finished,
+    )
+
+
+def _context_tokens(tokenizer: Any, trajectory: Trajectory, tool_messages: list[dict], generated: list[int]) -> list[int]:
+    """Tokens between the last generated token and the next generation: the rest of the assistant turn as the
+    template renders it (e.g. the newline after the end-of-turn token), the tool messages, the generation prompt."""
+    before = _render(tokenizer, trajectory.messages[:-1], True) + tokenizer.decode(generated)
+    after = _render(tokenizer, trajectory.messages + tool_messages, True)
+    if not after.startswith(before):
+        raise DataError(
+            f"{trajectory.prompt.where}: the chat template does not render the generated assistant turn as a prefix of "
+            "the conversation with the tool messages, so tool tokens cannot be appended token-in/token-out"
+        )
+    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+
+
+def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, tokenizer: Any, params: SamplingParams,
+            max_turns: int = 1) -> list[Trajectory]:
+    """`params.n` scored trajectories per prompt (grouped: prompt 0's first), multi-turn when `max_turns` > 1 and
+    the environment has ``interact``: a turn ends at a stop token; ``interact(messages)`` returns tool messages to
+    append (``[]`` ends the conversation), then generation continues, up to `max_turns` assistant turns. Truncated
+    turns (no stop token) end the conversation."""
+    groups = engine.generate([p.prompt_ids for p in prompts], params)
+    trajectories = [_start(p, c, tokenizer) for p, group in zip(prompts, groups, strict=True) for c in group]
+    last_generated = [c.token_ids for group in groups for c in group]
+    for turn in range(1, max_turns):
+        active = [i for i, t in enumerate(trajectories) if env.interact is not None and t.finished and t.turns == turn]
+        tool_messages = {i: env.interact(trajectories[i].messages) for i in active}
+        active = [i for i in active if tool_messages[i]]
+        if not active:
+            break
+        for i in active:
+            context = _context_tokens(tokenizer, trajectories[i], tool_messages[i], last_generated[i])
+            t = trajectories[i]
+            t.input_ids += context
+            t.completion_mask += [0] * len(context)
+            t.engine_logprobs += [0.0] * len(context)
+            t.messages = t.messages + tool_messages[i]
+        seeded = replace(params, n=1, seed=None if params.seed is None else params.seed + 7919 * turn)
+        continuations = engine.generate([trajectories[i].input_ids for i in active], seeded)
+        for i, (completion,) in zip(active, continuations, strict=True):
+            t = trajectories[i]
+            t.input_ids += completion.token_ids
+            t.completion_mask += [1] * len(completion.token_ids)
+            t.engine_logprobs += completion.logprobs or [0.0] * len(completion.token_ids)
+            text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            t.messages = t.messages + [{"role": "assistant", "content": text}]
+            t.finished, t.turns = completion.finished, turn + 1
+            last_generated[i] = completion.token_ids
+    for t in trajectories:
+        t.reward = env.score(t.messages, t.prompt.answer, t.prompt.where)
+    return trajectories
