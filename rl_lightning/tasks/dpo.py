@@ -21,13 +21,11 @@ from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.tasks.step import (
     configure_adamw,
-    data_parallel_sum,
-    grad_average_size,
     local_micro_batch,
-    log_global_means,
     log_validation_means,
-    optimizer_step,
     pair_slices,
+    pairwise_step,
+    pairwise_validation,
     parallel_layout,
     sequence_sums,
     target_logprobs,
@@ -155,24 +153,11 @@ class DPO(L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        num_pairs = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
-        normaliser = num_pairs / grad_average_size(self.trainer)
-        sums: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros((), device=self.device)
-        for micro_batch, ref_logps in zip(micro_batches, self.reference_logps(micro_batches), strict=True):
-            loss, metrics = self._pair_loss(micro_batch, ref_logps, normaliser)
-            self.manual_backward(loss)
-            loss_sum += loss.detach() * normaliser
-            sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
-        grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
-        log_global_means(self, {**sums, "loss": loss_sum}, num_pairs, "train")
-        self.log_dict({"train/grad_norm": grad_norm, "train/pairs": num_pairs})
+        pairwise_step(self, micro_batches, self._pair_loss, self.reference_logps(micro_batches))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        for micro_batch, ref_logps in zip(micro_batches, self.reference_logps(micro_batches), strict=True):
-            loss, metrics = self._pair_loss(micro_batch, ref_logps, 1.0)
-            self._val.append({**metrics, "loss": loss.detach(), "pairs": micro_batch["num_units"].float()})
+        pairwise_validation(self._val, micro_batches, self._pair_loss, self.reference_logps(micro_batches))
 
     def on_validation_epoch_end(self) -> None:
         log_validation_means(self, self._val, "pairs")

@@ -166,3 +166,29 @@ def log_validation_means(module: Any, records: list[dict[str, torch.Tensor]], co
         count = data_parallel_sum(module.trainer, sums.pop(count_key))
         log_global_means(module, sums, count, "val")
     records.clear()
+
+
+def pairwise_step(module: Any, micro_batches: list[dict[str, Any]], pair_loss: Any, extras: list[Any]) -> None:
+    """One optimizer step of a pairwise-preference task: ``pair_loss(micro_batch, extra, normaliser) -> (loss,
+    metric sums)`` per micro-batch (`extras` aligned with them, e.g. reference log-probabilities), backward,
+    step, and global-mean logging of the metrics per pair."""
+    num_pairs = data_parallel_sum(module.trainer, sum(mb["num_units"] for mb in micro_batches))
+    normaliser = num_pairs / grad_average_size(module.trainer)
+    sums: dict[str, torch.Tensor] = {}
+    loss_sum = torch.zeros((), device=module.device)
+    for micro_batch, extra in zip(micro_batches, extras, strict=True):
+        loss, metrics = pair_loss(micro_batch, extra, normaliser)
+        module.manual_backward(loss)
+        loss_sum += loss.detach() * normaliser
+        sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
+    grad_norm = optimizer_step(module, module.hparams.max_grad_norm)
+    log_global_means(module, {**sums, "loss": loss_sum}, num_pairs, "train")
+    module.log_dict({"train/grad_norm": grad_norm, "train/pairs": num_pairs})
+
+
+def pairwise_validation(records: list[dict[str, torch.Tensor]], micro_batches: list[dict[str, Any]], pair_loss: Any,
+                        extras: list[Any]) -> None:
+    """Append each micro-batch's metric sums (and pair count) to `records` for `log_validation_means`."""
+    for micro_batch, extra in zip(micro_batches, extras, strict=True):
+        loss, metrics = pair_loss(micro_batch, extra, 1.0)
+        records.append({**metrics, "loss": loss.detach(), "pairs": micro_batch["num_units"].float()})
