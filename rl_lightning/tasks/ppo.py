@@ -4,7 +4,9 @@ Each training batch is one rollout: the `RolloutCallback` has already sampled ``
 prompt and scored them. This task then
 
 1. turns outcome rewards into advantages with a group baseline (``drgrpo``: reward minus group mean, the default;
-   ``grpo``: also divided by the group std; ``rloo``: leave-one-out mean) and spreads them over completion tokens;
+   ``grpo``: also divided by the group std; ``rloo``: leave-one-out mean) spread over completion tokens, or with
+   ``gae``: a critic (scalar head on the policy's backbone, its own optimizer) and generalised advantage estimation
+   over the completion tokens, the outcome reward on the last one;
 2. splits the trajectories into ``update_per_rollout`` minibatches, packs each into balanced micro-batches, and
    records the sampling policy's log-probabilities (``old_logprobs``, before any update of this rollout) and, when
    the KL loss is on, the frozen reference's;
@@ -14,7 +16,7 @@ prompt and scored them. This task then
    global counts.
 
 Departures from the papers: the KL term is a loss term (GRPO's choice) with the k1/k2/k3 estimator of your choice;
-GAE with a critic, reward-type KL and DAPO's dynamic sampling are not in this task yet.
+advantages are not whitened; reward-type KL, adaptive KL control and DAPO's dynamic sampling are not in this task yet.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from typing import Any
 import lightning as L
 import torch
 
-from rl_lightning.algorithms import KL_ESTIMATORS, group_advantages, rloo_advantages, token_logprobs
+from rl_lightning.algorithms import KL_ESTIMATORS, gae, group_advantages, rloo_advantages, token_logprobs
 from rl_lightning.algorithms.advantages import broadcast_to_tokens
 from rl_lightning.algorithms.policy import (
     clipped_policy_loss,
+    clipped_value_loss,
     entropy_from_logits,
     token_mean,
     truncated_importance_weights,
@@ -35,7 +38,7 @@ from rl_lightning.algorithms.policy import (
 from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
 from rl_lightning.errors import ConfigError
-from rl_lightning.models import load_causal_lm, load_tokenizer
+from rl_lightning.models import load_causal_lm, load_reward_model, load_tokenizer
 from rl_lightning.optim import check_optim_args
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.tasks.step import (
@@ -49,7 +52,7 @@ from rl_lightning.tasks.step import (
     sequence_sums,
 )
 
-ESTIMATORS = ("drgrpo", "grpo", "rloo")
+ESTIMATORS = ("drgrpo", "grpo", "rloo", "gae")
 AGGREGATIONS = ("token", "sequence")
 
 
@@ -58,7 +61,13 @@ class PPO(L.LightningModule):
 
     Args:
         model_name: policy to train (HF folder or hub name); also the tokenizer and the KL reference.
-        advantage_estimator: ``drgrpo`` (group mean baseline), ``grpo`` (mean and std), ``rloo`` (leave-one-out).
+        advantage_estimator: ``drgrpo`` (group mean baseline), ``grpo`` (mean and std), ``rloo`` (leave-one-out),
+            ``gae`` (critic + generalised advantage estimation).
+        gamma: GAE discount over completion tokens.
+        lam: GAE lambda.
+        critic_lr: peak learning rate of the critic (``gae``).
+        value_clip: clip of the value update around the rollout-time value (``gae``); null disables.
+        freeze_steps: rollouts during which only the critic is trained (``gae`` warm-up).
         update_per_rollout: optimizer steps (minibatches) per rollout; must divide the trajectories per rank.
         clip_low: lower ratio clip (1 - clip_low).
         clip_high: upper ratio clip (1 + clip_high); DAPO's clip-higher uses 0.28.
@@ -86,6 +95,11 @@ class PPO(L.LightningModule):
         self,
         model_name: str,
         advantage_estimator: str = "drgrpo",
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        critic_lr: float = 1e-5,
+        value_clip: float | None = 0.2,
+        freeze_steps: int = 0,
         update_per_rollout: int = 1,
         clip_low: float = 0.2,
         clip_high: float = 0.2,
@@ -128,6 +142,7 @@ class PPO(L.LightningModule):
         self.automatic_optimization = False
         self.tokenizer = load_tokenizer(model_name)
         self.model: Any = None
+        self.critic: Any = None
         self._reference: Any = None
         self.rollouts = 0
 
@@ -137,13 +152,22 @@ class PPO(L.LightningModule):
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
         self.model = parallelize_for(self, self.model)
+        if hp.advantage_estimator == "gae":
+            if self.critic is None:
+                self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
+                                                gradient_checkpointing=hp.gradient_checkpointing)
+            self.critic = parallelize_for(self, self.critic)
         if self._reference is None and hp.kl_coef > 0:
             reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
             object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
                                                                    trainable=False))
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.model)
+        actor_optimizers, actor_schedulers = configure_adamw(self, self.model)
+        if self.critic is None:
+            return actor_optimizers, actor_schedulers
+        critic_optimizers, critic_schedulers = configure_adamw(self, self.critic, lr=self.hparams.critic_lr)
+        return actor_optimizers + critic_optimizers, actor_schedulers + critic_schedulers
 
     def on_fit_start(self) -> None:
         from rl_lightning.rollout.callback import RolloutCallback
@@ -153,7 +177,11 @@ class PPO(L.LightningModule):
             raise ConfigError("PPO needs exactly one rl_lightning.rollout.callback.RolloutCallback in trainer.callbacks")
         group = callbacks[0].responses_per_prompt
         per_rank = self.trainer.datamodule.hparams.batch_size * group
-        if group < 2:
+        if self.hparams.advantage_estimator == "gae":
+            if getattr(self.trainer.strategy, "cp_size", 1) > 1:
+                raise ConfigError("model.advantage_estimator=gae needs whole sequences per rank; it does not support "
+                                  "strategy.context_parallel_size > 1 yet")
+        elif group < 2:
             raise ConfigError(f"model.advantage_estimator={self.hparams.advantage_estimator} compares completions of a "
                               f"prompt: set the rollout callback's responses_per_prompt >= 2 (got {group})")
         if per_rank % self.hparams.update_per_rollout:
@@ -175,9 +203,13 @@ class PPO(L.LightningModule):
 
     def _minibatch(self, trajectories: list, advantages: torch.Tensor) -> list[dict[str, Any]]:
         """Pack trajectories into micro-batches (the same count on every data-parallel rank), with old and reference
-        log-probabilities recorded for this rank's tokens."""
-        units = [t.example(advantages=broadcast_to_tokens(a[None], torch.tensor([t.completion_mask]))[0].tolist())
-                 for t, a in zip(trajectories, advantages, strict=True)]
+        log-probabilities (and, for GAE, values, advantages and returns) recorded for this rank's tokens."""
+        units = []
+        for t, a in zip(trajectories, advantages, strict=True):
+            reward = [0.0] * len(t.input_ids)
+            reward[max(i for i, m in enumerate(t.completion_mask) if m)] = t.reward  # on the last generated token
+            per_token = broadcast_to_tokens(a[None], torch.tensor([t.completion_mask]))[0].tolist()
+            units.append(t.example(advantages=per_token, reward=reward))
         lengths = [len(u.input_ids) for u in units]
         count = -(-sum(lengths) // self.hparams.max_length_per_device)
         while True:  # the smallest count that fits locally, then the largest over ranks
@@ -195,8 +227,30 @@ class PPO(L.LightningModule):
                 local["old_logprobs"] = self._logprobs(self.model, local)[0]
                 if self._reference is not None:
                     local["ref_logprobs"] = self._logprobs(self._reference, local)[0]
+                if self.critic is not None:
+                    local["old_values"] = self._values(local)
+                    local["target_advantages"], local["returns"] = self._gae(local)
             micro_batches.append(local)
         return micro_batches
+
+    def _values(self, micro_batch: dict[str, Any]) -> torch.Tensor:
+        """(B, T) critic value of the state at each position (before its target token is generated)."""
+        hidden = self.critic.base_model(**model_inputs(micro_batch)).last_hidden_state
+        return self.critic.score(hidden).squeeze(-1).float()
+
+    def _gae(self, micro_batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, N) advantages and returns, GAE run over each packed sequence's completion tokens in order."""
+        advantages = torch.zeros_like(micro_batch["old_values"])
+        returns = torch.zeros_like(advantages)
+        is_target = micro_batch["target_mask"][0] > 0
+        for s in range(int(micro_batch["num_sequences"])):
+            idx = ((micro_batch["seq_index"][0] == s) & is_target).nonzero().flatten()
+            if len(idx):
+                rewards = micro_batch["target_reward"][:, idx]  # (1, L): the outcome on the last token
+                a, r = gae(rewards, micro_batch["old_values"][:, idx], torch.ones_like(rewards),
+                           self.hparams.gamma, self.hparams.lam)
+                advantages[:, idx], returns[:, idx] = a, r
+        return advantages, returns
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -236,6 +290,14 @@ class PPO(L.LightningModule):
         sums = {k: (v * mask).sum() for k, v in metrics.items()}
         return total, sums
 
+    def _value_loss(self, mb: dict[str, Any], normaliser: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = self._values(mb)
+        mask = mb["target_mask"].float()
+        loss = clipped_value_loss(values, mb["old_values"], mb["returns"], self.hparams.value_clip)
+        sums = {"value_loss": (loss.detach() * mask).sum(), "values": (values.detach() * mask).sum(),
+                "returns": (mb["returns"] * mask).sum()}
+        return token_mean(loss, mask, normaliser), sums
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         trajectories, group = batch["trajectories"], batch["group_size"]
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
@@ -243,24 +305,36 @@ class PPO(L.LightningModule):
         size = len(trajectories) // self.hparams.update_per_rollout
         minibatches = [self._minibatch(trajectories[i : i + size], advantages[i : i + size])
                        for i in range(0, len(trajectories), size)]
-        token_count, sums = torch.zeros((), device=self.device), {}
+        token_count, sums, extra = torch.zeros((), device=self.device), {}, {}
         for micro_batches in minibatches:
             if self.hparams.aggregation == "token":
                 count = data_parallel_sum(self.trainer, sum(mb["target_mask"].sum() for mb in micro_batches))
             else:
                 count = data_parallel_sum(self.trainer, torch.tensor(float(size)))
             normaliser = count / grad_average_size(self.trainer)
+            train_actor = self.rollouts >= self.hparams.freeze_steps
             for mb in micro_batches:
-                loss, metric_sums = self._loss(mb, normaliser)
-                self.manual_backward(loss)
+                metric_sums = {}
+                if train_actor:
+                    loss, metric_sums = self._loss(mb, normaliser)
+                    self.manual_backward(loss)
+                if self.critic is not None:
+                    value_loss, value_sums = self._value_loss(mb, normaliser)
+                    self.manual_backward(value_loss)
+                    metric_sums.update(value_sums)
                 sums = {k: sums.get(k, 0) + v.detach() for k, v in metric_sums.items()}
                 token_count += mb["target_mask"].sum()
-            grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
+            index = None if self.critic is None else 0
+            grad_norm = optimizer_step(self, self.hparams.max_grad_norm, index, self.model) if train_actor else \
+                torch.zeros(())
+            if self.critic is not None:
+                extra["train/critic_grad_norm"] = optimizer_step(self, self.hparams.max_grad_norm, 1, self.critic)
         self.rollouts += 1
-        self._log_rollout(trajectories, rewards, advantages, sums, token_count, grad_norm, batch)
+        extra["train/grad_norm"] = grad_norm
+        self._log_rollout(trajectories, rewards, advantages, sums, token_count, extra, batch)
 
     def _log_rollout(self, trajectories: list, rewards: torch.Tensor, advantages: torch.Tensor, sums: dict,
-                     token_count: torch.Tensor, grad_norm: torch.Tensor, batch: dict) -> None:
+                     token_count: torch.Tensor, extra: dict, batch: dict) -> None:
         names = sorted(sums)
         totals = data_parallel_sum(self.trainer, torch.stack([*(sums[n] for n in names), token_count]))
         lengths = torch.tensor([float(t.completion_length) for t in trajectories])
@@ -271,7 +345,7 @@ class PPO(L.LightningModule):
         metrics = {f"train/{name}": totals[i] / totals[-1].clamp(min=1) for i, name in enumerate(names)}
         metrics.update({"train/reward": mean, "train/reward_std": (reward_sq / n - mean**2).clamp(min=0).sqrt(),
                         "train/completion_length": length_sum / n, "train/advantage_abs": adv_abs / n,
-                        "train/grad_norm": grad_norm, "train/rollouts": float(self.rollouts),
+                        **extra, "train/rollouts": float(self.rollouts),
                         "train/reward_failures": failures})
         self.log_dict(metrics, prog_bar=False)
         self.log("reward", mean, prog_bar=True, logger=False)

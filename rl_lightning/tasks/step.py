@@ -126,21 +126,25 @@ def grad_average_size(trainer: Any) -> int:
     return data_parallel_coords(trainer)[1]
 
 
-def optimizer_step(module: Any, max_grad_norm: float) -> torch.Tensor:
-    """Clip, step and zero the module's single optimizer, advance its scheduler; returns the pre-clip grad norm."""
+def optimizer_step(module: Any, max_grad_norm: float, index: int | None = None,
+                   model: torch.nn.Module | None = None) -> torch.Tensor:
+    """Clip, step and zero one optimizer of the module and advance its scheduler; returns the pre-clip grad norm.
+    `index` picks among several optimizers (None: the only one); `model` limits clipping to its parameters."""
     optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
-    grad_norm = clip_grad_norm(module.parameters(), max_grad_norm)
+    if index is not None:
+        optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
+    grad_norm = clip_grad_norm((model or module).parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
     return grad_norm
 
 
-def configure_adamw(module: Any, model: torch.nn.Module) -> Any:
+def configure_adamw(module: Any, model: torch.nn.Module, lr: float | None = None) -> Any:
     """AdamW + warmup/decay schedule from the task's hparams (lr, weight_decay, betas, eps, warmup_steps,
-    lr_schedule, min_lr_ratio), stepped once per optimizer step."""
+    lr_schedule, min_lr_ratio), stepped once per optimizer step; `lr` overrides the peak learning rate."""
     hp = module.hparams
-    optimizer = adamw(model, hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps)
+    optimizer = adamw(model, lr or hp.lr, hp.weight_decay, tuple(hp.betas), hp.eps)
     total = int(module.trainer.estimated_stepping_batches)
     schedule = scheduler(optimizer, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio)
     return [optimizer], [{"scheduler": schedule, "interval": "step"}]
