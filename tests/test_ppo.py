@@ -93,7 +93,7 @@ def test_gae_critic_trains_and_its_value_loss_falls():
     """Critic warm-up (`freeze_steps`) then joint training: the actor does not move while frozen, the value loss
     falls over rollouts, and GAE advantages with gamma = lambda = 1 equal return - value on the first update."""
     metrics = Metrics()
-    model, _ = _ppo(model_kwargs={"advantage_estimator": "gae", "freeze_steps": 2, "critic_lr": 1e-3,
+    model, _ = _ppo(model_kwargs={"advantage_estimator": "gae", "freeze_steps": 2, "critic_lr": 2e-4,
                                   "gamma": 1.0, "lam": 1.0}, batch_size=2, max_steps=12, callbacks=[metrics])
     history = metrics.history
     # trainer.global_step counts optimizer steps: 1 per frozen rollout (critic), then 2 (actor + critic): 12 = 2 + 5 x 2
@@ -101,4 +101,5 @@ def test_gae_critic_trains_and_its_value_loss_falls():
     assert history[0]["train/grad_norm"] == 0.0 and history[1]["train/grad_norm"] == 0.0  # frozen actor
     assert history[2]["train/grad_norm"] > 0.0
     losses = [h["train/value_loss"] for h in history]
-    assert losses[-1] < 0.5 * losses[0], losses
+    # Per-rollout values are noisy (fresh samples every rollout): compare the means of the first and last three.
+    assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
