@@ -23,11 +23,30 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple) ->
         "LOCAL_RANK": str(rank), "NODE_RANK": "0", "RANK": str(rank), "OMP_NUM_THREADS": "1",
     })
     fn(rank, *args)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Leave together: a rank tearing gloo down while a peer still talks to it aborts the peer
+        # ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Call ``fn(rank, *args)`` in `world_size` spawned processes; raises if any of them fails."""
-    mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn")
+    """Call ``fn(rank, *args)`` in `world_size` spawned processes; raises if any of them fails.
+
+    A rank killed by a signal (no Python exception: gloo aborting with "terminate called without an active
+    exception" while connecting or tearing down on a loaded 2-core machine) is retried once on a fresh port; a Python
+    exception in any rank (a failed assertion included) is never retried.
+    """
+    for attempt in range(2):
+        try:
+            mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                               start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:
+            if attempt == 1 or e.signal_name is None:
+                raise
 
 
 import lightning as L  # noqa: E402
