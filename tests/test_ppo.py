@@ -103,3 +103,51 @@ def test_gae_critic_trains_and_its_value_loss_falls():
     losses = [h["train/value_loss"] for h in history]
     # Per-rollout values are noisy (fresh samples every rollout): compare the means of the first and last three.
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
+
+
+PARITY_ENV = '''
+def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+'''
+
+
+def _parity_run(tmp_path, **rollout_kwargs):
+    env = tmp_path / "parity.py"
+    env.write_text(PARITY_ENV)
+    metrics, captured = Metrics(), []
+
+    class Capture(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            captured.append(batch["trajectories"])
+
+    L.seed_everything(0)
+    data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4,
+                            shuffle=False)
+    model = PPO(str(TINY_MODEL), lr=1e-3, update_per_rollout=2)
+    rollout = RolloutCallback(str(env), responses_per_prompt=2, max_new_tokens=6, **rollout_kwargs)
+    fit(model, data, 4, [rollout, Capture(), metrics])
+    return rollout, metrics, captured
+
+
+def test_dapo_dynamic_sampling_keeps_only_informative_groups_and_refills(tmp_path):
+    """Reward = completion-length parity: groups whose two completions agree carry no signal and are dropped, then
+    refilled from fresh prompts (the refill rounds are counted and logged)."""
+    rollout, metrics, captured = _parity_run(tmp_path, filter_range=(0.0, 1.0), max_refill_rounds=8)
+    assert rollout.refills > 0 and metrics.history[-1]["train/refills"] == rollout.refills
+    for trajectories in captured:
+        assert 0 < len(trajectories) <= 8 and len(trajectories) % 2 == 0
+        for i in range(0, len(trajectories), 2):
+            assert trajectories[i].reward != trajectories[i + 1].reward
+
+
+def test_overlong_shaping_and_truncation_masking(tmp_path):
+    """max_new_tokens 6, cache 2: completions of 5 and 6 tokens lose 0.5 and 1; truncated ones leave the loss."""
+    _, _, captured = _parity_run(tmp_path, overlong_cache_length=2)
+    lengths = {t.completion_length for ts in captured for t in ts}
+    assert max(lengths) == 6  # some completions were cut at max_new_tokens
+    for t in (t for ts in captured for t in ts):
+        penalty = max(0.0, (t.completion_length - 4) / 2)
+        assert t.reward + penalty in (0.0, 1.0)
+    _, _, captured = _parity_run(tmp_path, mask_truncated=True)
+    for t in (t for ts in captured for t in ts):
+        assert t.finished or t.completion_length == 0

@@ -21,6 +21,7 @@ advantages are not whitened; reward-type KL, adaptive KL control and DAPO's dyna
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import lightning as L
@@ -37,6 +38,7 @@ from rl_lightning.algorithms.policy import (
 )
 from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
+from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
 from rl_lightning.models import load_causal_lm, load_reward_model, load_tokenizer
 from rl_lightning.optim import check_optim_args
@@ -207,9 +209,14 @@ class PPO(L.LightningModule):
         units = []
         for t, a in zip(trajectories, advantages, strict=True):
             reward = [0.0] * len(t.input_ids)
-            reward[max(i for i, m in enumerate(t.completion_mask) if m)] = t.reward  # on the last generated token
+            last = max((i for i, m in enumerate(t.completion_mask) if m), default=None)
+            if last is not None:  # on the last generated token (a masked-out truncated completion has none)
+                reward[last] = t.reward
             per_token = broadcast_to_tokens(a[None], torch.tensor([t.completion_mask]))[0].tolist()
             units.append(t.example(advantages=per_token, reward=reward))
+        if not units:  # this rank drew no trajectories for this minibatch: one masked filler token keeps it in step
+            units = [TokenizedExample([self.tokenizer.pad_token_id], [0],
+                                      values={k: [0.0] for k in ("engine_logprobs", "advantages", "reward")})]
         lengths = [len(u.input_ids) for u in units]
         count = -(-sum(lengths) // self.hparams.max_length_per_device)
         while True:  # the smallest count that fits locally, then the largest over ranks
@@ -302,16 +309,22 @@ class PPO(L.LightningModule):
         trajectories, group = batch["trajectories"], batch["group_size"]
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         advantages = self.advantages(rewards, group)
-        size = len(trajectories) // self.hparams.update_per_rollout
-        minibatches = [self._minibatch(trajectories[i : i + size], advantages[i : i + size])
-                       for i in range(0, len(trajectories), size)]
+        # Contiguous, near-equal parts (dynamic sampling can leave fewer trajectories than the batch had; a rank may
+        # even have none: it still runs filler micro-batches so every rank takes the same optimizer steps).
+        bounds = [round(i * len(trajectories) / self.hparams.update_per_rollout)
+                  for i in range(self.hparams.update_per_rollout + 1)]
+        parts = list(itertools.pairwise(bounds))
+        minibatches = [self._minibatch(trajectories[a:b], advantages[a:b]) for a, b in parts]
         token_count, sums, extra = torch.zeros((), device=self.device), {}, {}
-        for micro_batches in minibatches:
+        for micro_batches, (a, b) in zip(minibatches, parts, strict=True):
+            # Counted from whole trajectories: context-parallel shards hold only parts of each sequence.
             if self.hparams.aggregation == "token":
-                count = data_parallel_sum(self.trainer, sum(mb["target_mask"].sum() for mb in micro_batches))
+                count = data_parallel_sum(self.trainer, torch.tensor(float(sum(
+                    t.completion_length for t in trajectories[a:b]))))
             else:
-                count = data_parallel_sum(self.trainer, torch.tensor(float(size)))
-            normaliser = count / grad_average_size(self.trainer)
+                count = data_parallel_sum(self.trainer, torch.tensor(float(b - a)))
+            # clamp: a minibatch whose completions were all masked out (truncated) has nothing to learn, not a NaN
+            normaliser = count.clamp(min=1) / grad_average_size(self.trainer)
             train_actor = self.rollouts >= self.hparams.freeze_steps
             for mb in micro_batches:
                 metric_sums = {}
@@ -340,12 +353,14 @@ class PPO(L.LightningModule):
         lengths = torch.tensor([float(t.completion_length) for t in trajectories])
         per_rank = torch.stack([rewards.sum(), (rewards**2).sum(), lengths.sum(), torch.tensor(float(len(rewards))),
                                 advantages.abs().sum(), torch.tensor(float(batch["reward_failures"]))])
-        reward_sum, reward_sq, length_sum, n, adv_abs, failures = data_parallel_sum(self.trainer, per_rank)
+        reward_sum, reward_sq, length_sum, count, adv_abs, failures = data_parallel_sum(self.trainer, per_rank)
+        n = count.clamp(min=1)  # dynamic sampling may keep no trajectory at all
         mean = reward_sum / n
         metrics = {f"train/{name}": totals[i] / totals[-1].clamp(min=1) for i, name in enumerate(names)}
         metrics.update({"train/reward": mean, "train/reward_std": (reward_sq / n - mean**2).clamp(min=0).sqrt(),
                         "train/completion_length": length_sum / n, "train/advantage_abs": adv_abs / n,
-                        **extra, "train/rollouts": float(self.rollouts),
-                        "train/reward_failures": failures})
+                        **extra, "train/rollouts": float(self.rollouts), "train/refills": float(batch.get("refills", 0)),
+                        "train/reward_failures": failures,
+                        "train/trajectories": count})
         self.log_dict(metrics, prog_bar=False)
         self.log("reward", mean, prog_bar=True, logger=False)
