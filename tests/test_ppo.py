@@ -31,12 +31,12 @@ class Metrics(L.Callback):
         self.history.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _ppo(model_kwargs=None, rollout_kwargs=None, batch_size=2, max_steps=1, callbacks=()):
+def _ppo(model_kwargs=None, rollout_kwargs=None, batch_size=2, max_steps=1, callbacks=(), env=ENV):
     L.seed_everything(0)
     data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL),
                             batch_size=batch_size, shuffle=False)
     model = PPO(str(TINY_MODEL), lr=1e-3, max_grad_norm=0.0, **(model_kwargs or {}))
-    rollout = RolloutCallback(ENV, **{"responses_per_prompt": 4, "max_new_tokens": 8, **(rollout_kwargs or {})})
+    rollout = RolloutCallback(env, **{"responses_per_prompt": 4, "max_new_tokens": 8, **(rollout_kwargs or {})})
     trainer = fit(model, data, max_steps, [rollout, *callbacks])
     return model, trainer
 
@@ -151,3 +151,22 @@ def test_overlong_shaping_and_truncation_masking(tmp_path):
     _, _, captured = _parity_run(tmp_path, mask_truncated=True)
     for t in (t for ts in captured for t in ts):
         assert t.finished or t.completion_length == 0
+
+
+def test_kl_controller_moves_the_coefficient_by_its_rule(tmp_path):
+    """Linear controller: coef_{k+1} = coef_k + rate * (measured KL_k - target), applied after each rollout; the first
+    rollout's KL is 0 (policy == reference), so the coefficient first moves by -rate * target. (A reward with variance,
+    completion-length parity, so the policy actually moves away from the reference.)"""
+    env = tmp_path / "parity.py"
+    env.write_text(PARITY_ENV)
+    metrics = Metrics()
+    _ppo(model_kwargs={"kl_coef": 0.1, "kl_controller": "linear", "kl_target": 0.001, "kl_rate": 2.0},
+         max_steps=3, callbacks=[metrics], env=str(env))
+    coefs = [h["train/kl_coef"] for h in metrics.history]
+    kls = [h["train/kl"] for h in metrics.history]
+    assert coefs[0] == pytest.approx(0.1 + 2.0 * (kls[0] - 0.001))
+    for k in (1, 2):
+        assert coefs[k] == pytest.approx(max(0.0, coefs[k - 1] + 2.0 * (kls[k] - 0.001)), rel=1e-5)
+    assert kls[2] > 0
+    with pytest.raises(ConfigError, match="model.kl_controller must be one of fixed, adaptive, linear, pid, scheduled"):
+        PPO(str(TINY_MODEL), kl_controller="magic")

@@ -99,3 +99,22 @@ class ScheduledKLController:
             weight = 1.0 - progress
         self.coef = self.final + (self.start - self.final) * weight
         return self.coef
+
+
+KL_CONTROLLERS = ("fixed", "adaptive", "linear", "pid", "scheduled")
+
+
+def make_kl_controller(kind: str, coef: float, target: float, horizon: float, rate: float,
+                       pid: tuple[float, float, float], final_coef: float, total_steps: int) -> object:
+    """Build a controller by name; each keeps its coefficient in ``.coef`` and moves it with ``update(kl, steps)``."""
+    if kind == "fixed":
+        return FixedKLController(coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(coef, target, horizon)
+    if kind == "linear":
+        return LinearKLController(coef, target, rate)
+    if kind == "pid":
+        return PIDKLController(coef, target, *pid)
+    if kind == "scheduled":
+        return ScheduledKLController(coef, final_coef, total_steps)
+    raise ValueError(f"unknown KL controller '{kind}'; use one of {', '.join(KL_CONTROLLERS)}")

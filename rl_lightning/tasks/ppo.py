@@ -29,6 +29,7 @@ import torch
 
 from rl_lightning.algorithms import KL_ESTIMATORS, gae, group_advantages, rloo_advantages, token_logprobs
 from rl_lightning.algorithms.advantages import broadcast_to_tokens
+from rl_lightning.algorithms.kl import KL_CONTROLLERS, make_kl_controller
 from rl_lightning.algorithms.policy import (
     clipped_policy_loss,
     clipped_value_loss,
@@ -77,6 +78,16 @@ class PPO(L.LightningModule):
         aggregation: ``token`` (every completion token weighs the same) or ``sequence`` (each completion's mean).
         kl_coef: weight of KL(policy || reference) in the loss; 0 loads no reference.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (Schulman's estimators).
+        kl_controller: how ``kl_coef`` moves after each rollout, from the measured per-token KL: ``fixed``,
+            ``adaptive`` (Ziegler et al.: towards `kl_target` over `kl_horizon` trajectories), ``linear`` (coef +=
+            `kl_rate` x (KL - target)), ``pid`` (gains `kl_pid`), ``scheduled`` (cosine from `kl_coef` to
+            `kl_final_coef` over `kl_total_rollouts`).
+        kl_target: target per-token KL of the adaptive, linear and PID controllers.
+        kl_horizon: adaptive controller horizon, in trajectories.
+        kl_rate: linear controller rate.
+        kl_pid: PID controller gains (kp, ki, kd).
+        kl_final_coef: scheduled controller end value.
+        kl_total_rollouts: scheduled controller length, in rollouts.
         entropy_coef: entropy bonus weight.
         tis_cap: cap of the truncated importance weights pi_old / pi_engine (null disables the correction).
         temperature: sampling temperature of the rollouts (log-probabilities are recomputed at it).
@@ -109,6 +120,13 @@ class PPO(L.LightningModule):
         aggregation: str = "token",
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
+        kl_controller: str = "fixed",
+        kl_target: float = 0.01,
+        kl_horizon: float = 10000.0,
+        kl_rate: float = 0.1,
+        kl_pid: tuple[float, float, float] = (0.1, 0.01, 0.0),
+        kl_final_coef: float = 0.0,
+        kl_total_rollouts: int = 100,
         entropy_coef: float = 0.0,
         tis_cap: float | None = None,
         temperature: float = 1.0,
@@ -131,6 +149,8 @@ class PPO(L.LightningModule):
                           f"'{advantage_estimator}'")
         if aggregation not in AGGREGATIONS:
             errors.append(f"model.aggregation must be one of {', '.join(AGGREGATIONS)}, got '{aggregation}'")
+        if kl_controller not in KL_CONTROLLERS:
+            errors.append(f"model.kl_controller must be one of {', '.join(KL_CONTROLLERS)}, got '{kl_controller}'")
         if kl_estimator not in KL_ESTIMATORS:
             errors.append(f"model.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got '{kl_estimator}'")
         if update_per_rollout < 1 or temperature <= 0 or max_length_per_device < 1:
@@ -147,6 +167,8 @@ class PPO(L.LightningModule):
         self.critic: Any = None
         self._reference: Any = None
         self.rollouts = 0
+        self.kl = make_kl_controller(kl_controller, kl_coef, kl_target, kl_horizon, kl_rate, tuple(kl_pid),
+                                     kl_final_coef, kl_total_rollouts)
 
     def configure_model(self) -> None:
         hp = self.hparams
@@ -194,9 +216,11 @@ class PPO(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rollouts"] = self.rollouts
+        checkpoint["kl_controller"] = dict(vars(self.kl))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.rollouts = checkpoint.get("rollouts", 0)
+        vars(self.kl).update(checkpoint.get("kl_controller", {}))
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         if self.hparams.advantage_estimator == "rloo":
@@ -284,7 +308,7 @@ class PPO(L.LightningModule):
             loss = loss * truncated_importance_weights(mb["old_logprobs"], mb["target_engine_logprobs"], hp.tis_cap)
         if self._reference is not None:
             kl = KL_ESTIMATORS[hp.kl_estimator](logprobs, mb["ref_logprobs"])
-            loss = loss + hp.kl_coef * kl
+            loss = loss + self.kl.coef * kl
             metrics["kl"] = kl.detach()
         entropy = entropy_from_logits(logits.detach() if hp.entropy_coef == 0 else logits)
         loss = loss - hp.entropy_coef * entropy
@@ -344,6 +368,11 @@ class PPO(L.LightningModule):
                 extra["train/critic_grad_norm"] = optimizer_step(self, self.hparams.max_grad_norm, 1, self.critic)
         self.rollouts += 1
         extra["train/grad_norm"] = grad_norm
+        if self._reference is not None:  # move the KL coefficient with the measured per-token KL of this rollout
+            totals = data_parallel_sum(self.trainer, torch.stack([sums["kl"], token_count]))
+            # the adaptive controller counts trajectories (Ziegler et al.'s n_steps); the others count rollouts
+            steps = len(trajectories) if self.hparams.kl_controller == "adaptive" else 1
+            extra["train/kl_coef"] = self.kl.update(float(totals[0] / totals[1].clamp(min=1)), steps)
         self._log_rollout(trajectories, rewards, advantages, sums, token_count, extra, batch)
 
     def _log_rollout(self, trajectories: list, rewards: torch.Tensor, advantages: torch.Tensor, sums: dict,
