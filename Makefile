@@ -21,11 +21,11 @@ demo: setup
 	$(BIN)/python -m rl_lightning fit --config recipes/sft.yaml
 
 test: setup
-	$(BIN)/ruff check rl_lightning tests benchmarks
+	$(BIN)/ruff check rl_lightning tests benchmarks examples
 	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
 
 lint: setup
-	$(BIN)/ruff check rl_lightning tests benchmarks
+	$(BIN)/ruff check rl_lightning tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) mlflow.db mlruns checkpoints exports

@@ -1,0 +1,46 @@
+"""A multi-turn tool environment: the model may call a calculator by writing ``<calc>12 * (3 + 4)</calc>``.
+
+``interact`` answers the last call with a ``tool`` message (the conversation continues); a turn without a call ends
+the conversation. ``reward_fn`` checks the final answer. The calculator evaluates arithmetic only (numbers, + - * /
+and parentheses, parsed with ``ast``), never ``eval``.
+"""
+
+import ast
+import operator
+import re
+
+from rl_lightning.rewards.math import math_reward
+
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression, or an error message the model can read."""
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        raise ValueError("only numbers, + - * / and parentheses are allowed")
+
+    try:
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as e:
+        return f"error: {e}"
+    return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
+
+
+def interact(messages):
+    calls = _CALL.findall(messages[-1]["content"])
+    if not calls:
+        return []
+    return [{"role": "tool", "content": calculate(calls[-1])}]
+
+
+def reward_fn(messages, answer):
+    return math_reward(messages, answer)
