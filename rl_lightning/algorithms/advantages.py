@@ -41,6 +41,28 @@ def gae(
     return advantages, (advantages + values) * mask
 
 
+def packed_gae(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, seq_index: torch.Tensor,
+               num_sequences: int, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gae` on a packed row: each sequence's completion tokens (mask 1, in order; gaps such as tool tokens are
+    skipped) form one episode.
+
+    Args:
+        rewards, values, completion_mask, seq_index: (1, N) packed-row tensors (`seq_index` names each token's
+            sequence).
+
+    Returns:
+        advantages (1, N) and returns (1, N), zero outside the completion tokens.
+    """
+    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
+    is_completion = completion_mask[0] > 0
+    for s in range(num_sequences):
+        idx = ((seq_index[0] == s) & is_completion).nonzero().flatten()  # (L,)
+        if len(idx):
+            a, r = gae(rewards[:, idx], values[:, idx], torch.ones_like(values[:, idx]), gamma, lam)  # (1, L)
+            advantages[:, idx], returns[:, idx] = a, r
+    return advantages, returns
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = False, eps: float = 1e-6
                      ) -> torch.Tensor:
     """Group-mean baseline: A_i = r_i - mean_group(r); with `scale_by_std` (GRPO) divided by the group's standard

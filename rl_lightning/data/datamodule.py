@@ -16,7 +16,6 @@ from rl_lightning.data.steps import (
     check_enough_rows,
     data_parallel_coords,
     log_stats,
-    unit_length,
 )
 from rl_lightning.errors import ConfigError
 
@@ -99,6 +98,3 @@ class StepDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.units["val"], False, resumable=False)
-
-    def unit_lengths(self, name: str = "train") -> list[int]:
-        return [unit_length(u) for u in self.units[name]]

@@ -27,8 +27,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from rl_lightning.algorithms import KL_ESTIMATORS, gae, group_advantages, rloo_advantages, token_logprobs
-from rl_lightning.algorithms.advantages import broadcast_to_tokens
+from rl_lightning.algorithms import KL_ESTIMATORS, group_advantages, rloo_advantages, token_logprobs
+from rl_lightning.algorithms.advantages import broadcast_to_tokens, packed_gae
 from rl_lightning.algorithms.kl import KL_CONTROLLERS, make_kl_controller
 from rl_lightning.algorithms.policy import (
     clipped_policy_loss,
@@ -260,7 +260,9 @@ class PPO(L.LightningModule):
                     local["ref_logprobs"] = self._logprobs(self._reference, local)[0]
                 if self.critic is not None:
                     local["old_values"] = self._values(local)
-                    local["target_advantages"], local["returns"] = self._gae(local)
+                    local["target_advantages"], local["returns"] = packed_gae(
+                        local["target_reward"], local["old_values"], local["target_mask"], local["seq_index"],
+                        int(local["num_sequences"]), self.hparams.gamma, self.hparams.lam)
             micro_batches.append(local)
         return micro_batches
 
@@ -268,20 +270,6 @@ class PPO(L.LightningModule):
         """(B, T) critic value of the state at each position (before its target token is generated)."""
         hidden = self.critic.base_model(**model_inputs(micro_batch)).last_hidden_state
         return self.critic.score(hidden).squeeze(-1).float()
-
-    def _gae(self, micro_batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, N) advantages and returns, GAE run over each packed sequence's completion tokens in order."""
-        advantages = torch.zeros_like(micro_batch["old_values"])
-        returns = torch.zeros_like(advantages)
-        is_target = micro_batch["target_mask"][0] > 0
-        for s in range(int(micro_batch["num_sequences"])):
-            idx = ((micro_batch["seq_index"][0] == s) & is_target).nonzero().flatten()
-            if len(idx):
-                rewards = micro_batch["target_reward"][:, idx]  # (1, L): the outcome on the last token
-                a, r = gae(rewards, micro_batch["old_values"][:, idx], torch.ones_like(rewards),
-                           self.hparams.gamma, self.hparams.lam)
-                advantages[:, idx], returns[:, idx] = a, r
-        return advantages, returns
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}

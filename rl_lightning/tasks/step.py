@@ -22,9 +22,8 @@ from rl_lightning.optim import adamw, clip_grad_norm, scheduler
 
 @dataclass
 class Layout:
-    """This rank's place in the parallel layout (sizes are 1 and groups None without `ParallelStrategy`)."""
+    """This rank's context-parallel coordinates (size 1 and no group without `ParallelStrategy`)."""
 
-    dp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
     cp_group: Any = None
@@ -34,8 +33,8 @@ def parallel_layout(trainer: Any) -> Layout:
     strategy = trainer.strategy
     cp_mesh = getattr(strategy, "cp_mesh", None)
     if cp_mesh is None:
-        return Layout(dp_size=data_parallel_coords(trainer)[1])
-    return Layout(strategy.dp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
+        return Layout()
+    return Layout(cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
 
 
 def local_micro_batch(layout: Layout, micro_batch: dict[str, Any]) -> dict[str, Any]:

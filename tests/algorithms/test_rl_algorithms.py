@@ -10,6 +10,7 @@ from rl_lightning.algorithms.advantages import (
     discounted_returns,
     gae,
     group_advantages,
+    packed_gae,
     reinforce_pp_advantages,
     rloo_advantages,
 )
@@ -53,6 +54,22 @@ def test_gae_hand_worked_four_steps():
     assert_close(returns, (advantages + values) * mask, atol=1e-12)
     monte_carlo, _ = gae(rewards[:1], values[:1], mask[:1], gamma=1.0, lam=1.0)
     assert_close(monte_carlo, t([0.5, 0.4, 0.3, 0.2]), atol=1e-12)
+
+
+def test_packed_gae_equals_gae_per_sequence():
+    """Two sequences packed in one row, with a masked (tool) token inside the first: each sequence's completion
+    tokens give exactly `gae` on that sequence alone (gaps skipped), and nothing outside the completion tokens."""
+    rewards = t([0, 0, 9, 0, 1, 7, 0, 2])
+    values = t([0.5, 0.6, 9, 0.7, 0.8, 9, 0.4, 0.3])
+    mask = t([1, 1, 0, 1, 1, 0, 1, 1])
+    seq_index = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]])
+    advantages, returns = packed_gae(rewards, values, mask, seq_index, 2, gamma=0.9, lam=0.5)
+    first, first_returns = gae(t([0, 0, 0, 1]), t([0.5, 0.6, 0.7, 0.8]), t([1, 1, 1, 1]), 0.9, 0.5)
+    second, _ = gae(t([0, 2]), t([0.4, 0.3]), t([1, 1]), 0.9, 0.5)
+    assert_close(advantages[0, [0, 1, 3, 4]], first[0], atol=1e-12)
+    assert_close(advantages[0, [6, 7]], second[0], atol=1e-12)
+    assert_close(returns[0, [0, 1, 3, 4]], first_returns[0], atol=1e-12)
+    assert advantages[0, 2] == 0 and advantages[0, 5] == 0
 
 
 def test_group_advantages_dr_grpo_grpo_and_zero_variance():
