@@ -21,7 +21,7 @@ def test_calculator_tool(calculator):
     assert calculator.interact(said("<calc>__import__('os')</calc>"))[0]["content"].startswith("error: only numbers")
     assert calculator.interact(said("<calc>1 / 0</calc>"))[0]["content"].startswith("error:")
     assert calculator.interact(said("The answer is 84")) == []
-    assert calculator.score(said(r"\boxed{84}"), "84", "row 1") == 1.0
+    assert calculator.score(said(r"\boxed{84}"), "84", "row 1")[0] == 1.0
 
 
 def test_example_recipes_instantiate(workdir):

@@ -76,11 +76,45 @@ def test_reward_errors_fail_fast_or_score_zero(tmp_path):
     path = _env(tmp_path, "def reward_fn(messages, answer):\n    if answer == 'nan':\n        return float('nan')\n"
                           "    return 1 / int(answer)\n\ndef interact(messages):\n    return []\n")
     env = load_environment(path)
-    assert env.interact is not None and env.score([], "4", "row 1") == 0.25
+    assert env.interact is not None and env.score([], "4", "row 1")[0] == 0.25
     with pytest.raises(DataError, match=r"row 2: reward_fn from .*env.py failed \(ZeroDivisionError"):
         env.score([], "0", "row 2")
     with pytest.raises(DataError, match="non-finite"):
         env.score([], "nan", "row 3")
     lenient = load_environment(path, on_error="zero")
-    assert lenient.score([], "0", "row 2") == 0.0 and lenient.score([], "nan", "row 3") == 0.0
-    assert lenient.failures == 2 and not math.isnan(lenient.score([], "2", "row 4"))
+    assert lenient.score([], "0", "row 2")[0] == 0.0 and lenient.score([], "nan", "row 3")[0] == 0.0
+    assert lenient.failures == 2 and not math.isnan(lenient.score([], "2", "row 4")[0])
+
+
+def test_multi_component_rewards_weighted_sum_and_tchebycheff(tmp_path):
+    path = _env(tmp_path, "def reward_fn(messages, answer):\n"
+                          "    return {'correct': float(answer == 'right'), 'format': 0.5}\n")
+    weighted = load_environment(path, weights={"correct": 2.0, "format": 0.4})
+    assert weighted.score([], "right", "row 1") == (pytest.approx(2.0 * 1 + 0.4 * 0.5), {"correct": 1.0, "format": 0.5})
+    assert weighted.score([], "wrong", "row 2")[0] == pytest.approx(0.2)
+    cheb = load_environment(path, weights={"correct": 1.0, "format": 1.0}, combination="tchebycheff")
+    # -max_k w_k |1 - r_k|: the worst-off objective decides
+    assert cheb.score([], "right", "row 1")[0] == pytest.approx(-0.5)
+    assert cheb.score([], "wrong", "row 2")[0] == pytest.approx(-1.0)
+    ideal = load_environment(path, weights={"correct": 1.0, "format": 4.0}, combination="tchebycheff",
+                             ideal={"correct": 1.0, "format": 0.5})
+    assert ideal.score([], "wrong", "row 2")[0] == pytest.approx(-1.0)
+    assert ideal.score([], "right", "row 1")[0] == pytest.approx(0.0)
+
+
+def test_multi_component_reward_mismatches_are_config_errors(tmp_path):
+    path = _env(tmp_path, "def reward_fn(messages, answer):\n    return {'correct': 1.0}\n")
+    with pytest.raises(ConfigError, match=r"row 1: .* returned components \['correct'\] but reward_weights has \[\]"):
+        load_environment(path).score([], "x", "row 1")
+    with pytest.raises(ConfigError, match=r"but reward_weights has \['correct', 'format'\]"):
+        load_environment(path, weights={"correct": 1.0, "format": 1.0}).score([], "x", "row 1")
+    single = _env(tmp_path, "def reward_fn(messages, answer):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match="return a dict with those keys"):
+        load_environment(single, weights={"correct": 1.0}).score([], "x", "row 1")
+    with pytest.raises(ConfigError, match="reward_combination must be one of weighted_sum, tchebycheff"):
+        load_environment(single, combination="max")
+    with pytest.raises(ConfigError, match="reward_ideal must name the same components"):
+        load_environment(single, weights={"a": 1.0}, ideal={"b": 1.0})
+    nan = _env(tmp_path, "def reward_fn(messages, answer):\n    return {'a': float('nan')}\n")
+    lenient = load_environment(nan, on_error="zero", weights={"a": 1.0})
+    assert lenient.score([], "x", "row 1") == (0.0, {"a": 0.0}) and lenient.failures == 1

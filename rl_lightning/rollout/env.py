@@ -4,6 +4,10 @@
 The file is imported once at start-up and checked, so a typo fails before any generation. Scoring applies a policy
 for reward functions that raise or return non-numbers/non-finite values: fail fast naming the row, or score 0 and
 count it — never a silent NaN in the loss.
+
+Several rewards: ``reward_fn`` may return a dict of named components (``{"correct": 1.0, "format": 0.5}``); the
+configured ``reward_weights`` (one weight per component, the same names) combine them by weighted sum or weighted
+Tchebycheff scalarisation (`rl_lightning.algorithms.reward_combination`), and each component is kept for logging.
 """
 
 from __future__ import annotations
@@ -11,33 +15,49 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rl_lightning.algorithms.reward_combination import tchebycheff, weighted_sum
 from rl_lightning.errors import ConfigError, DataError
 
 ON_ERROR = ("raise", "zero")
+COMBINATIONS = ("weighted_sum", "tchebycheff")
 
 
 @dataclass
 class Environment:
-    """A loaded environment; `failures` counts rewards replaced by 0 under ``on_error: zero``."""
+    """A loaded environment; `failures` counts rewards replaced by 0 under ``on_error: zero``. With `weights`,
+    ``reward_fn`` returns named components combined by `combination` (Tchebycheff measures gaps to `ideal`)."""
 
-    reward_fn: Callable[[list[dict], Any], float]
+    reward_fn: Callable[[list[dict], Any], Any]
     interact: Callable[[list[dict]], list[dict]] | None
     path: str
     on_error: str = "raise"
     failures: int = 0
+    weights: dict[str, float] | None = None
+    combination: str = "weighted_sum"
+    ideal: dict[str, float] | None = None
 
-    def score(self, messages: list[dict], answer: Any, where: str) -> float:
-        """The reward of one trajectory; `where` names the prompt row for errors."""
+    @property
+    def component_names(self) -> list[str]:
+        return sorted(self.weights or {})
+
+    def score(self, messages: list[dict], answer: Any, where: str) -> tuple[float, dict[str, float]]:
+        """The reward of one trajectory and its named components ({} for a single reward); `where` names the prompt
+        row for errors."""
         try:
             value = self.reward_fn(messages, answer)
-            reward = float(value)
+            components = self._components(value)
+            reward = self._combine(components) if components else float(value)
             if not math.isfinite(reward):
                 raise ValueError(f"returned a non-finite value {value!r}")
+        except _WrongComponents as e:  # a configuration mismatch, not a flaky row: always stop
+            raise ConfigError(f"{where}: reward_fn from {self.path} {e}") from None
         except Exception as e:  # noqa: BLE001 - user code may raise anything; the policy decides
             if self.on_error == "raise":
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -46,14 +66,53 @@ class Environment:
                     "rollout on_error: zero to score such trajectories 0"
                 ) from None
             self.failures += 1
-            return 0.0
-        return reward
+            return 0.0, dict.fromkeys(self.component_names, 0.0)
+        return reward, components
+
+    def _components(self, value: Any) -> dict[str, float]:
+        names = self.component_names
+        if not isinstance(value, Mapping):
+            if names:
+                raise _WrongComponents(f"returned {type(value).__name__} {value!r}, but reward_weights names "
+                                       f"components {names}: return a dict with those keys")
+            return {}
+        if sorted(value) != names:
+            fix = "set the rollout callback's reward_weights" if not names else "make reward_weights and its keys agree"
+            raise _WrongComponents(f"returned components {sorted(value)} but reward_weights has {names}: {fix}")
+        components = {k: float(v) for k, v in value.items()}
+        bad = [k for k, v in components.items() if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"returned non-finite component(s) {bad}")
+        return components
+
+    def _combine(self, components: dict[str, float]) -> float:
+        names = self.component_names
+        values = torch.tensor([[components[n] for n in names]], dtype=torch.float64)
+        weights = torch.tensor([self.weights[n] for n in names], dtype=torch.float64)
+        if self.combination == "weighted_sum":
+            return float(weighted_sum(values, weights)[0])
+        ideal = torch.tensor([(self.ideal or {}).get(n, 1.0) for n in names], dtype=torch.float64)
+        return float(tchebycheff(values, weights, ideal)[0])
 
 
-def load_environment(env_path: str, on_error: str = "raise", key: str = "env_path") -> Environment:
-    """Import `env_path` and check it defines ``reward_fn(messages, answer)`` (and ``interact(messages)`` if any)."""
+class _WrongComponents(Exception):
+    pass
+
+
+def load_environment(env_path: str, on_error: str = "raise", key: str = "env_path",
+                     weights: dict[str, float] | None = None, combination: str = "weighted_sum",
+                     ideal: dict[str, float] | None = None) -> Environment:
+    """Import `env_path` and check it defines ``reward_fn(messages, answer)`` (and ``interact(messages)`` if any);
+    `weights`/`combination`/`ideal` configure multi-component rewards (see `Environment`)."""
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got '{on_error}'")
+    if combination not in COMBINATIONS:
+        raise ConfigError(f"reward_combination must be one of {', '.join(COMBINATIONS)}, got '{combination}'")
+    if weights is not None and (not weights or any(not math.isfinite(w) or w < 0 for w in weights.values())):
+        raise ConfigError(f"reward_weights must map each component name to a finite weight >= 0, got {weights}")
+    if ideal is not None and sorted(ideal) != sorted(weights or {}):
+        raise ConfigError(f"reward_ideal must name the same components as reward_weights {sorted(weights or {})}, "
+                          f"got {sorted(ideal)}")
     path = Path(env_path)
     if not path.is_file():
         raise ConfigError(f"{key} '{env_path}' does not exist (resolved to {path.resolve()})")
@@ -72,7 +131,8 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         if not callable(interact):
             raise ConfigError(f"{key} '{env_path}': interact must be a function interact(messages) -> list of messages")
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
-    return Environment(reward_fn, interact, str(path), on_error)
+    return Environment(reward_fn, interact, str(path), on_error, weights=weights, combination=combination,
+                       ideal=ideal)
 
 
 def _check_arity(fn: Callable, count: int, message: str) -> None:

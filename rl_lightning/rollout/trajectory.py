@@ -104,5 +104,5 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.finished, t.turns = completion.finished, turn + 1
             last_generated[i] = completion.token_ids
     for t in trajectories:
-        t.reward = env.score(t.messages, t.prompt.answer, t.prompt.where)
+        t.reward, t.reward_components = env.score(t.messages, t.prompt.answer, t.prompt.where)
     return trajectories
