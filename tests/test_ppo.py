@@ -78,7 +78,7 @@ def test_bad_environment_and_estimator_fail_at_construction(tmp_path):
         RolloutCallback(str(tmp_path / "nope.py"))
     with pytest.raises(ConfigError, match="max_turns=2 needs interact"):
         RolloutCallback(ENV, max_turns=2)
-    with pytest.raises(ConfigError, match="model.advantage_estimator must be one of drgrpo, grpo, rloo, gae, got 'a2c'"):
+    with pytest.raises(ConfigError, match="model.advantage_estimator must be one of drgrpo, grpo, rloo, reinforce_pp, gae, got 'a2c'"):
         PPO(str(TINY_MODEL), advantage_estimator="a2c")
 
 

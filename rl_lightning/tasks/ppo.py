@@ -15,8 +15,12 @@ prompt and scored them. This task then
    reference) and minus ``entropy_coef`` x entropy, aggregated per token (Dr. GRPO/DAPO) or per sequence, normalised by
    global counts.
 
-Departures from the papers: the KL term is a loss term (GRPO's choice) with the k1/k2/k3 estimator of your choice;
-advantages are not whitened; reward-type KL, adaptive KL control and DAPO's dynamic sampling are not in this task yet.
+``reinforce_pp`` (REINFORCE++) uses the reward itself, whitened over every completion token of the rollout on all
+data-parallel ranks. The KL to the frozen reference is either a loss term (``kl_type: loss``, GRPO's choice) or a
+per-token reward penalty (``kl_type: reward``, InstructGPT/REINFORCE++: -coef x KL_t at rollout time, entering the
+advantages as its reward-to-go, or the GAE rewards), with the k1/k2/k3 estimator of your choice and a coefficient
+controller. Lagrangian constraints (``entropy_min``, ``kl_max``) learn a multiplier that keeps the measured per-token
+entropy above / KL below a target. DAPO's dynamic sampling lives in the rollout callback.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from rl_lightning.algorithms.policy import (
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
+    lagrangian_terms,
     token_mean,
     truncated_importance_weights,
 )
@@ -55,8 +60,10 @@ from rl_lightning.tasks.step import (
     sequence_sums,
 )
 
-ESTIMATORS = ("drgrpo", "grpo", "rloo", "gae")
+ESTIMATORS = ("drgrpo", "grpo", "rloo", "reinforce_pp", "gae")
+GROUP_ESTIMATORS = ("drgrpo", "grpo", "rloo")
 AGGREGATIONS = ("token", "sequence")
+KL_TYPES = ("loss", "reward")
 
 
 class PPO(L.LightningModule):
@@ -65,7 +72,8 @@ class PPO(L.LightningModule):
     Args:
         model_name: policy to train (HF folder or hub name); also the tokenizer and the KL reference.
         advantage_estimator: ``drgrpo`` (group mean baseline), ``grpo`` (mean and std), ``rloo`` (leave-one-out),
-            ``gae`` (critic + generalised advantage estimation).
+            ``reinforce_pp`` (REINFORCE++: global batch whitening), ``gae`` (critic + generalised advantage
+            estimation).
         gamma: GAE discount over completion tokens.
         lam: GAE lambda.
         critic_lr: peak learning rate of the critic (``gae``).
@@ -76,7 +84,8 @@ class PPO(L.LightningModule):
         clip_high: upper ratio clip (1 + clip_high); DAPO's clip-higher uses 0.28.
         dual_clip: bound on the loss for negative advantages (c > 1), or null.
         aggregation: ``token`` (every completion token weighs the same) or ``sequence`` (each completion's mean).
-        kl_coef: weight of KL(policy || reference) in the loss; 0 loads no reference.
+        kl_coef: weight of KL(policy || reference); 0 (and no `kl_max`) loads no reference.
+        kl_type: ``loss`` (a loss term) or ``reward`` (a per-token reward penalty fixed at rollout time).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (Schulman's estimators).
         kl_controller: how ``kl_coef`` moves after each rollout, from the measured per-token KL: ``fixed``,
             ``adaptive`` (Ziegler et al.: towards `kl_target` over `kl_horizon` trajectories), ``linear`` (coef +=
@@ -89,6 +98,10 @@ class PPO(L.LightningModule):
         kl_final_coef: scheduled controller end value.
         kl_total_rollouts: scheduled controller length, in rollouts.
         entropy_coef: entropy bonus weight.
+        entropy_min: Lagrangian constraint: keep the per-token entropy above this (a learned multiplier); null: off.
+        kl_max: Lagrangian constraint: keep the per-token KL to the reference below this; null: off.
+        multiplier_lr: step size of the constraints' log-multipliers (dual ascent, once per rollout).
+        multiplier_init: initial value of the constraints' multipliers.
         tis_cap: cap of the truncated importance weights pi_old / pi_engine (null disables the correction).
         temperature: sampling temperature of the rollouts (log-probabilities are recomputed at it).
         max_length_per_device: token budget of one packed micro-batch.
@@ -119,6 +132,7 @@ class PPO(L.LightningModule):
         dual_clip: float | None = None,
         aggregation: str = "token",
         kl_coef: float = 0.0,
+        kl_type: str = "loss",
         kl_estimator: str = "k3",
         kl_controller: str = "fixed",
         kl_target: float = 0.01,
@@ -128,6 +142,10 @@ class PPO(L.LightningModule):
         kl_final_coef: float = 0.0,
         kl_total_rollouts: int = 100,
         entropy_coef: float = 0.0,
+        entropy_min: float | None = None,
+        kl_max: float | None = None,
+        multiplier_lr: float = 0.05,
+        multiplier_init: float = 0.1,
         tis_cap: float | None = None,
         temperature: float = 1.0,
         max_length_per_device: int = 8192,
@@ -155,6 +173,13 @@ class PPO(L.LightningModule):
             errors.append(f"model.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got '{kl_estimator}'")
         if update_per_rollout < 1 or temperature <= 0 or max_length_per_device < 1:
             errors.append("model.update_per_rollout, model.temperature and model.max_length_per_device must be > 0")
+        if kl_type not in KL_TYPES:
+            errors.append(f"model.kl_type must be one of {', '.join(KL_TYPES)}, got '{kl_type}'")
+        if kl_max is not None and kl_max <= 0:
+            errors.append(f"model.kl_max must be > 0 or null, got {kl_max}")
+        if multiplier_lr <= 0 or multiplier_init <= 0:
+            errors.append(f"model.multiplier_lr and model.multiplier_init must be > 0, got {multiplier_lr}, "
+                          f"{multiplier_init}")
         if dual_clip is not None and dual_clip <= 1:
             errors.append(f"model.dual_clip must be > 1 or null, got {dual_clip}")
         if errors:
@@ -169,6 +194,11 @@ class PPO(L.LightningModule):
         self.rollouts = 0
         self.kl = make_kl_controller(kl_controller, kl_coef, kl_target, kl_horizon, kl_rate, tuple(kl_pid),
                                      kl_final_coef, kl_total_rollouts)
+        # Lagrangian constraints: name -> (target, sign); sign +1 keeps the value below, -1 above the target
+        self.constraints = {name: (target, sign) for name, target, sign in (("entropy", entropy_min, -1.0),
+                                                                            ("kl", kl_max, 1.0)) if target is not None}
+        self.log_multipliers = {name: torch.tensor(float(multiplier_init)).log().requires_grad_()
+                                for name in self.constraints}
 
     def configure_model(self) -> None:
         hp = self.hparams
@@ -181,7 +211,7 @@ class PPO(L.LightningModule):
                 self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
                                                 gradient_checkpointing=hp.gradient_checkpointing)
             self.critic = parallelize_for(self, self.critic)
-        if self._reference is None and hp.kl_coef > 0:
+        if self._reference is None and (hp.kl_coef > 0 or hp.kl_max is not None):
             reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
             object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
                                                                    trainable=False))
@@ -201,11 +231,15 @@ class PPO(L.LightningModule):
             raise ConfigError("PPO needs exactly one rl_lightning.rollout.callback.RolloutCallback in trainer.callbacks")
         group = callbacks[0].responses_per_prompt
         per_rank = self.trainer.datamodule.hparams.batch_size * group
-        if self.hparams.advantage_estimator == "gae":
-            if getattr(self.trainer.strategy, "cp_size", 1) > 1:
-                raise ConfigError("model.advantage_estimator=gae needs whole sequences per rank; it does not support "
-                                  "strategy.context_parallel_size > 1 yet")
-        elif group < 2:
+        hp = self.hparams
+        whole_sequences = [f"model.advantage_estimator={hp.advantage_estimator}"] if hp.advantage_estimator in (
+            "gae", "reinforce_pp") else []
+        if hp.kl_type == "reward" and self._reference is not None:
+            whole_sequences.append("model.kl_type=reward")
+        if whole_sequences and getattr(self.trainer.strategy, "cp_size", 1) > 1:
+            raise ConfigError(f"{' and '.join(whole_sequences)} needs whole sequences per rank (token reward-to-go); "
+                              "it does not support strategy.context_parallel_size > 1 yet")
+        if hp.advantage_estimator in GROUP_ESTIMATORS and group < 2:
             raise ConfigError(f"model.advantage_estimator={self.hparams.advantage_estimator} compares completions of a "
                               f"prompt: set the rollout callback's responses_per_prompt >= 2 (got {group})")
         if per_rank % self.hparams.update_per_rollout:
@@ -217,14 +251,21 @@ class PPO(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rollouts"] = self.rollouts
         checkpoint["kl_controller"] = dict(vars(self.kl))
+        checkpoint["log_multipliers"] = {k: float(v) for k, v in self.log_multipliers.items()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.rollouts = checkpoint.get("rollouts", 0)
         vars(self.kl).update(checkpoint.get("kl_controller", {}))
+        for name, value in checkpoint.get("log_multipliers", {}).items():
+            if name in self.log_multipliers:
+                self.log_multipliers[name] = torch.tensor(value).requires_grad_()
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """(B,) per-trajectory advantages before any token-level terms (reinforce_pp: the reward, whitened later)."""
         if self.hparams.advantage_estimator == "rloo":
             return rloo_advantages(rewards, group_size)
+        if self.hparams.advantage_estimator in ("reinforce_pp", "gae"):
+            return rewards
         return group_advantages(rewards, group_size, scale_by_std=self.hparams.advantage_estimator == "grpo")
 
     def _minibatch(self, trajectories: list, advantages: torch.Tensor) -> list[dict[str, Any]]:
@@ -258,6 +299,8 @@ class PPO(L.LightningModule):
                 local["old_logprobs"] = self._logprobs(self.model, local)[0]
                 if self._reference is not None:
                     local["ref_logprobs"] = self._logprobs(self._reference, local)[0]
+                    if self.hparams.kl_type == "reward":
+                        self._add_kl_penalty(local)
                 if self.critic is not None:
                     local["old_values"] = self._values(local)
                     local["target_advantages"], local["returns"] = packed_gae(
@@ -265,6 +308,33 @@ class PPO(L.LightningModule):
                         int(local["num_sequences"]), self.hparams.gamma, self.hparams.lam)
             micro_batches.append(local)
         return micro_batches
+
+    def _add_kl_penalty(self, mb: dict[str, Any]) -> None:
+        """``kl_type: reward``: a per-token reward -coef x KL_t(sampling policy || reference). GAE sees it in its token
+        rewards; the other estimators add its reward-to-go (sum over the rest of the completion) to the advantages."""
+        hp = self.hparams
+        mask = mb["target_mask"].float()
+        penalty = -self.kl.coef * KL_ESTIMATORS[hp.kl_estimator](mb["old_logprobs"], mb["ref_logprobs"]) * mask
+        if hp.advantage_estimator == "gae":
+            mb["target_reward"] = mb["target_reward"] + penalty
+        else:  # reward-to-go = GAE with zero values, gamma = lambda = 1
+            to_go, _ = packed_gae(penalty, torch.zeros_like(penalty), mask, mb["seq_index"], int(mb["num_sequences"]),
+                                  1.0, 1.0)
+            mb["target_advantages"] = mb["target_advantages"] + to_go
+
+    def _whiten_globally(self, minibatches: list[list[dict[str, Any]]]) -> None:
+        """REINFORCE++: whiten the token advantages over every completion token of the rollout on all data-parallel
+        ranks (population std, as `masked_whiten`)."""
+        mbs = [mb for micro_batches in minibatches for mb in micro_batches]
+        stats = torch.zeros(3, device=self.device)
+        for mb in mbs:
+            mask, adv = mb["target_mask"].float(), mb["target_advantages"]
+            stats += torch.stack([(adv * mask).sum(), (adv**2 * mask).sum(), mask.sum()])
+        total, square, count = data_parallel_sum(self.trainer, stats)
+        mean = total / count.clamp(min=1)
+        std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
+        for mb in mbs:
+            mb["target_advantages"] = (mb["target_advantages"] - mean) / (std + 1e-8) * mb["target_mask"]
 
     def _values(self, micro_batch: dict[str, Any]) -> torch.Tensor:
         """(B, T) critic value of the state at each position (before its target token is generated)."""
@@ -294,14 +364,20 @@ class PPO(L.LightningModule):
                                             hp.clip_high, hp.dual_clip)
         if hp.tis_cap is not None:
             loss = loss * truncated_importance_weights(mb["old_logprobs"], mb["target_engine_logprobs"], hp.tis_cap)
+        measured = {}
         if self._reference is not None:
-            kl = KL_ESTIMATORS[hp.kl_estimator](logprobs, mb["ref_logprobs"])
-            loss = loss + self.kl.coef * kl
-            metrics["kl"] = kl.detach()
-        entropy = entropy_from_logits(logits.detach() if hp.entropy_coef == 0 else logits)
-        loss = loss - hp.entropy_coef * entropy
+            measured["kl"] = KL_ESTIMATORS[hp.kl_estimator](logprobs, mb["ref_logprobs"])
+            if hp.kl_type == "loss":
+                loss = loss + self.kl.coef * measured["kl"]
+        needs_grad = hp.entropy_coef != 0 or "entropy" in self.constraints
+        measured["entropy"] = entropy_from_logits(logits if needs_grad else logits.detach())
+        loss = loss - hp.entropy_coef * measured["entropy"]
+        for name, (target, sign) in self.constraints.items():  # lambda x (value - target) per token, lambda fixed
+            term, _ = lagrangian_terms(self.log_multipliers[name], measured[name], target, sign)
+            loss = loss + term
+        metrics.update({k: v.detach() for k, v in measured.items()})
         log_ratio = (logprobs - mb["old_logprobs"]).detach()
-        metrics.update({"entropy": entropy.detach(), "approx_kl": torch.exp(-log_ratio) - 1 + log_ratio})
+        metrics["approx_kl"] = torch.exp(-log_ratio) - 1 + log_ratio
         if hp.aggregation == "token":
             total = token_mean(loss, mask, normaliser)
         else:  # each completion's token mean, summed over completions
@@ -327,6 +403,9 @@ class PPO(L.LightningModule):
                   for i in range(self.hparams.update_per_rollout + 1)]
         parts = list(itertools.pairwise(bounds))
         minibatches = [self._minibatch(trajectories[a:b], advantages[a:b]) for a, b in parts]
+        if self.hparams.advantage_estimator == "reinforce_pp":
+            self._whiten_globally(minibatches)
+        adv_sums = self._advantage_sums(minibatches)
         token_count, sums, extra = torch.zeros((), device=self.device), {}, {}
         for micro_batches, (a, b) in zip(minibatches, parts, strict=True):
             # Counted from whole trajectories: context-parallel shards hold only parts of each sequence.
@@ -356,26 +435,82 @@ class PPO(L.LightningModule):
                 extra["train/critic_grad_norm"] = optimizer_step(self, self.hparams.max_grad_norm, 1, self.critic)
         self.rollouts += 1
         extra["train/grad_norm"] = grad_norm
-        if self._reference is not None:  # move the KL coefficient with the measured per-token KL of this rollout
+        if "kl" in sums:  # move the KL coefficient with the measured per-token KL of this rollout
             totals = data_parallel_sum(self.trainer, torch.stack([sums["kl"], token_count]))
             # the adaptive controller counts trajectories (Ziegler et al.'s n_steps); the others count rollouts
             steps = len(trajectories) if self.hparams.kl_controller == "adaptive" else 1
             extra["train/kl_coef"] = self.kl.update(float(totals[0] / totals[1].clamp(min=1)), steps)
-        self._log_rollout(trajectories, rewards, advantages, sums, token_count, extra, batch)
+        if self.constraints and train_actor:
+            extra.update(self._update_multipliers(sums, token_count))
+        self._log_rollout(trajectories, rewards, adv_sums, sums, token_count, extra, batch)
 
-    def _log_rollout(self, trajectories: list, rewards: torch.Tensor, advantages: torch.Tensor, sums: dict,
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Held-out prompts, one greedy completion each (sampled by the rollout callback): accumulate reward sums."""
+        trajectories, self._val_names = batch["trajectories"], batch.get("reward_names", [])
+        record = torch.tensor([sum(t.reward for t in trajectories), sum(t.completion_length for t in trajectories),
+                               len(trajectories), *(sum(t.reward_components[c] for t in trajectories)
+                                                    for c in self._val_names)], dtype=torch.float64)
+        self._val_sums = record if getattr(self, "_val_sums", None) is None else self._val_sums + record
+
+    def on_validation_epoch_end(self) -> None:
+        sums, self._val_sums = getattr(self, "_val_sums", None), None
+        if sums is None:
+            return
+        totals = data_parallel_sum(self.trainer, sums.to(self.device))
+        reward, length, *components = totals[[0, 1, *range(3, len(totals))]] / totals[2].clamp(min=1)
+        metrics = {"val/reward": reward, "val/completion_length": length,
+                   **{f"val/reward/{c}": v for c, v in zip(self._val_names, components, strict=True)}}
+        if self.trainer.sanity_checking:  # Lightning drops sanity-check logs; keep the untrained policy's score
+            for logger in self.trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=0)
+        else:
+            self.log_dict(metrics)
+
+    def _update_multipliers(self, sums: dict, token_count: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One dual-ascent step per constraint on the rollout's global per-token mean of the measured value."""
+        names = sorted(self.constraints)
+        totals = data_parallel_sum(self.trainer, torch.stack([*(sums[n] for n in names), token_count]))
+        logged = {}
+        for i, name in enumerate(names):
+            target, sign = self.constraints[name]
+            log_multiplier = self.log_multipliers[name]
+            _, multiplier_loss = lagrangian_terms(log_multiplier, (totals[i] / totals[-1].clamp(min=1)).cpu(), target,
+                                                  sign)
+            (grad,) = torch.autograd.grad(multiplier_loss, log_multiplier)
+            with torch.no_grad():
+                log_multiplier -= self.hparams.multiplier_lr * grad
+            logged[f"train/{name}_multiplier"] = log_multiplier.detach().exp()
+        return logged
+
+    def _advantage_sums(self, minibatches: list[list[dict[str, Any]]]) -> torch.Tensor:
+        """This rank's (sum, sum of squares) of the token advantages the loss will use."""
+        sums = torch.zeros(2, device=self.device)
+        for mb in (mb for micro_batches in minibatches for mb in micro_batches):
+            adv = mb["target_advantages"] * mb["target_mask"]
+            sums += torch.stack([adv.sum(), (adv**2).sum()])
+        return sums
+
+    def _log_rollout(self, trajectories: list, rewards: torch.Tensor, adv_sums: torch.Tensor, sums: dict,
                      token_count: torch.Tensor, extra: dict, batch: dict) -> None:
         names = sorted(sums)
         totals = data_parallel_sum(self.trainer, torch.stack([*(sums[n] for n in names), token_count]))
+        tokens = totals[-1].clamp(min=1)
         lengths = torch.tensor([float(t.completion_length) for t in trajectories])
+        components = batch.get("reward_names", [])
         per_rank = torch.stack([rewards.sum(), (rewards**2).sum(), lengths.sum(), torch.tensor(float(len(rewards))),
-                                advantages.abs().sum(), torch.tensor(float(batch["reward_failures"]))])
-        reward_sum, reward_sq, length_sum, count, adv_abs, failures = data_parallel_sum(self.trainer, per_rank)
+                                torch.tensor(float(batch["reward_failures"])), *adv_sums.cpu(),
+                                *(torch.tensor(sum(t.reward_components[c] for t in trajectories), dtype=torch.float32)
+                                  for c in components)])
+        reward_sum, reward_sq, length_sum, count, failures, adv_sum, adv_sq, *component_sums = data_parallel_sum(
+            self.trainer, per_rank)
         n = count.clamp(min=1)  # dynamic sampling may keep no trajectory at all
         mean = reward_sum / n
-        metrics = {f"train/{name}": totals[i] / totals[-1].clamp(min=1) for i, name in enumerate(names)}
+        adv_mean = adv_sum / tokens
+        metrics = {f"train/{name}": totals[i] / tokens for i, name in enumerate(names)}
+        metrics.update({f"train/reward/{c}": component_sums[i] / n for i, c in enumerate(components)})
         metrics.update({"train/reward": mean, "train/reward_std": (reward_sq / n - mean**2).clamp(min=0).sqrt(),
-                        "train/completion_length": length_sum / n, "train/advantage_abs": adv_abs / n,
+                        "train/completion_length": length_sum / n, "train/advantage_mean": adv_mean,
+                        "train/advantage_std": (adv_sq / tokens - adv_mean**2).clamp(min=0).sqrt(),
                         **extra, "train/rollouts": float(self.rollouts), "train/refills": float(batch.get("refills", 0)),
                         "train/reward_failures": failures,
                         "train/trajectories": count})
