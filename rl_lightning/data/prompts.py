@@ -28,12 +28,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prompt:
-    """A tokenised prompt with what the reward function needs (`messages`, `answer`) and its row location."""
+    """A tokenised prompt with what the reward function needs (`messages`, `answer`), its row location and its
+    position in the loaded prompt list (`index`, which seeds its sampling)."""
 
     prompt_ids: list[int]
     messages: list[dict]
     answer: Any
     where: str
+    index: int = 0
 
 
 def encode_prompt(tokenizer: Any, messages: list[dict], apply_chat_template: bool) -> list[int]:
@@ -115,7 +117,7 @@ class PromptDataModule(L.LightningDataModule):
         for i, row in enumerate(rows.rows):
             ids = encode_prompt(self.tokenizer, row["messages"], hp.apply_chat_template)
             if len(ids) <= hp.max_prompt_length:
-                prompts.append(Prompt(ids, row["messages"], row["answer"], rows.locate(i)))
+                prompts.append(Prompt(ids, row["messages"], row["answer"], rows.locate(i), len(prompts)))
         dropped = len(rows) - len(prompts)
         if not prompts:
             raise DataError(f"{rows.source}: every prompt is longer than data.max_prompt_length="

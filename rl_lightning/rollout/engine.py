@@ -17,7 +17,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """How to sample. `temperature` 0 is greedy; `seed` makes sampling reproducible (per request: seed + index)."""
+    """How to sample. `temperature` 0 is greedy; `seed` or per-prompt `seeds` make sampling reproducible."""
 
     n: int = 1
     temperature: float = 1.0
@@ -26,6 +26,15 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    seeds: list[int] | None = None
+
+    def request_seed(self, index: int) -> int | None:
+        """The seed of the `index`-th prompt of a `generate` call: ``seeds[index]`` when given (the rollout callback
+        derives them from the prompts' dataset rows, so a prompt samples the same completions on whichever rank it
+        lands), else ``seed + index``; None samples freshly. The ``n`` samples of a prompt share its seed."""
+        if self.seeds is not None:
+            return self.seeds[index]
+        return None if self.seed is None else self.seed + index
 
 
 @dataclass

@@ -44,10 +44,10 @@ class HFEngine:
     def _generate_one(self, prompt: list[int], params: SamplingParams, index: int) -> list[Completion]:
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([prompt] * params.n, device=device)  # (n, P): one prompt, no padding needed
-        generator_state = None
-        if params.seed is not None:  # per-request seeds: reproducible whatever else was sampled before
+        generator_state, seed = None, params.request_seed(index)
+        if seed is not None:  # per-request seeds: reproducible whatever else was sampled before
             generator_state = torch.random.get_rng_state()
-            torch.manual_seed(params.seed + index)
+            torch.manual_seed(seed)
         greedy = params.temperature == 0
         sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
                                       "top_k": params.top_k or None}

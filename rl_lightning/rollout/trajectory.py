@@ -92,7 +92,10 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.completion_mask += [0] * len(context)
             t.engine_logprobs += [0.0] * len(context)
             t.messages = t.messages + tool_messages[i]
-        seeded = replace(params, n=1, seed=None if params.seed is None else params.seed + 7919 * turn)
+        # each continuation its own seed: its prompt's, shifted by turn and by its place in the group
+        seeds = [params.request_seed(i // params.n) for i in active]
+        seeded = replace(params, n=1, seed=None, seeds=None if params.request_seed(0) is None else [
+            s + 7919 * turn + 104_729 * (i % params.n) for s, i in zip(seeds, active, strict=True)])
         continuations = engine.generate([trajectories[i].input_ids for i in active], seeded)
         for i, (completion,) in zip(active, continuations, strict=True):
             t = trajectories[i]

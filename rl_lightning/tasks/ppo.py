@@ -25,7 +25,6 @@ entropy above / KL below a target. DAPO's dynamic sampling lives in the rollout 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import lightning as L
@@ -397,23 +396,24 @@ class PPO(L.LightningModule):
         trajectories, group = batch["trajectories"], batch["group_size"]
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         advantages = self.advantages(rewards, group)
-        # Contiguous, near-equal parts (dynamic sampling can leave fewer trajectories than the batch had; a rank may
-        # even have none: it still runs filler micro-batches so every rank takes the same optimizer steps).
-        bounds = [round(i * len(trajectories) / self.hparams.update_per_rollout)
-                  for i in range(self.hparams.update_per_rollout + 1)]
-        parts = list(itertools.pairwise(bounds))
-        minibatches = [self._minibatch(trajectories[a:b], advantages[a:b]) for a, b in parts]
+        # Strided parts: minibatch k takes this rank's trajectories k, k + U, k + 2U, ... Since U divides every rank's
+        # share, the global minibatch k is the same set of trajectories whatever the data-parallel size (dp=2 == dp=1).
+        # Dynamic sampling can leave fewer trajectories (a rank may even have none: it still runs filler
+        # micro-batches so every rank takes the same optimizer steps).
+        parts = [list(range(k, len(trajectories), self.hparams.update_per_rollout))
+                 for k in range(self.hparams.update_per_rollout)]
+        minibatches = [self._minibatch([trajectories[i] for i in part], advantages[part]) for part in parts]
         if self.hparams.advantage_estimator == "reinforce_pp":
             self._whiten_globally(minibatches)
         adv_sums = self._advantage_sums(minibatches)
         token_count, sums, extra = torch.zeros((), device=self.device), {}, {}
-        for micro_batches, (a, b) in zip(minibatches, parts, strict=True):
+        for micro_batches, part in zip(minibatches, parts, strict=True):
             # Counted from whole trajectories: context-parallel shards hold only parts of each sequence.
             if self.hparams.aggregation == "token":
                 count = data_parallel_sum(self.trainer, torch.tensor(float(sum(
-                    t.completion_length for t in trajectories[a:b]))))
+                    trajectories[i].completion_length for i in part))))
             else:
-                count = data_parallel_sum(self.trainer, torch.tensor(float(b - a)))
+                count = data_parallel_sum(self.trainer, torch.tensor(float(len(part))))
             # clamp: a minibatch whose completions were all masked out (truncated) has nothing to learn, not a NaN
             normaliser = count.clamp(min=1) / grad_average_size(self.trainer)
             train_actor = self.rollouts >= self.hparams.freeze_steps
