@@ -17,12 +17,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Collective under FSDP2/TP: every rank must call it.
     """
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        state[name] = tensor.detach().cpu()
-    return state
+    from rl_lightning.rollout.weights import full_tensor
+
+    return {name: full_tensor(tensor).detach().cpu() for name, tensor in model.state_dict().items()}
 
 
 def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool = True) -> None:

@@ -8,6 +8,7 @@ the batch (``batch["trajectories"]``, grouped by prompt) for the PPO task's ``tr
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import lightning as L
@@ -18,8 +19,10 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.trajectory import rollout
+from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
+from rl_lightning.rollout.weights import WeightSync
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 class RolloutCallback(L.Callback):
@@ -33,7 +36,18 @@ class RolloutCallback(L.Callback):
         top_p: nucleus sampling threshold.
         top_k: top-k sampling (0 = off).
         max_new_tokens: tokens generated per turn.
-        engine: ``hf`` (transformers generate on the policy).
+        engine: ``hf`` (transformers generate on the policy itself: simple, slow) or ``vllm`` (a vLLM engine colocated
+            in the training processes, fed the policy's weights after every optimizer step; see
+            `rl_lightning.rollout.vllm`).
+        engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
+            must divide the number of processes; consecutive ranks share an engine).
+        max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
+            ``max_new_tokens`` (single turn) or the model's ``max_position_embeddings`` (multi-turn).
+        kv_cache_memory_bytes: ``vllm``: KV-cache size in bytes; on CPU it is always explicit (default 1 GiB), on GPU
+            it overrides `gpu_memory_utilization` when set.
+        gpu_memory_utilization: ``vllm`` on GPU: share of GPU memory the engine takes while awake (it sleeps while
+            the trainer trains).
+        weight_bucket_mb: ``vllm``: weights are gathered from their shards and sent in buckets of this many MiB.
         on_error: reward_fn failures: ``raise`` (stop, naming the prompt row) or ``zero`` (score 0 and count).
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
@@ -43,6 +57,13 @@ class RolloutCallback(L.Callback):
         overlong_cache_length: DAPO soft overlong punishment: completions longer than ``max_new_tokens -
             overlong_cache_length`` tokens lose up to 1 reward, linearly; null disables.
         mask_truncated: drop completions cut at `max_new_tokens` from the loss (DAPO's overlong filtering).
+        reward_weights: for a ``reward_fn`` returning named components (a dict): one weight per component; each
+            component is logged as ``train/reward/<name>``.
+        reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
+        reward_ideal: Tchebycheff ideal point per component (default 1.0 each).
+
+    Validation (``data.val_path``) scores one greedy completion per held-out prompt (``val/reward``); with
+    ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
     """
 
     def __init__(
@@ -55,12 +76,20 @@ class RolloutCallback(L.Callback):
         top_k: int = 0,
         max_new_tokens: int = 256,
         engine: str = "hf",
+        engine_tp_size: int = 1,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        weight_bucket_mb: int = 512,
         on_error: str = "raise",
         seed: int | None = 0,
         filter_range: tuple[float, float] | None = None,
         max_refill_rounds: int = 4,
         overlong_cache_length: int | None = None,
         mask_truncated: bool = False,
+        reward_weights: dict[str, float] | None = None,
+        reward_combination: str = "weighted_sum",
+        reward_ideal: dict[str, float] | None = None,
     ) -> None:
         errors = []
         if responses_per_prompt < 1:
@@ -69,6 +98,8 @@ class RolloutCallback(L.Callback):
             errors.append(f"max_turns must be >= 1, got {max_turns}")
         if engine not in ENGINES:
             errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{engine}'")
+        errors += _vllm_errors(engine, engine_tp_size, max_model_len, kv_cache_memory_bytes, gpu_memory_utilization,
+                               weight_bucket_mb, max_turns, filter_range)
         if temperature < 0 or max_new_tokens < 1:
             errors.append(f"temperature must be >= 0 and max_new_tokens >= 1, got {temperature}, {max_new_tokens}")
         if filter_range is not None and not filter_range[0] < filter_range[1]:
@@ -80,40 +111,98 @@ class RolloutCallback(L.Callback):
                           f"{overlong_cache_length}")
         if errors:
             raise ConfigError("; ".join(f"rollout callback: {e}" for e in errors))
-        self.env = load_environment(env_path, on_error)
+        self.env = load_environment(env_path, on_error, weights=reward_weights, combination=reward_combination,
+                                    ideal=reward_ideal)
         if max_turns > 1 and self.env.interact is None:
             raise ConfigError(f"rollout callback: max_turns={max_turns} needs interact(messages) in {env_path}")
         self.responses_per_prompt, self.max_turns = responses_per_prompt, max_turns
         self.temperature, self.top_p, self.top_k, self.max_new_tokens = temperature, top_p, top_k, max_new_tokens
         self.engine_name, self.seed = engine, seed
+        self.engine_tp_size, self.max_model_len, self.weight_bucket_mb = engine_tp_size, max_model_len, weight_bucket_mb
+        self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
+        self.weight_sync: WeightSync | None = None
         self.filter_range, self.max_refill_rounds = filter_range, max_refill_rounds
         self.overlong_cache_length, self.mask_truncated = overlong_cache_length, mask_truncated
         self.engine: Any = None
         self.refills = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from rl_lightning.rollout.hf import HFEngine
+        if self.engine_name == "hf":
+            from rl_lightning.rollout.hf import HFEngine
 
-        self.engine = HFEngine(pl_module.model, pl_module.tokenizer.pad_token_id)
+            self.engine = HFEngine(pl_module.model, pl_module.tokenizer.pad_token_id)
+            return
+        if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
+            self.engine = self._vllm_engine(trainer, pl_module)
+        self.weight_sync = WeightSync(self.weight_bucket_mb << 20)  # a fresh fit always pushes its weights first
 
-    def sampling_params(self, step: int, rank: int) -> SamplingParams:
-        seed = None if self.seed is None else self.seed + 1_000_003 * step + 7_919 * rank
+    def _vllm_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+        from rl_lightning.rollout.vllm import VLLMEngine, check_engine
+
+        device_type = trainer.strategy.root_device.type
+        check_engine(pl_module.model.config, self.engine_tp_size, trainer.world_size, device_type)
+        return VLLMEngine(pl_module.hparams.model_name, self.engine_tp_size, self._max_model_len(trainer, pl_module),
+                          device_type, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
+                          rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size)
+
+    def _max_model_len(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        limit = getattr(pl_module.model.config, "max_position_embeddings", None)
+        prompt = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("max_prompt_length")
+        if prompt is None or (self.max_turns > 1 and limit is not None):  # tool messages take room too
+            if limit is None:
+                raise ConfigError("rollout callback: set max_model_len (the model config has no "
+                                  "max_position_embeddings and the data module no max_prompt_length)")
+            return limit
+        needed = prompt + self.max_new_tokens * self.max_turns
+        return needed if limit is None else min(needed, limit)
+
+    def _prepare_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Push the policy's weights into the engine unless no optimizer step happened since the last push (the HF
+        engine samples from the policy itself), then wake it."""
+        if self.weight_sync is not None:
+            self.weight_sync(self.engine, pl_module.model, trainer.global_step)
+        self.engine.wake()
+
+    def sampling_params(self, step: int, prompts: list, refill_round: int = 0) -> SamplingParams:
+        """Per-prompt seeds from the rollout count and each prompt's dataset position, never the rank: a prompt
+        samples the same completions whatever the parallel layout (dp=2 == dp=1)."""
+        seeds = None if self.seed is None else [self.seed + 1_000_003 * step + 7_919 * refill_round + p.index
+                                                for p in prompts]
         return SamplingParams(n=self.responses_per_prompt, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, max_new_tokens=self.max_new_tokens,
-                              stop_token_ids=[self._stop_id], seed=seed)
+                              stop_token_ids=[self._stop_id], seeds=seeds)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
                              ) -> None:
         self._stop_id = pl_module.tokenizer.eos_token_id
-        self.engine.wake()
-        params = self.sampling_params(pl_module.rollouts, trainer.global_rank)
+        self._prepare_engine(trainer, pl_module)
+        start = time.perf_counter()
+        params = self.sampling_params(pl_module.rollouts, batch["prompts"])
         trajectories = self._generate(batch["prompts"], pl_module.tokenizer, params)
         if self.filter_range is not None:
-            trajectories = self._refill(trainer, pl_module, batch["prompts"], trajectories, params)
+            trajectories = self._refill(trainer, pl_module, batch["prompts"], trajectories)
+        pl_module.log("rollout/generate_s", time.perf_counter() - start)  # sampling, scoring and refills
+        if self.weight_sync is not None:
+            pl_module.log("rollout/weight_sync_s", self.weight_sync.seconds)  # 0: skipped (no optimizer step)
         batch["trajectories"] = trajectories
         batch["group_size"] = self.responses_per_prompt
         batch["reward_failures"] = self.env.failures
         batch["refills"] = self.refills
+        batch["reward_names"] = self.env.component_names
+        self.engine.sleep()
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Held-out prompts: one greedy completion each (multi-turn as in training), scored."""
+        self._stop_id = pl_module.tokenizer.eos_token_id
+        self._prepare_engine(trainer, pl_module)
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens,
+                                stop_token_ids=[self._stop_id])
+        batch["trajectories"] = rollout(self.engine, batch["prompts"], self.env, pl_module.tokenizer, params,
+                                        self.max_turns)
+        batch["reward_names"] = self.env.component_names
         self.engine.sleep()
 
     def _generate(self, prompts: list, tokenizer: Any, params: SamplingParams) -> list:
@@ -129,14 +218,13 @@ class RolloutCallback(L.Callback):
                     t.completion_mask = [0] * len(t.completion_mask)
         return trajectories
 
-    def _refill(self, trainer: L.Trainer, pl_module: L.LightningModule, prompts: list, trajectories: list,
-                params: SamplingParams) -> list:
+    def _refill(self, trainer: L.Trainer, pl_module: L.LightningModule, prompts: list, trajectories: list) -> list:
         """DAPO dynamic sampling: keep informative groups, top up with freshly drawn prompts (a seeded stream per
         rank and rollout) until the batch is full or the rounds run out; the count of refill rounds is logged."""
         group = self.responses_per_prompt
         buffer = GroupRefill(target=len(prompts), max_rounds=self.max_refill_rounds)
         pool = trainer.datamodule.prompts["train"]
-        rng = random.Random((self.seed or 0) + 104_729 * pl_module.rollouts + trainer.global_rank)
+        rng = random.Random((self.seed or 0) + 104_729 * pl_module.rollouts + data_parallel_rank(trainer))
         while True:
             groups = [trajectories[i : i + group] for i in range(0, len(trajectories), group)]
             rewards = torch.tensor([t.reward for t in trajectories])
@@ -145,7 +233,33 @@ class RolloutCallback(L.Callback):
                 break
             self.refills += 1
             extra = rng.sample(pool, k=min(len(pool), len(prompts)))
-            params = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed
-                                       + 31 * buffer.rounds})
+            params = self.sampling_params(pl_module.rollouts, extra, buffer.rounds)
             trajectories = self._generate(extra, pl_module.tokenizer, params)
         return [t for kept in buffer.take() for t in kept]
+
+
+def data_parallel_rank(trainer: L.Trainer) -> int:
+    """The rank among ranks that see different prompts: context- and tensor-parallel peers share prompts, so they must
+    share sampling seeds too (identical trajectories)."""
+    dp_mesh = getattr(trainer.strategy, "dp_mesh", None)
+    return trainer.global_rank if dp_mesh is None else dp_mesh.get_local_rank()
+
+
+def _vllm_errors(engine: str, tp_size: int, max_model_len: int | None, kv_cache_memory_bytes: int | None,
+                 gpu_memory_utilization: float, weight_bucket_mb: int, max_turns: int,
+                 filter_range: tuple[float, float] | None) -> list[str]:
+    errors = []
+    if tp_size < 1 or weight_bucket_mb < 1 or (max_model_len is not None and max_model_len < 1):
+        errors.append(f"engine_tp_size, weight_bucket_mb and max_model_len must be >= 1, got {tp_size}, "
+                      f"{weight_bucket_mb}, {max_model_len}")
+    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
+        errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {kv_cache_memory_bytes}")
+    if not 0 < gpu_memory_utilization <= 1:
+        errors.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if engine == "vllm" and not vllm_available():
+        errors.append(f"engine=vllm needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
+    if engine == "vllm" and tp_size > 1 and (max_turns > 1 or filter_range is not None):
+        # the ranks of an engine generate together, but these loops decide per rank how often to generate
+        errors.append(f"engine_tp_size={tp_size} does not support multi-turn rollouts (max_turns={max_turns}) or "
+                      f"dynamic sampling (filter_range={filter_range}) yet; use engine_tp_size: 1")
+    return errors
