@@ -1,1 +1,1 @@
-"""Rollouts: the engine protocol (HF generate now, colocated vLLM next), environments (`env_path`), the callback."""
+"""Rollouts: the engine protocol (HF generate, colocated vLLM), environments (`env_path`), the callback."""

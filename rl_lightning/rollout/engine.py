@@ -2,8 +2,8 @@
 
 Token-in/token-out means completions are never re-tokenised: the trainer scores exactly the tokens the engine
 sampled, and the engine's per-token log-probabilities can correct for sampling mismatches (truncated importance
-sampling). Engines: `rl_lightning.rollout.hf.HFEngine` (transformers ``generate`` on the policy itself) and, next, a
-colocated vLLM engine.
+sampling). Engines: `rl_lightning.rollout.hf.HFEngine` (transformers ``generate`` on the policy itself) and
+`rl_lightning.rollout.vllm.VLLMEngine` (vLLM colocated in the training processes, fed the policy's weights).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def gather_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             stats.buckets, stats.max_bucket_bytes = stats.buckets + 1, max(stats.max_bucket_bytes, size)
             yield bucket
             bucket, size = [], 0
-        gathered = full_tensor(tensor.detach()).to(target)
+        gathered = full_tensor(tensor.detach().to(target))  # cast the shard first: gather (and hold) fewer bytes
         bucket.append((name, gathered))
         del gathered
         size, bucket_dtype = size + nbytes, target
