@@ -384,6 +384,7 @@ def _cli_worker(rank, config_path):
 
 
 @needs_vllm
+@pytest.mark.slow  # the CLI end-to-end tier (CI runs it)
 def test_ppo_with_vllm_engine_through_the_cli(tmp_path):
     """grpo-style PPO with TIS, 3 rollouts of 2 prompts x 4 completions, one optimizer step each: the engine's
     logprobs are the policy's at the sampling temperature (TIS weights are 1, the first update is on-policy) and the
