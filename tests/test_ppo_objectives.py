@@ -160,16 +160,18 @@ class CaptureLogger(Logger):
         self.logged.append((step, dict(metrics)))
 
 
-def _greedy_reward(model, tokenizer, prompts, env):
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id])
+def _val_reward(model, tokenizer, prompts, env, temperature, n):
+    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id],
+                            seeds=[999_983 + p.index for p in prompts])  # the callback's validation seeds (seed 0)
     trajectories = rollout(HFEngine(model, tokenizer.pad_token_id), prompts, env, tokenizer, params)
     return sum(t.reward for t in trajectories) / len(trajectories)
 
 
-def test_validation_scores_greedy_completions_of_held_out_prompts(tmp_path):
-    """val/reward is the mean reward of one greedy completion per held-out prompt: at step 0 (sanity check over the
-    whole set, logged directly) it equals an independent greedy scoring of the initial model, and after training it
-    equals the same scoring of the trained policy."""
+@pytest.mark.parametrize(("temperature", "n"), [(0.0, 1), (1.0, 3)], ids=["greedy", "sampled"])
+def test_validation_scores_completions_of_held_out_prompts(tmp_path, temperature, n):
+    """val/reward is the mean reward of the completions of the held-out prompts (greedy, or n seeded samples): at
+    step 0 (sanity check over the whole set, logged directly) it equals an independent scoring of the initial model,
+    and after training the same scoring of the trained policy."""
     env_path = tmp_path / "env.py"
     env_path.write_text(COMPONENT_ENV)
     weights = {"length": 1.0, "checksum": 0.25}
@@ -177,7 +179,8 @@ def test_validation_scores_greedy_completions_of_held_out_prompts(tmp_path):
     data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=2,
                             shuffle=False, val_path=str(DEMO_DATA / "arithmetic_test.jsonl"))
     model = PPO(str(TINY_MODEL), lr=5e-3, max_grad_norm=0.0)
-    callback = RolloutCallback(str(env_path), responses_per_prompt=4, max_new_tokens=8, reward_weights=weights)
+    callback = RolloutCallback(str(env_path), responses_per_prompt=4, max_new_tokens=8, reward_weights=weights,
+                               val_temperature=temperature, val_responses_per_prompt=n)
     logger = CaptureLogger()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
@@ -185,8 +188,8 @@ def test_validation_scores_greedy_completions_of_held_out_prompts(tmp_path):
     trainer.fit(model, datamodule=data)
     env = load_environment(str(env_path), weights=weights)
     held_out = data.prompts["val"][:6]  # 3 batches of 2, unshuffled
-    initial = _greedy_reward(load_causal_lm(str(TINY_MODEL)), model.tokenizer, held_out, env)
-    trained = _greedy_reward(model.model, model.tokenizer, held_out, env)
+    initial = _val_reward(load_causal_lm(str(TINY_MODEL)), model.tokenizer, held_out, env, temperature, n)
+    trained = _val_reward(model.model, model.tokenizer, held_out, env, temperature, n)
     validations = [(step, m) for step, m in logger.logged if "val/reward" in m]
     assert [step for step, _ in validations] == [0, 1]  # sanity check at step 0, then after 2 optimizer steps
     assert validations[0][1]["val/reward"] == pytest.approx(initial, abs=1e-6)

@@ -62,8 +62,12 @@ class RolloutCallback(L.Callback):
         reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
         reward_ideal: Tchebycheff ideal point per component (default 1.0 each).
 
-    Validation (``data.val_path``) scores one greedy completion per held-out prompt (``val/reward``); with
-    ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
+        val_temperature: validation sampling temperature (0: greedy).
+        val_responses_per_prompt: completions per held-out prompt at validation (> 1 needs `val_temperature` > 0);
+            their seeds stay the same across validations, so successive scores compare the same draws.
+
+    Validation (``data.val_path``) scores `val_responses_per_prompt` completions per held-out prompt (``val/reward``,
+    the mean); with ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
     """
 
     def __init__(
@@ -90,8 +94,14 @@ class RolloutCallback(L.Callback):
         reward_weights: dict[str, float] | None = None,
         reward_combination: str = "weighted_sum",
         reward_ideal: dict[str, float] | None = None,
+        val_temperature: float = 0.0,
+        val_responses_per_prompt: int = 1,
     ) -> None:
         errors = []
+        if val_temperature < 0 or val_responses_per_prompt < 1 or (val_temperature == 0 and
+                                                                   val_responses_per_prompt > 1):
+            errors.append(f"val_temperature must be >= 0 and val_responses_per_prompt >= 1 (1 when greedy), got "
+                          f"{val_temperature}, {val_responses_per_prompt}")
         if responses_per_prompt < 1:
             errors.append(f"responses_per_prompt must be >= 1, got {responses_per_prompt}")
         if max_turns < 1:
@@ -123,6 +133,7 @@ class RolloutCallback(L.Callback):
         self.weight_sync: WeightSync | None = None
         self.filter_range, self.max_refill_rounds = filter_range, max_refill_rounds
         self.overlong_cache_length, self.mask_truncated = overlong_cache_length, mask_truncated
+        self.val_temperature, self.val_responses_per_prompt = val_temperature, val_responses_per_prompt
         self.engine: Any = None
         self.refills = 0
 
@@ -195,11 +206,14 @@ class RolloutCallback(L.Callback):
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Held-out prompts: one greedy completion each (multi-turn as in training), scored."""
+        """Held-out prompts: `val_responses_per_prompt` completions each (multi-turn as in training), scored."""
         self._stop_id = pl_module.tokenizer.eos_token_id
         self._prepare_engine(trainer, pl_module)
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens,
-                                stop_token_ids=[self._stop_id])
+        sampled = self.val_temperature > 0
+        params = SamplingParams(n=self.val_responses_per_prompt, temperature=self.val_temperature,
+                                top_p=self.top_p if sampled else 1.0, top_k=self.top_k if sampled else 0,
+                                max_new_tokens=self.max_new_tokens, stop_token_ids=[self._stop_id],
+                                seeds=[(self.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
         batch["trajectories"] = rollout(self.engine, batch["prompts"], self.env, pl_module.tokenizer, params,
                                         self.max_turns)
         batch["reward_names"] = self.env.component_names
