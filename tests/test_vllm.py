@@ -275,6 +275,12 @@ def _single_process_worker(rank):
     first = engine.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=11,
                                                     stop_token_ids=[256]))
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in first]  # seeded
+    # More seeded prompt tokens than one scheduler step takes (> 4096): vLLM 0.32 crashed on CPU when it split a
+    # seeded prompt across steps (chunked prefill rewinds a generator offset CPU generators lack).
+    many = _prompts(100)
+    assert sum(map(len, many)) * 2 > 4096
+    big = engine.generate(many, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=5, stop_token_ids=[256]))
+    assert [len(g) for g in big] == [2] * 100
     engine.shutdown()  # while the process group vLLM made is alive (it destroys it)
 
 

@@ -173,7 +173,11 @@ class VLLMEngine:
             "dtype": dtype or ("float32" if device_type == "cpu" else "auto"),
         }
         if device_type == "cpu":
-            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_memory_bytes or 1 << 30)
+            # No chunked prefill on CPU: a seeded request whose prompt is split across steps makes vLLM 0.32 rewind
+            # its generator's offset, which CPU generators lack ("CPU Generator does not use offset"): any rollout
+            # of more than max_num_batched_tokens prompt tokens with seeds would crash. Whole prompts per step instead.
+            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_memory_bytes or 1 << 30,
+                          enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         else:
             kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
             if kv_cache_memory_bytes:
