@@ -1,7 +1,8 @@
 """Build the demo assets: a tiny Qwen2-architecture model, its byte-level tokenizer and synthetic datasets.
 
 Everything here is deterministic (fixed seeds, no network), so ``python -m rl_lightning.assets.build`` rebuilds the
-files that ship in ``rl_lightning/assets/`` byte for byte; ``tests/test_assets.py`` checks that.
+files that ship in ``rl_lightning/assets/`` byte for byte; ``tests/test_assets.py`` checks that. The one exception is
+the warm-started model (below), which is trained.
 
 The model is random-initialised: it exists so that every code path (training, export, vLLM) runs on CPU in seconds,
 not to be good at anything. ``head_dim`` is 32 because vLLM's CPU attention backend rejects smaller heads, and the
@@ -15,6 +16,18 @@ Datasets (JSONL, one object per line), all built from arithmetic so rewards are 
 - ``preference.jsonl``: ``{"messages": [prompt], "chosen": str, "rejected": str}``: the right answer vs. a wrong one,
   half of the wrong ones also hedged and verbose.
 - ``arithmetic.jsonl`` / ``arithmetic_test.jsonl``: ``{"messages": [prompt], "answer": str}`` for RL.
+- ``easy_sft.jsonl``, ``easy.jsonl`` / ``easy_test.jsonl``: the RL demo's task, single-digit addition and
+  subtraction (``What is 7 - 9?``, 200 questions). 50 questions are held out: ``easy_test.jsonl`` asks each of them
+  with and without the system prompt; the other 150 make ``easy.jsonl`` (RL prompts, same two variants) and
+  ``easy_sft.jsonl`` (the same prompts with an answer turn). The two sets share no question. The SFT answers are
+  sloppy on purpose: half say ``The answer is 7.`` although the system prompt asks for the number only, so the
+  warm-started model has an instruction-following habit for RL to fix (``examples/envs/arithmetic_format.py``).
+
+The warm-started model ``tiny-qwen2-sft/`` (``python -m rl_lightning.assets.build --warm-start``) is the random model
+after a short seeded SFT on ``easy_sft.jsonl`` with the repo's own SFT task: it answers in both styles, about half of
+the time each. Training is seeded and runs single-threaded, so a rebuild on the same machine and software versions
+reproduces it, but floating-point results may differ in the last bits across CPUs and torch builds, so its weights
+are not checked byte for byte; the tests check that it loads and uses both styles.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
 MODEL_DIR = ASSETS_DIR / "tiny-qwen2"
+WARM_MODEL_DIR = ASSETS_DIR / "tiny-qwen2-sft"
 DATA_DIR = ASSETS_DIR / "data"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<answer>", "</answer>"]
@@ -40,6 +54,7 @@ CHAT_TEMPLATE = (
 )
 
 SYSTEM_PROMPT = "You are a careful calculator. Answer with the number only."
+WARM_START_STEPS = 300  # SFT steps of the warm-started model (about a minute on 2 CPU cores)
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -136,6 +151,36 @@ def prompt_rows(rng: random.Random, n: int) -> list[dict]:
     return rows
 
 
+def easy_questions(seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Every single-digit ``a + b`` and ``a - b`` as (question, answer), split by a seeded shuffle into 150 training
+    and 50 held-out questions."""
+    questions = [(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b))
+                 for a in range(10) for b in range(10) for op in "+-"]
+    random.Random(seed).shuffle(questions)
+    return questions[50:], questions[:50]
+
+
+def easy_prompts(questions: list[tuple[str, str]]) -> list[tuple[list[dict[str, str]], str]]:
+    """Each question asked with and without the system prompt: (prompt messages, answer)."""
+    prompts = []
+    for question, answer in questions:
+        for system in (True, False):
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}] if system else []
+            prompts.append((messages + [{"role": "user", "content": question}], answer))
+    return prompts
+
+
+def build_easy_data(out_dir: Path, seed: int) -> None:
+    train, test = easy_questions(seed)
+    train_prompts = easy_prompts(train)
+    styles = random.Random(seed + 1)  # half the answers ignore "the number only" (see the module docstring)
+    write_jsonl(out_dir / "easy_sft.jsonl",
+                [{"messages": m + [{"role": "assistant", "content": a if styles.random() < 0.5 else
+                                    f"The answer is {a}."}]} for m, a in train_prompts])
+    write_jsonl(out_dir / "easy.jsonl", [{"messages": m, "answer": a} for m, a in train_prompts])
+    write_jsonl(out_dir / "easy_test.jsonl", [{"messages": m, "answer": a} for m, a in easy_prompts(test)])
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -148,6 +193,7 @@ def build_data(out_dir: Path, seed: int = 0) -> None:
     write_jsonl(out_dir / "preference.jsonl", preference_rows(random.Random(seed + 1), 1000))
     write_jsonl(out_dir / "arithmetic.jsonl", prompt_rows(random.Random(seed + 2), 1000))
     write_jsonl(out_dir / "arithmetic_test.jsonl", prompt_rows(random.Random(seed + 3), 200))
+    build_easy_data(out_dir, seed + 4)
 
 
 def build(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> None:
@@ -161,11 +207,45 @@ def build(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> None:
     build_data(data_dir)
 
 
+def build_warm_start(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR, out_dir: Path = WARM_MODEL_DIR,
+                     steps: int = WARM_START_STEPS, seed: int = 0) -> None:
+    """SFT the random model in `model_dir` on ``easy_sft.jsonl`` for `steps` seeded steps and export it to `out_dir`
+    (Hugging Face layout: safetensors, config, generation config, tokenizer)."""
+    import lightning as L
+    import torch
+
+    from rl_lightning.data import SFTDataModule
+    from rl_lightning.export import export_hf
+    from rl_lightning.tasks import SFT
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # reductions in a fixed order: the same machine rebuilds the same weights
+    try:
+        L.seed_everything(seed, verbose=False)
+        data = SFTDataModule(str(data_dir / "easy_sft.jsonl"), tokenizer_name=str(model_dir), max_length=128,
+                             batch_size=32, max_length_per_device=4096)
+        task = SFT(str(model_dir), lr=3e-3, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1)
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(task, datamodule=data)
+        export_hf(task.model, str(model_dir), out_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--warm-start", action="store_true",
+                        help="only train the warm-started model from the files in --model-dir and --data-dir")
+    parser.add_argument("--warm-model-dir", type=Path, default=WARM_MODEL_DIR)
+    parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS)
     args = parser.parse_args()
+    if args.warm_start:
+        build_warm_start(args.model_dir, args.data_dir, args.warm_model_dir, args.warm_start_steps)
+        print(f"wrote {args.warm_model_dir}")
+        return
     build(args.model_dir, args.data_dir)
     print(f"wrote {args.model_dir} and {args.data_dir}")
 
