@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/python -m rl_lightning fit --config recipes/sft.yaml
+	$(BIN)/python -m rl_lightning fit --config recipes/grpo.yaml
 
 test: setup
 	$(BIN)/ruff check rl_lightning tests benchmarks examples

@@ -64,3 +64,28 @@ def test_tiny_model_generates(tokenizer):
             next_id = model(expected).logits[:, -1].argmax(-1, keepdim=True)
             expected = torch.cat([expected, next_id], dim=1)
     assert torch.equal(out, expected)
+
+
+def test_warm_start_answers_in_both_styles():
+    """The RL demo's warm start (`--warm-start`) learned both answer styles of its sloppy SFT data, so the demo's
+    `format` reward has something to fix (rebuilt weights differ across machines in the last bits, so this checks
+    behaviour, not bytes)."""
+    import json
+    import re
+
+    from rl_lightning.data.prompts import encode_prompt
+    from rl_lightning.models import load_causal_lm, load_tokenizer
+    from rl_lightning.rollout.engine import SamplingParams
+    from rl_lightning.rollout.hf import HFEngine
+
+    warm = TINY_MODEL.parent / "tiny-qwen2-sft"
+    tokenizer, model = load_tokenizer(str(warm)), load_causal_lm(str(warm))
+    rows = [json.loads(line) for line in (DEMO_DATA / "easy_test.jsonl").read_text().splitlines()][:40]
+    prompts = [encode_prompt(tokenizer, r["messages"], True) for r in rows]
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20, stop_token_ids=[tokenizer.eos_token_id])
+    texts = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True).strip()
+             for g in HFEngine(model, tokenizer.pad_token_id).generate(prompts, params)]
+    bare = sum(bool(re.fullmatch(r"-?\d+", t)) for t in texts) / len(texts)
+    verbose = sum(t.startswith("The answer is") for t in texts) / len(texts)
+    # measured on the shipped model, greedy, these 40 held-out prompts: bare 0.15, verbose 0.78 (the rest malformed)
+    assert bare >= 0.05 and verbose >= 0.3 and bare + verbose >= 0.8, texts

@@ -129,3 +129,39 @@ def test_cli_launches_two_processes_with_context_parallel_ring_attention(tmp_pat
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert any((workdir / "checkpoints" / "sft" / "last.ckpt").glob("*.distcp"))
     AutoModelForCausalLM.from_pretrained(workdir / "exports" / "sft")
+
+
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def grpo_run(request, tmp_path_factory):
+    """The README demo as written (`recipes/grpo.yaml`, vLLM engine), and the same with the HF engine."""
+    from conftest import REPO
+
+    workdir = tmp_path_factory.mktemp(f"grpo_{request.param}")
+    for name in ("rl_lightning", "examples"):
+        (workdir / name).symlink_to(REPO / name)
+    (workdir / "recipes").mkdir()
+    recipe = (REPO / "recipes" / "grpo.yaml").read_text()
+    assert recipe.count("engine: vllm") == 1
+    (workdir / "recipes" / "grpo.yaml").write_text(recipe.replace("engine: vllm", f"engine: {request.param}"))
+    result = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/grpo.yaml"],
+                            cwd=workdir, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return request.param, workdir
+
+
+def test_grpo_demo_raises_held_out_reward(grpo_run):
+    """Held-out questions (never seen in SFT or RL), 4 seeded samples each: the mean reward rises by a clear margin
+    within the demo's 40 rollouts, with either engine. Measured (seed 42, 2 CPU cores): val/reward 0.40 -> 0.55 with
+    vLLM; the `format` component 0.54 -> 0.98 (the tiny model learns to answer with the bare number as asked; its
+    arithmetic on unseen questions does not improve: `correct` stays <= 0.15)."""
+    engine, workdir = grpo_run
+    client, run = _run(workdir)
+    assert run.info.status == "FINISHED"
+    history = sorted(client.get_metric_history(run.info.run_id, "val/reward"), key=lambda m: m.step)
+    assert [m.step for m in history] == [0, 9, 19, 29, 39], history  # step 0 = the warm start, then every 10
+    rewards = [m.value for m in history]
+    assert rewards[-1] > rewards[0] + 0.10, (engine, rewards)
+    assert _history(client, run, "val/reward/format")[-1] > 0.8
+    assert len(_history(client, run, "train/reward")) == 40
+    if engine == "vllm":  # the weights were pushed after every optimizer step (0 s: skipped, nothing changed)
+        assert max(_history(client, run, "rollout/weight_sync_s")) > 0
