@@ -48,15 +48,18 @@ def encode_prompt(tokenizer: Any, messages: list[dict], apply_chat_template: boo
 
 class PromptBatches(IterableDataset):
     """Yields this rank's share (a list of `Prompt`) of each rollout's global prompt batch; every rank walks the same
-    seeded permutation, and a run resumed mid-epoch continues at the next rollout."""
+    seeded permutation, and a run resumed mid-epoch continues at the next rollout. Training drops the last partial
+    batch; with `keep_last` (validation) it is yielded too, split over the ranks (some shares may be empty)."""
 
     def __init__(self, prompts: list[Prompt], per_rank: int, dp_rank: int, dp_size: int, shuffle: bool,
-                 epoch_fn: Callable[[], int] = lambda: 0, start_fn: Callable[[], int] = lambda: 0) -> None:
+                 epoch_fn: Callable[[], int] = lambda: 0, start_fn: Callable[[], int] = lambda: 0,
+                 keep_last: bool = False) -> None:
         self.prompts, self.per_rank, self.dp_rank, self.dp_size = prompts, per_rank, dp_rank, dp_size
-        self.shuffle, self.epoch_fn, self.start_fn = shuffle, epoch_fn, start_fn
+        self.shuffle, self.epoch_fn, self.start_fn, self.keep_last = shuffle, epoch_fn, start_fn, keep_last
 
     def __len__(self) -> int:
-        return len(self.prompts) // (self.per_rank * self.dp_size)
+        rows = self.per_rank * self.dp_size
+        return -(-len(self.prompts) // rows) if self.keep_last else len(self.prompts) // rows
 
     def __iter__(self):
         order = torch.arange(len(self.prompts))
@@ -144,6 +147,7 @@ class PromptDataModule(L.LightningDataModule):
             lambda: trainer.current_epoch if trainer else 0,
             (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed)
             if trainer and name == "train" else (lambda: 0),
+            keep_last=name != "train",
         )
         # A dict the rollout callback can extend in place (``batch["trajectories"]``); prompts stay Python objects.
         return DataLoader(dataset, batch_size=None, collate_fn=lambda prompts: {"prompts": prompts})

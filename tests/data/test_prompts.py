@@ -44,6 +44,14 @@ def test_rollout_batches_split_the_global_batch_across_ranks():
     assert len({p for r in ranks for step in r for p in step}) == 18
 
 
+def test_validation_batches_keep_the_last_partial_batch():
+    """Held-out scoring covers every prompt once: 20 prompts, 3 per rank x 2 ranks -> 3 full batches + 2 left."""
+    ranks = [list(PromptBatches(list(range(20)), 3, r, 2, shuffle=False, keep_last=True)) for r in range(2)]
+    assert [len(r) for r in ranks] == [4, 4]  # every rank runs the same number of validation steps
+    assert ranks[0][-1] == [18, 19] and ranks[1][-1] == []
+    assert sorted(p for r in ranks for step in r for p in step) == list(range(20))
+
+
 def test_per_token_values_shift_to_the_predicting_position():
     """Engine logprob of token i is stored at position i - 1 (which predicts token i), like target_ids."""
     sequence = TokenizedExample([5, 6, 7, 8], [0, 0, 1, 1], values={"engine_logprobs": [0, 0, -0.5, -0.25]})
