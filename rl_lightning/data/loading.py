@@ -43,7 +43,14 @@ def load_rows(path: str, split: str = "train") -> Rows:
         path: a local file (``.json`` array or object-per-line, ``.jsonl``, ``.csv``, ``.parquet``, ``.arrow``), a
             folder written by ``Dataset.save_to_disk``, or a Hugging Face dataset name (``org/name``).
         split: the split to read for Hugging Face names and ``DatasetDict`` folders.
+
+    ``reasoning_gym:TASK[:SPLIT][?key=value&...]`` generates a reasoning-gym task instead (see
+    `rl_lightning.data.reasoning_gym`; its split is part of the path).
     """
+    if path.startswith("reasoning_gym:"):
+        from rl_lightning.data.reasoning_gym import load_spec_rows
+
+        return Rows(load_spec_rows(path), path)
     local = Path(path).expanduser()
     if local.is_dir():
         return _load_saved_dataset(local, split)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rl_lightning.assets.real import resolve_model
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
@@ -120,7 +121,8 @@ class VLLMEngine:
     times as the other ranks of its inference group.
 
     Args:
-        model_path: Hugging Face folder or hub name (only its config and tokenizer are read).
+        model_path: Hugging Face folder, hub name, ``asset:<name>`` or ``.gguf`` file (only its config and tokenizer
+            are read).
         tensor_parallel_size: ranks per engine; must divide the world size.
         max_model_len: longest prompt + completion, in tokens.
         device_type: ``cuda`` (sleep mode, ``gpu_memory_utilization``) or ``cpu`` (``kv_cache_memory_bytes``,
@@ -167,7 +169,7 @@ class VLLMEngine:
         self.tp_group = _contiguous_subgroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.sleep_mode = device_type == "cuda"
         kwargs: dict[str, Any] = {
-            "model": model_path, "load_format": "dummy", "distributed_executor_backend": "external_launcher",
+            "model": resolve_model(model_path), "load_format": "dummy", "distributed_executor_backend": "external_launcher",
             "tensor_parallel_size": tensor_parallel_size, "seed": self.rank // tensor_parallel_size,
             "max_model_len": max_model_len, "logprobs_mode": "processed_logprobs",
             "dtype": dtype or ("float32" if device_type == "cpu" else "auto"),
