@@ -105,7 +105,7 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_data=True,
             save_config_callback=ConfigLogger,
             save_config_kwargs={"save_to_log_dir": False},
-            parser_kwargs={"parser_mode": "omegaconf"},
+            parser_kwargs={"parser_mode": "omegaconf+"},
             seed_everything_default=42,
             args=args,
         )

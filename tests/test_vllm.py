@@ -38,10 +38,13 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 KV_CACHE = 64 << 20
 
 
-def _tiny_model():
+def load_model(model_dir=TINY_MODEL):
     from rl_lightning.models import load_causal_lm
 
-    return load_causal_lm(str(TINY_MODEL))
+    return load_causal_lm(str(model_dir))
+
+
+_tiny_model = load_model
 
 
 def _checkpoint_keys():
@@ -196,21 +199,26 @@ def test_bad_engine_settings_fail_at_construction(vllm_installed):
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=10)
 
 
-def _prompts(count, offset=0):
+def prompts_for(model_dir, count, offset=0):
+    """Token ids of `count` demo arithmetic prompts, rendered with `model_dir`'s chat template."""
     from rl_lightning.data.prompts import encode_prompt
     from rl_lightning.models import load_tokenizer
 
-    tokenizer = load_tokenizer(str(TINY_MODEL))
+    tokenizer = load_tokenizer(str(model_dir))
     rows = [json.loads(line) for line in (DEMO_DATA / "arithmetic.jsonl").read_text().splitlines()]
     return [encode_prompt(tokenizer, r["messages"], True) for r in rows[offset : offset + count]]
 
 
-def _train(model, steps, offset=0, lr=3e-2):
+def _prompts(count, offset=0):
+    return prompts_for(TINY_MODEL, count, offset)
+
+
+def train_steps(model, steps, offset=0, lr=3e-2, model_dir=TINY_MODEL):
     """`steps` AdamW steps of next-token NLL on demo SFT conversations (a real loss, so the weights move)."""
     from rl_lightning.data.prompts import encode_prompt
     from rl_lightning.models import load_tokenizer
 
-    tokenizer = load_tokenizer(str(TINY_MODEL))
+    tokenizer = load_tokenizer(str(model_dir))
     rows = [json.loads(line) for line in (DEMO_DATA / "sft.jsonl").read_text().splitlines()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(steps):
@@ -229,15 +237,15 @@ def _recomputed(model, prompt, completion, temperature):
     return token_logprobs(logits, ids[:, len(prompt) :], temperature)[0]
 
 
-def _check_against_trainer(engine, reference, prompts, stop_token):
+def check_against_trainer(engine, reference, prompts, stop_token, pad_token_id=257, model_dir=TINY_MODEL):
     """Greedy: same tokens as HF generate on the trainer's weights, and the trainer's log-probabilities. Sampling at
     temperature 0.7: the engine's processed log-probabilities are the trainer's at that temperature."""
     from rl_lightning.rollout.hf import HFEngine
 
-    hf = HFEngine(reference, pad_token_id=257)
+    hf = HFEngine(reference, pad_token_id=pad_token_id)
     greedy = engine.generate(prompts, GREEDY)
     assert [g[0].token_ids for g in greedy] == [g[0].token_ids for g in hf.generate(prompts, GREEDY)]
-    untrained = HFEngine(_tiny_model(), pad_token_id=257).generate(prompts, GREEDY)
+    untrained = HFEngine(load_model(model_dir), pad_token_id=pad_token_id).generate(prompts, GREEDY)
     assert [g[0].token_ids for g in greedy] != [g[0].token_ids for g in untrained]  # the pushed weights matter
     sampled = engine.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=11,
                                                       stop_token_ids=[stop_token]))
@@ -264,11 +272,11 @@ def _single_process_worker(rank):
     prompts = _prompts(3)
     assert sync(engine, model, step=0) and sync.stats.buckets > 1
     before = [g[0].token_ids for g in engine.generate(prompts, GREEDY)]
-    _train(model, steps=4)
+    train_steps(model, steps=4)
     assert not sync(engine, model, step=0)  # same optimizer-step count: skipped ...
     assert [g[0].token_ids for g in engine.generate(prompts, GREEDY)] == before  # ... so the engine is stale
     assert sync(engine, model, step=4) and sync.stats.tensors == 26
-    greedy, checked = _check_against_trainer(engine, model, prompts, stop_token=256)
+    greedy, checked = check_against_trainer(engine, model, prompts, stop_token=256)
     assert [g[0].token_ids for g in greedy] != before and checked > 30
     again = engine.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=11,
                                                     stop_token_ids=[256]))
@@ -307,13 +315,13 @@ def _fsdp_worker(rank, engine_tp):
     engine = VLLMEngine(str(TINY_MODEL), tensor_parallel_size=engine_tp, max_model_len=256,
                         kv_cache_memory_bytes=KV_CACHE)
     sync = WeightSync(bucket_bytes=128 << 10)
-    _train(model, steps=6, offset=10 * rank)
+    train_steps(model, steps=6, offset=10 * rank)
     assert sync(engine, model, step=6)
     reference = _tiny_model()
     reference.load_state_dict(full_state_dict(model))  # the trainer's current weights, gathered
     assert not torch.equal(reference.model.norm.weight, _tiny_model().model.norm.weight)  # they did change
     prompts = _prompts(2 - rank, offset=3 * rank)
-    greedy, _ = _check_against_trainer(engine, reference, prompts, stop_token=256)
+    greedy, _ = check_against_trainer(engine, reference, prompts, stop_token=256)
     assert len(greedy) == len(prompts)
     torch.distributed.barrier()
     engine.shutdown()  # destroys the default group too, after both ranks are done with it

@@ -10,8 +10,8 @@ becomes rows in the project's formats:
 - preference: chosen = the reference answer, rejected = a wrong one (a nearby number, or another question's answer).
 
 Two ways in. A data path ``reasoning_gym:TASK[:SPLIT][?key=value&...]`` is generated in memory wherever a data file is
-accepted (``data.path``, ``data.val_path``; `rl_lightning.data.loading.load_rows`): SPLIT is ``train`` (default) or
-``test``; keys ``train_size`` (default 1000), ``test_size`` (200), ``seed`` (0), ``format`` (``rl``, ``sft`` or
+accepted (``data.path``, ``data.val_path``; `rl_lightning.data.loading.load_rows`): SPLIT (or the key ``split``) is
+``train`` (default) or ``test``; keys ``train_size`` (default 1000), ``test_size`` (200), ``seed`` (0), ``format`` (``rl``, ``sft`` or
 ``preference``), ``system_prompt``, and any field of the task's config (``min_terms=2``). The two splits are drawn from
 one seeded stream and share no question. Or write JSONL files to look at, edit or ship:
 ``python -m rl_lightning.data.reasoning_gym chain_sum --out data/chain_sum`` (``--list`` names the tasks).
@@ -140,17 +140,21 @@ def _parse_value(text: str) -> Any:
 
 def parse_spec(spec: str) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
     """``reasoning_gym:TASK[:SPLIT][?k=v&...]`` → (task, split, our options, the task's config)."""
-    body, _, query = spec[len(SCHEME):].partition("?")
+    body, sep, query = spec[len(SCHEME):].partition("?")
+    if not sep:  # "reasoning_gym:TASK&split=test", as `${.path}&split=test` in a recipe gives for a bare task path
+        body, _, query = body.partition("&")
     task, _, split = body.partition(":")
     split = split or "train"
-    if split not in SPLITS:
-        raise ConfigError(f"'{spec}': split must be one of {', '.join(SPLITS)}, got '{split}'")
     options, config = dict(_DEFAULTS), {}
     for key, value in parse_qsl(query, keep_blank_values=True):
-        if key in _DEFAULTS:
+        if key == "split":
+            split = value
+        elif key in _DEFAULTS:
             options[key] = value if key in ("format", "system_prompt") else _parse_value(value)
         else:
             config[key] = _parse_value(value)
+    if split not in SPLITS:
+        raise ConfigError(f"'{spec}': split must be one of {', '.join(SPLITS)}, got '{split}'")
     for key in ("train_size", "test_size", "seed"):
         if not isinstance(options[key], int):
             raise ConfigError(f"'{spec}': {key} must be an integer, got '{options[key]}'")

@@ -1,0 +1,79 @@
+"""Reward for reasoning-gym rows (`rl_lightning.data.reasoning_gym`): the task's own scorer on the extracted answer.
+
+Each RL row's ``answer`` is ``{"task", "answer", "metadata"}``, so this one function scores any task. Two components,
+combined by the rollout's ``reward_weights`` (unweighted they sum):
+
+- ``correct``: reasoning-gym's ``score_answer`` (1 for a right answer; some tasks give partial credit) applied to the
+  answer extracted from the completion, tolerating how models format it (see `extract_answer`);
+- ``format``: 1 when the completion is the answer alone (or one ``<answer>…</answer>`` block), as the prompt asks.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+from rl_lightning.rewards.math import last_boxed
+
+_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_PHRASE = re.compile(r"\banswer\b[^\n:=]*?(?:\bis\b|:|=)\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def _is_number(text: str) -> bool:
+    return _NUMBER.fullmatch(text.strip()) is not None
+
+
+def extract_answer(text: str, reference: str = "") -> str | None:
+    """The answer in a completion, first match wins: the last ``<answer>…</answer>``, the last ``\\boxed{…}``, the
+    text after "the answer is" / "answer …is" / "answer:" on its line; then, for a numeric reference, the last number, else the last
+    non-empty line. Surrounding whitespace, ``**`` and a final period are dropped."""
+    candidate = None
+    tags = _TAG.findall(text)
+    if tags:
+        candidate = tags[-1]
+    elif (boxed := last_boxed(text)) is not None:
+        candidate = boxed
+    else:
+        phrases = [m.group(1) for line in text.splitlines() if (m := _PHRASE.search(line))]
+        if phrases:
+            candidate = phrases[-1]
+        elif _is_number(reference):
+            numbers = _NUMBER.findall(text)
+            candidate = numbers[-1] if numbers else None
+        else:
+            lines = [line for line in text.splitlines() if line.strip()]
+            candidate = lines[-1] if lines else None
+    if candidate is None:
+        return None
+    candidate = candidate.strip().strip("*").strip()
+    if candidate.endswith(".") and not candidate.endswith(".."):
+        candidate = candidate[:-1].rstrip()
+    if _is_number(reference) and not _is_number(candidate):  # "1 + 5 = 6" or "6 apples": the last number
+        numbers = _NUMBER.findall(candidate)
+        candidate = numbers[-1] if numbers else candidate
+    return candidate
+
+
+@cache
+def _scorer(task: str) -> Any:
+    from rl_lightning.data.reasoning_gym import import_reasoning_gym
+
+    return import_reasoning_gym().get_score_answer_fn(task)
+
+
+def score(completion: str, answer: dict) -> dict[str, float]:
+    """``{"correct": ..., "format": ...}`` for one completion of a reasoning-gym row (its ``answer`` field)."""
+    reference = str(answer["answer"])
+    extracted = extract_answer(completion, reference)
+    entry = {"question": "", "answer": reference, "metadata": answer.get("metadata", {})}
+    correct = float(_scorer(answer["task"])(extracted, entry)) if extracted is not None else 0.0
+    stripped = completion.strip()
+    bare = stripped == extracted or (len(_TAG.findall(stripped)) == 1 and _TAG.fullmatch(stripped) is not None)
+    return {"correct": correct, "format": float(bool(bare))}
+
+
+def reward_fn(messages: list[dict], answer: dict) -> dict[str, float]:
+    """Environment entry point: score the last (assistant) message against the row's reasoning-gym answer."""
+    return score(messages[-1]["content"], answer)
