@@ -8,8 +8,8 @@ One run does, on the same model, data, reward and budget:
    for ``--rollouts`` rollouts of ``--prompts`` prompts x ``--group`` completions, one optimizer step per rollout;
 3. trains with TRL's ``GRPOTrainer`` (transformers generate; TRL's vLLM needs CUDA) with the same settings:
    ``loss_type="dapo"`` (token-level mean, as ours) and ``scale_rewards="none"`` (reward minus the group mean: Dr.
-   GRPO's advantage), clip 0.2/0.28, no KL, the same learning rate, warmup, max completion length, temperature and
-   reward (`rl_lightning.rewards.reasoning_gym`, weights ``correct`` 1.0 and ``format`` 0.5);
+   GRPO's advantage), clip 0.2/0.28, no KL, the same learning rate, warmup, max completion length, temperature (0.7)
+   and reward (`rl_lightning.rewards.reasoning_gym`, weights ``correct`` 1.0 and ``format`` 0.5);
 4. evaluates both trained models with the same evaluator, and prints a table: accuracy before/after, wall time of each
    training run (process start to exit, model loading included), and completion tokens per second of training.
 
@@ -100,13 +100,14 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
 
     config = yaml.safe_load((REPO / "recipes" / "real" / "grpo.yaml").read_text())
     model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
-    model.update(lr=args.lr, warmup_steps=args.warmup, update_per_rollout=1, temperature=1.0)
+    model.update(lr=args.lr, warmup_steps=args.warmup, update_per_rollout=1, temperature=args.temperature)
     data.update(path=_spec(args), val_path=None, batch_size=args.prompts)
     trainer.update(max_steps=args.rollouts, num_sanity_val_steps=0, enable_checkpointing=False)
     trainer.pop("val_check_interval")
     trainer["logger"]["init_args"]["tracking_uri"] = f"sqlite:///{workdir / 'mlflow.db'}"
     rollout_cb = trainer["callbacks"][0]["init_args"]
     rollout_cb.update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
+                      temperature=args.temperature,
                       reward_weights=WEIGHTS, env_path=str(REPO / "examples" / "envs" / "reasoning_gym_env.py"))
     trainer["callbacks"] = [trainer["callbacks"][0],
                             {"class_path": "rl_lightning.export.HFExport", "init_args": {"dirpath": str(workdir / "export")}}]
@@ -123,6 +124,7 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     rewards = sorted(client.get_metric_history(run.info.run_id, "train/reward"), key=lambda m: m.step)
     tokens = sum(lengths) * args.prompts * args.group
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "first_reward": rewards[0].value,
+            "step_s": _median_interval([m.timestamp / 1000 for m in rewards]),
             "last_reward": sum(m.value for m in rewards[-5:]) / min(5, len(rewards)), "export": str(workdir / "export")}
 
 
@@ -151,13 +153,14 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     def format(completions, answer, **_):  # noqa: A001 - TRL logs the reward under the function's name
         return [score(c[0]["content"], json.loads(a))["format"] for c, a in zip(completions, answer, strict=True)]
 
-    completion_tokens, reward_log = [], []
+    completion_tokens, reward_log, times = [], [], []
 
     class Record(TrainerCallback):
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 completion_tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
                 reward_log.append(logs.get("reward", float("nan")))
+                times.append(time.time())
 
     path = resolve_model("asset:SmolLM2-135M-Instruct")
     config = GRPOConfig(
@@ -165,7 +168,7 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="constant_with_warmup",
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
-        num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0,
+        num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="none", num_iterations=1,
         reward_weights=[WEIGHTS["correct"], WEIGHTS["format"]], logging_steps=1, save_strategy="no",
         report_to=[], dataloader_num_workers=0, disable_tqdm=True,
@@ -176,11 +179,17 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     trainer.train()
     trainer.save_model(str(workdir / "export"))
     load_tokenizer(path).save_pretrained(str(workdir / "export"))
-    return {"tokens": sum(completion_tokens), "first_reward": reward_log[0] if reward_log else float("nan"),
+    return {"tokens": sum(completion_tokens), "step_s": _median_interval(times), "first_reward": reward_log[0] if reward_log else float("nan"),
             "last_reward": sum(reward_log[-5:]) / max(1, min(5, len(reward_log))), "export": str(workdir / "export")}
 
 
 # ------------------------------------------------------------------------------------------------------------- main
+
+
+def _median_interval(times: list[float]) -> float:
+    """Median seconds between consecutive logged steps: the steady-state time of one rollout + update."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    return gaps[len(gaps) // 2] if gaps else float("nan")
 
 
 def _run(command: list[str], cwd: Path, args: argparse.Namespace) -> str:
@@ -210,8 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollouts", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--lr", type=float, default=5e-6)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.7, help="training rollouts' sampling temperature")
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=4, help="sampled completions per held-out question (pass@K)")
     parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
@@ -237,7 +247,11 @@ def main() -> None:
     from rl_lightning.assets.real import resolve_model
 
     base = resolve_model("asset:SmolLM2-135M-Instruct")
-    rows = {"before": _child("eval", base, args, args.workdir / "base")}
+    # The starting model's evaluation depends only on the evaluation settings: kept and reused across runs.
+    cached = args.workdir / "base" / f"before-{args.task}-{args.test_size}-{args.samples}-{args.engine}.json".replace("/", "_")
+    if not cached.is_file():
+        cached.write_text(json.dumps(_child("eval", base, args, args.workdir / "base")))
+    rows = {"before": json.loads(cached.read_text())}
     print(f"before: {rows['before']}", flush=True)
     ours = train_ours(args, args.workdir / "ours")
     print(f"ours trained: {ours}", flush=True)
@@ -258,19 +272,20 @@ def main() -> None:
 def _table(rows: dict, args: argparse.Namespace) -> str:
     k = args.samples
     head = (f"Task `{args.task}`, {args.test_size} held-out questions; {args.rollouts} rollouts x {args.prompts} "
-            f"prompts x {args.group} completions (<= {args.max_new_tokens} tokens), lr {args.lr}, "
+            f"prompts x {args.group} completions (<= {args.max_new_tokens} tokens, T={args.temperature}), lr {args.lr}, "
             f"{args.threads} threads, evaluator engine {args.engine}.\n\n")
     lines = [f"| model | greedy acc | format | sampled acc (T=1) | pass@{k} | train reward first -> last5 | "
-             "train wall s | completion tok/s |", "|---|---|---|---|---|---|---|---|"]
+             "train wall s | s/rollout (median) | completion tok/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         train = r.get("train", {})
         reward = f"{train['first_reward']:.3f} -> {train['last_reward']:.3f}" if train else ""
-        speed = (f"{train['seconds']:.0f}", f"{train['tokens_per_s']:.1f}") if train else ("", "")
+        speed = (f"{train['seconds']:.0f}", f"{train['step_s']:.1f}", f"{train['tokens_per_s']:.1f}") if train else ("",) * 3
         lines.append(f"| {name} | {r['greedy']:.3f} | {r['greedy_format']:.3f} | {r.get('sampled', float('nan')):.3f} "
-                     f"| {r.get('pass_at_k', float('nan')):.3f} | {reward} | {speed[0]} | {speed[1]} |")
+                     f"| {r.get('pass_at_k', float('nan')):.3f} | {reward} | {' | '.join(speed)} |")
     if "TRL" in rows:
         ours, trl = rows["rl_lightning"]["train"], rows["TRL"]["train"]
-        lines.append(f"\nTRL / rl_lightning training wall time: {trl['seconds'] / ours['seconds']:.2f}x; "
+        lines.append(f"\nTRL / rl_lightning: training wall time {trl['seconds'] / ours['seconds']:.2f}x, s/rollout "
+                     f"{trl['step_s'] / ours['step_s']:.2f}x; "
                      f"greedy accuracy gain: rl_lightning {rows['rl_lightning']['greedy'] - rows['before']['greedy']:+.3f}, "
                      f"TRL {rows['TRL']['greedy'] - rows['before']['greedy']:+.3f}")
     return head + "\n".join(lines)
