@@ -212,7 +212,7 @@ def _engine_parity_worker(rank, model_dir, world_size):
         model = parallelize(model, strategy)
     engine = VLLMEngine(str(model_dir), max_model_len=512, kv_cache_memory_bytes=256 << 20)
     sync = WeightSync(bucket_bytes=64 << 20)
-    train_steps(model, steps=3, offset=5 * rank, lr=1e-4, model_dir=model_dir)
+    train_steps(model, steps=3, offset=5 * rank, lr=1e-3, model_dir=model_dir)
     assert sync(engine, model, step=3) and sync.stats.tensors == 272  # every tensor once (the head is tied)
     reference = load_model(model_dir)
     reference.load_state_dict(full_state_dict(model))
