@@ -341,3 +341,25 @@ def test_gguf_file_is_accepted_as_a_model_name(real_model_dir):
 
     a, b = load_file(f"{folder}/model.safetensors"), load_file(real_model_dir / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_grpo_through_the_cli_with_the_vllm_engine(real_model_dir, workdir):
+    """recipes/real/grpo.yaml, shrunk to 2 rollouts of 2 prompts x 4 completions: the engine samples from the pushed
+    real weights, the task's reward scores them, the first update is on-policy, and the export is the trained model."""
+    import yaml
+    from safetensors.torch import load_file
+
+    config = yaml.safe_load((REPO / "recipes" / "real" / "grpo.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"].update(responses_per_prompt=4, max_new_tokens=16)
+    (workdir / "grpo.yaml").write_text(yaml.safe_dump(config))
+    _fit(workdir, "grpo.yaml", "--data.path", f"{TASK}&train_size=16&test_size=4", "--data.batch_size", "2",
+         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.lr", "1e-4")
+    rewards, approx_kl = _history(workdir, "train/reward"), _history(workdir, "train/approx_kl")
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.5 for r in rewards), rewards
+    assert abs(approx_kl[0]) < 1e-6, approx_kl  # engine and trainer agree: the first update starts on-policy
+    val = _history(workdir, "val/reward/correct")
+    assert len(val) == 2 and all(v in (0.0, 0.25, 0.5, 0.75, 1.0) for v in val), val  # 4 greedy held-out answers
+    trained = load_file(workdir / "exports" / "real-grpo" / "model.safetensors")
+    assert not torch.equal(trained["model.norm.weight"], load_file(real_model_dir / "model.safetensors")["model.norm.weight"])
