@@ -194,3 +194,24 @@ def test_code_rewards_refuse_without_isolation(monkeypatch):
     finally:
         isolation.isolation_level.cache_clear()
         isolation.require_isolation.cache_clear()
+
+
+def test_an_environment_using_code_rewards_is_refused_at_start_up(tmp_path, monkeypatch):
+    from rl_lightning.rollout.env import load_environment
+
+    env = tmp_path / "code_env.py"
+    env.write_text("from rl_lightning.rewards.code import code_reward\n\n"
+                   "def reward_fn(messages, answer):\n    return code_reward(messages, answer)\n")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv(isolation.OPT_IN, raising=False)
+    isolation.isolation_level.cache_clear()
+    isolation.require_isolation.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=f"code sandbox: no OS isolation here .* set {isolation.OPT_IN}=1"):
+            load_environment(str(env))
+        plain = tmp_path / "plain_env.py"
+        plain.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
+        assert load_environment(str(plain)).score([], None, "row 1") == (1.0, {})  # other rewards are unaffected
+    finally:
+        isolation.isolation_level.cache_clear()
+        isolation.require_isolation.cache_clear()

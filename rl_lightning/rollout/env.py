@@ -25,6 +25,7 @@ import torch
 
 from rl_lightning.algorithms.reward_combination import tchebycheff, weighted_sum
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.rewards.isolation import require_isolation
 from rl_lightning.rollout.scoring import RewardFailure, describe, env_module_name
 
 ON_ERROR = ("raise", "zero")
@@ -162,6 +163,8 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - report any import-time failure of user code as one line
         raise ConfigError(f"{key} '{env_path}' failed to import: {type(e).__name__}: {e}") from None
+    if _uses_code_sandbox(module):
+        require_isolation()  # logs the isolation level once; refuses code rewards without it unless opted in
     reward_fn = getattr(module, "reward_fn", None)
     if not callable(reward_fn):
         raise ConfigError(f"{key} '{env_path}' must define reward_fn(messages, answer) -> float")
@@ -173,6 +176,13 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
     return Environment(reward_fn, interact, str(path), on_error, weights=weights, combination=combination,
                        ideal=ideal)
+
+
+def _uses_code_sandbox(module: Any) -> bool:
+    """Whether the environment file imported the code sandbox (or the code reward built on it)."""
+    sandbox = ("rl_lightning.rewards.code", "rl_lightning.rewards.sandbox")
+    return any(getattr(value, "__module__", None) in sandbox or getattr(value, "__name__", None) in sandbox
+               for value in vars(module).values())
 
 
 def _check_arity(fn: Callable, count: int, message: str) -> None:
