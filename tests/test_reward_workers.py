@@ -94,28 +94,33 @@ class _Metrics(L.Callback):
         self.history.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _fit_with_hanging_reward(tmp_path, on_error):
+def _hanging_reward(tmp_path, on_error):
     """Every trajectory's reward_fn never returns: each call is cut at 0.3 s by one of 4 workers."""
     env = tmp_path / "hang.py"
     env.write_text("def reward_fn(messages, answer):\n    while True:\n        pass\n")
+    return RolloutCallback(str(env), responses_per_prompt=4, max_new_tokens=4, on_error=on_error, reward_workers=4,
+                           reward_timeout_s=0.3)
+
+
+def _fit(callback):
     L.seed_everything(0)
     data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=1,
                             shuffle=False)
     metrics = _Metrics()
-    callback = RolloutCallback(str(env), responses_per_prompt=4, max_new_tokens=4, on_error=on_error,
-                               reward_workers=4, reward_timeout_s=0.3)
     fit(PPO(str(TINY_MODEL), lr=1e-3), data, 2, [callback, metrics])
     return metrics.history
 
 
 def test_run_goes_on_under_zero_and_stops_in_one_line_under_raise(tmp_path):
-    history = _fit_with_hanging_reward(tmp_path, "zero")
+    history = _fit(_hanging_reward(tmp_path, "zero"))
     assert len(history) == 2  # both steps trained
     assert [h["rollout/reward_timeouts"] for h in history] == [4.0, 8.0]
     assert history[-1]["train/reward_failures"] == 8.0
     assert all(0.3 <= h["rollout/reward_s"] < 0.3 + 3.0 for h in history)  # + start-up of 4 workers on 2 cores
+    strict = _hanging_reward(tmp_path, "raise")
     with pytest.raises(DataError) as error:
-        _fit_with_hanging_reward(tmp_path, "raise")
+        _fit(strict)
+    assert strict.env.scorer is None  # the workers were shut down with the failed run
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"{DEMO_DATA / 'arithmetic.jsonl'} line 1: reward_fn from ")
     assert "timed out after 0.3 s (reward_timeout_s)" in message

@@ -164,9 +164,12 @@ class RolloutCallback(L.Callback):
         self.weight_sync = WeightSync(self.weight_bucket_mb << 20)  # a fresh fit always pushes its weights first
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.env.scorer is not None:
+        if self.env.scorer is not None:  # the reward workers
             self.env.scorer.close()
             self.env.scorer = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
 
     def _vllm_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         from rl_lightning.rollout.vllm import VLLMEngine, check_engine
