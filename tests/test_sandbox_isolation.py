@@ -136,6 +136,14 @@ def test_no_process_can_be_created(audit_hook):
     assert result.stdout.count("PermissionError") >= 2, result
 
 
+@needs_bwrap
+def test_no_nested_namespaces():
+    """exec is allowed (it replaces the one process), but what it runs cannot make itself root in a new user
+    namespace."""
+    result = _run('import os\nos.execv("/usr/bin/unshare", ["unshare", "--user", "--map-root-user", "id"])', False)
+    assert result.stdout == "" and "unshare failed" in result.stderr and not result.ok, result
+
+
 def _sleepers(marker: str) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

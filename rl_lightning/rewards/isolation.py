@@ -3,7 +3,7 @@
 Levels, strongest first:
 
 - ``bwrap``: bubblewrap (``apt-get install bubblewrap``) puts the program in fresh user, PID, mount, network, IPC,
-  UTS and cgroup namespaces with every capability dropped. Its filesystem is a private root holding read-only
+  UTS and cgroup namespaces with every capability dropped and no way to create further user namespaces. Its filesystem is a private root holding read-only
   binds of ``/usr`` (and the ``/lib*``/``/bin`` links into it) and of the Python installation only, a ``/proc`` that
   shows only the sandbox's own processes, a minimal ``/dev`` and a size-capped tmpfs work directory (``/work``,
   the only writable place); no variable of the trainer's environment reaches it. A seccomp filter refuses to create
@@ -56,8 +56,9 @@ def bwrap_command(python_args: list[str], workdir_bytes: int, seccomp_fd: int | 
                   files: dict[str, int] | None = None) -> list[str]:
     """The bubblewrap command line running ``interpreter() *python_args`` in the isolation described above, with
     `files` (name in the work directory -> readable fd, passed to the child) copied into the work directory."""
-    command = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-               "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
+    # --unshare-user explicitly: --unshare-all only tries it, and as root would otherwise skip it
+    command = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
     for path in _read_only_paths():
         command += ["--ro-bind", path, path]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
