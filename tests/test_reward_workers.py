@@ -124,3 +124,21 @@ def test_run_goes_on_under_zero_and_stops_in_one_line_under_raise(tmp_path):
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"{DEMO_DATA / 'arithmetic.jsonl'} line 1: reward_fn from ")
     assert "timed out after 0.3 s (reward_timeout_s)" in message
+
+
+def test_a_worker_that_dies_is_replaced_and_its_call_fails(env_path, tmp_path):
+    dying = tmp_path / "dying.py"
+    dying.write_text("import os\n\ndef reward_fn(messages, answer):\n    if answer == 'die':\n        os._exit(3)\n"
+                     "    return float(answer)\n")
+    pool = RewardPool(str(dying), workers=1, timeout_s=5.0)
+    try:
+        assert pool.map([([], "1"), ([], "die"), ([], "2")]) == [
+            1.0, RewardFailure("the reward worker died (exit code 3)"), 2.0]
+    finally:
+        pool.close()
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nsys.exit(4)\n")  # load_environment would stop at it first; the pool must too
+    pool = RewardPool(str(broken), workers=1, timeout_s=5.0)
+    with pytest.raises(ConfigError, match=r"failed to import in a reward worker \(the worker exited with code 4\)"):
+        pool.map([([], "1")])
+    assert pool.workers == []

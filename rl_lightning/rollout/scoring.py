@@ -137,11 +137,13 @@ class RewardPool:
             message = worker.connection.recv()
         except (EOFError, OSError, pickle.UnpicklingError):
             code = worker.process.wait()
-            if worker.task is None:
-                self._replace(worker)
-                raise RuntimeError(f"reward worker for {self.env_path} exited with code {code} while idle") from None
-            results[worker.task[0]] = RewardFailure(f"the reward worker died (exit code {code})")
+            if not worker.ready:  # e.g. the env file calls sys.exit at import in a fresh process
+                self._started(worker, f"the worker exited with code {code}")
+            task, worker.task = worker.task, None
             self._replace(worker)
+            if task is None:
+                return 0  # died while idle (e.g. the OOM killer): replaced, nothing lost
+            results[task[0]] = RewardFailure(f"the reward worker died (exit code {code})")
             return 1
         if not worker.ready:
             self._started(worker, message)
@@ -156,7 +158,8 @@ class RewardPool:
             from rl_lightning.errors import ConfigError
 
             self.close()
-            raise ConfigError(f"env_path '{self.env_path}' failed to import in a reward worker: {message}")
+            raise ConfigError(f"env_path '{self.env_path}' failed to import in a reward worker ({message}); it must "
+                              "import in a fresh Python process too")
         worker.ready = True
 
     def _cut_overdue(self, results: list[Any]) -> int:
