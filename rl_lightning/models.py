@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,12 +13,24 @@ from rl_lightning.attention import register_varlen_attention
 from rl_lightning.errors import ConfigError
 
 
+def check_local_path(name: str) -> None:
+    """A `name` written as a path (``/``, ``./``, ``../``, ``~`` or more than one ``/``: never a hub id) must be an
+    existing folder; otherwise transformers would report it as a malformed hub id ("Repo id must be in the form")."""
+    looks_local = name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or "\\" in name
+    path = Path(name).expanduser()
+    if looks_local and not path.is_dir():
+        what = "is a file, not a model folder" if path.exists() else "does not exist"
+        raise ConfigError(f"model.model_name '{name}': the local folder {what} (resolved to {path.resolve()}); "
+                          "check the path, or give a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+
+
 def load_tokenizer(name: str) -> Any:
     """Load a tokenizer (a folder, hub name, ``asset:<name>`` or ``.gguf`` file, see `rl_lightning.assets.real`); a
     missing pad token falls back to EOS (needed for padded batches)."""
     from transformers import AutoTokenizer
 
     path = resolve_model(name)
+    check_local_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
@@ -29,9 +42,10 @@ def load_tokenizer(name: str) -> Any:
 
 def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, attn_implementation: str,
                        gradient_checkpointing: bool, **kwargs: Any) -> Any:
+    path = resolve_model(name)
+    check_local_path(path)
     if attn_implementation == VARLEN_ATTENTION:
         register_varlen_attention()
-    path = resolve_model(name)
     try:
         model = auto_class.from_pretrained(
             path, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation, **kwargs

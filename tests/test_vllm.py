@@ -156,7 +156,8 @@ def vllm_installed(monkeypatch):
 
 def _start(callback, world_size=1, head_dim=32):
     config = SimpleNamespace(head_dim=head_dim, hidden_size=128, num_attention_heads=4)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=world_size)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=world_size,
+                              num_devices=world_size)
     callback.on_fit_start(trainer, SimpleNamespace(model=SimpleNamespace(config=config)))
 
 

@@ -7,6 +7,7 @@ Rows come back as plain dicts together with a human-readable location for each r
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +71,7 @@ def _load_file(path: Path) -> Rows:
     if suffix in (".json", ".jsonl"):
         return _load_json(path)
     if suffix == ".csv":
-        with path.open(newline="") as f:
-            rows = [_decode_nested(dict(row), path, i) for i, row in enumerate(csv.DictReader(f))]
-        return Rows(rows, str(path))
+        return _load_csv(path)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -93,8 +92,32 @@ def _read_arrow(path: Path, pa: Any) -> Any:
             return pa.ipc.open_file(source).read_all()
 
 
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark dropped); anything else is a one-line `DataError` naming
+    the line and byte offset of the first undecodable byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        "re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl") from None
+
+
+def _load_csv(path: Path) -> Rows:
+    """CSV rows numbered as the file shows them: the header is line 1, a row spanning lines is named by its first."""
+    reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
+    rows, line_numbers = [], []
+    for row in reader:
+        # reader.line_num is the row's last line; quoted fields may hold line breaks
+        first = reader.line_num - sum(str(v).count("\n") for v in row.values() if v is not None)
+        rows.append(_decode_nested(dict(row), f"{path} line {first}"))
+        line_numbers.append(first)
+    return Rows(rows, str(path), line_numbers)
+
+
 def _load_json(path: Path) -> Rows:
-    text = path.read_text()
+    text = read_text(path)
     stripped = text.lstrip()
     if path.suffix.lower() == ".json" and stripped.startswith("["):
         try:
@@ -114,14 +137,14 @@ def _load_json(path: Path) -> Rows:
     return Rows(rows, str(path), line_numbers)
 
 
-def _decode_nested(row: dict[str, Any], path: Path, index: int) -> dict[str, Any]:
+def _decode_nested(row: dict[str, Any], where: str) -> dict[str, Any]:
     for key in NESTED_COLUMNS:
         value = row.get(key)
         if isinstance(value, str) and value.lstrip().startswith(("[", "{")):
             try:
                 row[key] = json.loads(value)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path} row {index}: column '{key}' is not valid JSON ({e.msg})") from None
+                raise DataError(f"{where}: column '{key}' is not valid JSON ({e.msg})") from None
     return row
 
 

@@ -30,6 +30,10 @@ def check_messages(messages: Any, where: str, key: str = "messages") -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise DataError(f"{where}: {key}[{i}] must be a dict with 'role' and 'content', got {_short(message)}")
+        for field in ("role", "content"):
+            if field not in message:
+                raise DataError(f"{where}: {key}[{i}] has no '{field}' field (has {sorted(message)}); every message "
+                                f"needs 'role' (one of {', '.join(ROLES)}) and 'content'")
         role = message.get("role")
         if role not in ROLES:
             raise DataError(f"{where}: {key}[{i}] has unknown role {_short(role)}; allowed roles: {', '.join(ROLES)}")

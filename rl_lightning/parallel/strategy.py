@@ -87,17 +87,26 @@ class ParallelStrategy(ModelParallelStrategy):
         self.tp_mesh: Any = None
         self.fsdp_mesh: Any = None
 
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is built, in the launching process only: a layout that cannot fit the job stops
+        # here, once, before Lightning starts the other processes (setup_environment would run in each of them).
+        self._check_layout(self.cluster_environment.world_size())
+        super()._configure_launcher()
+
     def setup_environment(self) -> None:
         self._setup_distributed()
-        product = self.dp_size * self.cp_size * self.tp_size
-        if product != self.world_size:
-            raise ConfigError(
-                f"strategy sizes data_parallel_size={self.dp_size} x context_parallel_size={self.cp_size} x "
-                f"tensor_parallel_size={self.tp_size} = {product}, but the job has {self.world_size} processes "
-                f"(trainer.devices x trainer.num_nodes); make the product equal the world size"
-            )
+        self._check_layout(self.world_size)
         self._build_meshes()
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _check_layout(self, world_size: int) -> None:
+        product = self.dp_size * self.cp_size * self.tp_size
+        if product != world_size:
+            raise ConfigError(
+                f"strategy sizes data_parallel_size={self.dp_size} x context_parallel_size={self.cp_size} x "
+                f"tensor_parallel_size={self.tp_size} = {product}, but the job has {world_size} processes "
+                f"(trainer.devices x trainer.num_nodes); make the product equal the world size"
+            )
 
     def _build_meshes(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

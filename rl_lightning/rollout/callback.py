@@ -18,6 +18,7 @@ from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_pena
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
+from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import rollout
 from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
 from rl_lightning.rollout.weights import WeightSync
@@ -48,7 +49,13 @@ class RolloutCallback(L.Callback):
         gpu_memory_utilization: ``vllm`` on GPU: share of GPU memory the engine takes while awake (it sleeps while
             the trainer trains).
         weight_bucket_mb: ``vllm``: weights are gathered from their shards and sent in buckets of this many MiB.
-        on_error: reward_fn failures: ``raise`` (stop, naming the prompt row) or ``zero`` (score 0 and count).
+        on_error: reward_fn failures (exceptions, non-finite values, timeouts): ``raise`` (stop, naming the prompt
+            row) or ``zero`` (score 0 and count).
+        reward_workers: processes scoring trajectories in parallel, each importing `env_path` (default: the CPUs
+            shared among this node's training processes, at most 16); 0 scores in the trainer process, without a
+            time limit (for debugging).
+        reward_timeout_s: per-call limit of ``reward_fn`` in seconds with `reward_workers` > 0 (the worker is killed
+            and replaced, the call counts as a failure under `on_error`); null: no limit.
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
             (low, high), and refill the batch with more prompts (drawn from the training set) until it is full or
@@ -86,6 +93,8 @@ class RolloutCallback(L.Callback):
         gpu_memory_utilization: float = 0.3,
         weight_bucket_mb: int = 512,
         on_error: str = "raise",
+        reward_workers: int | None = None,
+        reward_timeout_s: float | None = 60.0,
         seed: int | None = 0,
         filter_range: tuple[float, float] | None = None,
         max_refill_rounds: int = 4,
@@ -119,6 +128,10 @@ class RolloutCallback(L.Callback):
         if overlong_cache_length is not None and not 0 < overlong_cache_length <= max_new_tokens:
             errors.append(f"overlong_cache_length must be in (0, max_new_tokens={max_new_tokens}], got "
                           f"{overlong_cache_length}")
+        if (reward_workers is not None and reward_workers < 0) or (reward_timeout_s is not None and
+                                                                   not reward_timeout_s > 0):
+            errors.append(f"reward_workers must be >= 0 (0: inline) and reward_timeout_s > 0 or null, got "
+                          f"{reward_workers}, {reward_timeout_s}")
         if errors:
             raise ConfigError("; ".join(f"rollout callback: {e}" for e in errors))
         self.env = load_environment(env_path, on_error, weights=reward_weights, combination=reward_combination,
@@ -134,10 +147,13 @@ class RolloutCallback(L.Callback):
         self.filter_range, self.max_refill_rounds = filter_range, max_refill_rounds
         self.overlong_cache_length, self.mask_truncated = overlong_cache_length, mask_truncated
         self.val_temperature, self.val_responses_per_prompt = val_temperature, val_responses_per_prompt
+        self.reward_workers, self.reward_timeout_s = reward_workers, reward_timeout_s
         self.engine: Any = None
         self.refills = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.env.scorer is None:
+            self.env.scorer = start_pool(self.env.path, self.reward_workers, self.reward_timeout_s, trainer.num_devices)
         if self.engine_name == "hf":
             from rl_lightning.rollout.hf import HFEngine
 
@@ -146,6 +162,14 @@ class RolloutCallback(L.Callback):
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             self.engine = self._vllm_engine(trainer, pl_module)
         self.weight_sync = WeightSync(self.weight_bucket_mb << 20)  # a fresh fit always pushes its weights first
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.env.scorer is not None:  # the reward workers
+            self.env.scorer.close()
+            self.env.scorer = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
 
     def _vllm_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         from rl_lightning.rollout.vllm import VLLMEngine, check_engine
@@ -189,12 +213,14 @@ class RolloutCallback(L.Callback):
                              ) -> None:
         self._stop_id = pl_module.tokenizer.eos_token_id
         self._prepare_engine(trainer, pl_module)
-        start = time.perf_counter()
+        start, self.env.reward_seconds = time.perf_counter(), 0.0
         params = self.sampling_params(pl_module.rollouts, batch["prompts"])
         trajectories = self._generate(batch["prompts"], pl_module.tokenizer, params)
         if self.filter_range is not None:
             trajectories = self._refill(trainer, pl_module, batch["prompts"], trajectories)
         pl_module.log("rollout/generate_s", time.perf_counter() - start)  # sampling, scoring and refills
+        pl_module.log("rollout/reward_s", self.env.reward_seconds)  # scoring alone
+        pl_module.log("rollout/reward_timeouts", float(self.env.timeouts))  # since the start
         if self.weight_sync is not None:
             pl_module.log("rollout/weight_sync_s", self.weight_sync.seconds)  # 0: skipped (no optimizer step)
         batch["trajectories"] = trajectories

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 
 from rl_lightning.algorithms.reward_combination import tchebycheff, weighted_sum
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.rewards.isolation import require_isolation
+from rl_lightning.rollout.scoring import RewardFailure, describe, env_module_name
 
 ON_ERROR = ("raise", "zero")
 COMBINATIONS = ("weighted_sum", "tchebycheff")
@@ -31,7 +34,8 @@ COMBINATIONS = ("weighted_sum", "tchebycheff")
 
 @dataclass
 class Environment:
-    """A loaded environment; `failures` counts rewards replaced by 0 under ``on_error: zero``. With `weights`,
+    """A loaded environment; `failures` counts rewards replaced by 0 under ``on_error: zero`` (`timeouts` those cut
+    at the time limit, under either policy), `reward_seconds` the time spent scoring. With `weights`,
     ``reward_fn`` returns named components combined by `combination` (Tchebycheff measures gaps to `ideal`)."""
 
     reward_fn: Callable[[list[dict], Any], Any]
@@ -39,6 +43,9 @@ class Environment:
     path: str
     on_error: str = "raise"
     failures: int = 0
+    timeouts: int = 0
+    reward_seconds: float = 0.0
+    scorer: Any = None  # a `rl_lightning.rollout.scoring.RewardPool`, or None to score in this process
     weights: dict[str, float] | None = None
     combination: str = "weighted_sum"
     ideal: dict[str, float] | None = None
@@ -48,10 +55,34 @@ class Environment:
         return sorted(self.weights or {})
 
     def score(self, messages: list[dict], answer: Any, where: str) -> tuple[float, dict[str, float]]:
-        """The reward of one trajectory and its named components ({} for a single reward); `where` names the prompt
-        row for errors."""
+        """The reward of one trajectory and its named components ({} for a single reward), computed in this process
+        without a time limit; `where` names the prompt row for errors."""
         try:
             value = self.reward_fn(messages, answer)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - user code may raise anything; the policy decides
+            value = RewardFailure(describe(e))
+        return self.judge(value, where)
+
+    def score_all(self, calls: list[tuple[list[dict], Any, str]]) -> list[tuple[float, dict[str, float]]]:
+        """`score` for each ``(messages, answer, where)``, in order: in the `scorer` pool when there is one (parallel,
+        each call cut at its time limit), else here. The time taken is added to `reward_seconds`."""
+        start = time.perf_counter()
+        if self.scorer is None:
+            scores = [self.score(*call) for call in calls]
+        else:
+            values = self.scorer.map([(messages, answer) for messages, answer, _ in calls])
+            scores = [self.judge(value, where) for value, (_, _, where) in zip(values, calls, strict=True)]
+        self.reward_seconds += time.perf_counter() - start
+        return scores
+
+    def judge(self, value: Any, where: str) -> tuple[float, dict[str, float]]:
+        """Apply the checks and the ``on_error`` policy to what ``reward_fn`` gave for the row `where` (its return
+        value, or a `RewardFailure` when it raised, timed out or its worker died)."""
+        try:
+            if isinstance(value, RewardFailure):
+                raise _Failed(value)
             components = self._components(value)
             reward = self._combine(components) if components else float(value)
             if not math.isfinite(reward):
@@ -59,12 +90,14 @@ class Environment:
         except _WrongComponents as e:  # a configuration mismatch, not a flaky row: always stop
             raise ConfigError(f"{where}: reward_fn from {self.path} {e}") from None
         except Exception as e:  # noqa: BLE001 - user code may raise anything; the policy decides
+            failure = e.args[0] if isinstance(e, _Failed) else RewardFailure(describe(e))
+            if failure.config:
+                raise ConfigError(failure.error) from None
+            self.timeouts += failure.timed_out
             if self.on_error == "raise":
-                first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(
-                    f"{where}: reward_fn from {self.path} failed ({type(e).__name__}: {first}); fix it or set "
-                    "rollout on_error: zero to score such trajectories 0"
-                ) from None
+                raise DataError(f"{where}: reward_fn from {self.path} {_what(failure)}; "
+                                f"{'make it faster or raise reward_timeout_s' if failure.timed_out else 'fix it'}, "
+                                "or set rollout on_error: zero to score such trajectories 0") from None
             self.failures += 1
             return 0.0, dict.fromkeys(self.component_names, 0.0)
         return reward, components
@@ -99,6 +132,14 @@ class _WrongComponents(Exception):
     pass
 
 
+class _Failed(Exception):
+    pass
+
+
+def _what(failure: RewardFailure) -> str:
+    return f"{failure.error} (reward_timeout_s)" if failure.timed_out else f"failed ({failure.error})"
+
+
 def load_environment(env_path: str, on_error: str = "raise", key: str = "env_path",
                      weights: dict[str, float] | None = None, combination: str = "weighted_sum",
                      ideal: dict[str, float] | None = None) -> Environment:
@@ -116,12 +157,14 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
     path = Path(env_path)
     if not path.is_file():
         raise ConfigError(f"{key} '{env_path}' does not exist (resolved to {path.resolve()})")
-    spec = importlib.util.spec_from_file_location(f"rl_lightning_env_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(env_module_name(str(path)), path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - report any import-time failure of user code as one line
         raise ConfigError(f"{key} '{env_path}' failed to import: {type(e).__name__}: {e}") from None
+    if _uses_code_sandbox(module):
+        require_isolation()  # logs the isolation level once; refuses code rewards without it unless opted in
     reward_fn = getattr(module, "reward_fn", None)
     if not callable(reward_fn):
         raise ConfigError(f"{key} '{env_path}' must define reward_fn(messages, answer) -> float")
@@ -133,6 +176,13 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
     return Environment(reward_fn, interact, str(path), on_error, weights=weights, combination=combination,
                        ideal=ideal)
+
+
+def _uses_code_sandbox(module: Any) -> bool:
+    """Whether the environment file imported the code sandbox (or the code reward built on it)."""
+    sandbox = ("rl_lightning.rewards.code", "rl_lightning.rewards.sandbox")
+    return any(getattr(value, "__module__", None) in sandbox or getattr(value, "__name__", None) in sandbox
+               for value in vars(module).values())
 
 
 def _check_arity(fn: Callable, count: int, message: str) -> None:

@@ -106,6 +106,7 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.messages = t.messages + [{"role": "assistant", "content": text}]
             t.finished, t.turns = completion.finished, turn + 1
             last_generated[i] = completion.token_ids
-    for t in trajectories:
-        t.reward, t.reward_components = env.score(t.messages, t.prompt.answer, t.prompt.where)
+    scores = env.score_all([(t.messages, t.prompt.answer, t.prompt.where) for t in trajectories])
+    for t, (reward, components) in zip(trajectories, scores, strict=True):
+        t.reward, t.reward_components = reward, components
     return trajectories

@@ -1,0 +1,230 @@
+"""Scoring trajectories in a pool of worker processes, each call with a time limit.
+
+Each worker is a fresh interpreter (``python -m rl_lightning.rollout.scoring``, never a fork of the trainer and its
+torch/vLLM threads) that imports only the environment file (and what it imports) and then answers
+``reward_fn(messages, answer)`` calls one at a time. The trainer hands out calls to idle workers and collects the
+results in order; a call still running after `timeout_s` has its worker killed (with its process group) and replaced,
+and comes back as a timed-out `RewardFailure`. What a failure means (stop, or score 0 and count) is the
+environment's ``on_error`` policy (`rl_lightning.rollout.env.Environment.judge`), applied in the trainer.
+
+A worker also exits on its own when the trainer goes away (its command pipe closes, or its parent changes).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+STARTUP_LIMIT_S = 120.0  # a worker importing the environment file longer than this is reported, not waited on
+
+
+@dataclass
+class RewardFailure:
+    """A ``reward_fn`` call that returned nothing: it raised (`error`: ``"TypeName: first line"``), ran past the time
+    limit (`timed_out`), or its worker died; `config`: it raised a `ConfigError` (e.g. the code sandbox refusing to
+    run without isolation), which stops training whatever the ``on_error`` policy."""
+
+    error: str
+    timed_out: bool = False
+    config: bool = False
+
+
+def describe(error: BaseException) -> str:
+    """``TypeName: first line of the message`` (the type alone when the message is empty)."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def env_module_name(env_path: str) -> str:
+    """The name an environment file is imported under, in the trainer and in the workers alike."""
+    return f"rl_lightning_env_{os.path.splitext(os.path.basename(env_path))[0]}"
+
+
+class _Worker:
+    def __init__(self, env_path: str, module_name: str) -> None:
+        to_child, to_worker = os.pipe()
+        from_worker, from_child = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rl_lightning.rollout.scoring", str(to_child), str(from_child)],
+            pass_fds=(to_child, from_child), start_new_session=True)  # its own group: killed with its children
+        os.close(to_child)
+        os.close(from_child)
+        self.commands = Connection(to_worker, readable=False)
+        self.connection = Connection(from_worker, writable=False)
+        self.commands.send((sys.path, env_path, module_name))
+        self.ready, self.started = False, time.monotonic()
+        self.task: tuple[int, float] | None = None  # (call index, when it was handed out)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.connection.close()
+        self.commands.close()
+
+
+def start_pool(env_path: str, workers: int | None, timeout_s: float | None, processes_per_node: int
+               ) -> RewardPool | None:
+    """The pool for the rollout callback's ``reward_workers`` (None: this machine's CPUs shared among the node's
+    training processes, at most 16; 0: no pool, score in the trainer without a time limit)."""
+    if workers is None:
+        workers = max(1, min(16, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
+    return RewardPool(env_path, workers, timeout_s) if workers > 0 else None
+
+
+class RewardPool:
+    """`workers` processes scoring with `env_path`'s ``reward_fn``, each call cut at `timeout_s` (None: no limit).
+
+    Args:
+        env_path: the environment file (already checked by `rl_lightning.rollout.env.load_environment`).
+        workers: number of processes (>= 1), started on the first `map`.
+        timeout_s: per-call wall-clock limit in seconds, or None.
+    """
+
+    def __init__(self, env_path: str, workers: int, timeout_s: float | None) -> None:
+        self.env_path, self.size, self.timeout_s = env_path, workers, timeout_s
+        self.module_name = env_module_name(env_path)
+        self.workers: list[_Worker] = []
+
+    def map(self, calls: list[tuple[Any, Any]]) -> list[Any]:
+        """``reward_fn(messages, answer)`` for each ``(messages, answer)``, in order; a call that raised, timed out or
+        lost its worker gives a `RewardFailure` in its place."""
+        while len(self.workers) < self.size:
+            self.workers.append(_Worker(self.env_path, self.module_name))
+        results: list[Any] = [None] * len(calls)
+        pending, done = deque(range(len(calls))), 0
+        while done < len(calls):
+            for worker in self.workers:
+                if worker.ready and worker.task is None and pending:
+                    index = pending.popleft()
+                    worker.commands.send((index, *calls[index]))
+                    worker.task = (index, time.monotonic())
+            for worker in wait([w.connection for w in self.workers], self._next_deadline()):
+                done += self._receive(self._owner(worker), results)
+            done += self._cut_overdue(results)
+        return results
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []
+
+    def _owner(self, connection: Connection) -> _Worker:
+        return next(w for w in self.workers if w.connection is connection)
+
+    def _next_deadline(self) -> float | None:
+        now, deadlines = time.monotonic(), []
+        for worker in self.workers:
+            if not worker.ready:
+                deadlines.append(worker.started + STARTUP_LIMIT_S)
+            elif worker.task is not None and self.timeout_s is not None:
+                deadlines.append(worker.task[1] + self.timeout_s)
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def _receive(self, worker: _Worker, results: list[Any]) -> int:
+        """Take one message from `worker`; returns how many calls it finished (0 or 1)."""
+        try:
+            message = worker.connection.recv()
+        except (EOFError, OSError, pickle.UnpicklingError):
+            code = worker.process.wait()
+            if not worker.ready:  # e.g. the env file calls sys.exit at import in a fresh process
+                self._started(worker, f"the worker exited with code {code}")
+            task, worker.task = worker.task, None
+            self._replace(worker)
+            if task is None:
+                return 0  # died while idle (e.g. the OOM killer): replaced, nothing lost
+            results[task[0]] = RewardFailure(f"the reward worker died (exit code {code})")
+            return 1
+        if not worker.ready:
+            self._started(worker, message)
+            return 0
+        index, kind, value = message  # the worker sends plain values: its classes live in its __main__
+        results[index] = value if kind == "ok" else RewardFailure(value, config=kind == "config")
+        worker.task = None
+        return 1
+
+    def _started(self, worker: _Worker, message: Any) -> None:
+        if message != "ready":
+            from rl_lightning.errors import ConfigError
+
+            self.close()
+            raise ConfigError(f"env_path '{self.env_path}' failed to import in a reward worker ({message}); it must "
+                              "import in a fresh Python process too")
+        worker.ready = True
+
+    def _cut_overdue(self, results: list[Any]) -> int:
+        now, cut = time.monotonic(), 0
+        for worker in list(self.workers):
+            if not worker.ready and now - worker.started > STARTUP_LIMIT_S:
+                from rl_lightning.errors import ConfigError
+
+                self.close()
+                raise ConfigError(f"env_path '{self.env_path}': a reward worker did not import it within "
+                                  f"{STARTUP_LIMIT_S:.0f} s")
+            if worker.task is not None and self.timeout_s is not None and now - worker.task[1] >= self.timeout_s:
+                results[worker.task[0]] = RewardFailure(f"timed out after {self.timeout_s} s", timed_out=True)
+                self._replace(worker)
+                cut += 1
+        return cut
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self.workers[self.workers.index(worker)] = _Worker(self.env_path, self.module_name)
+
+
+def _serve(commands: Connection, replies: Connection) -> None:
+    """The worker: import the environment file, then answer calls until the trainer closes the pipe."""
+    import importlib.util
+    import threading
+
+    search_path, env_path, module_name = commands.recv()
+    sys.path[:] = search_path
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the trainer died without closing the pipe (e.g. SIGKILL while we are in reward_fn)
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, env_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        reward_fn = module.reward_fn
+    except Exception as e:  # noqa: BLE001 - reported to the trainer as one line
+        replies.send(describe(e))
+        return
+    replies.send("ready")
+    while True:
+        try:
+            index, messages, answer = commands.recv()
+        except EOFError:
+            return
+        replies.send((index, *_call(reward_fn, messages, answer)))
+
+
+def _call(reward_fn: Any, messages: Any, answer: Any) -> tuple[str, Any]:
+    """``("ok", value)``, ``("error", description)`` or ``("config", message)``."""
+    try:
+        value = reward_fn(messages, answer)
+        pickle.dumps(value)
+        return "ok", value
+    except Exception as e:  # noqa: BLE001 - user code may raise anything; the trainer's policy decides
+        from rl_lightning.errors import ConfigError
+
+        return ("config", str(e)) if isinstance(e, ConfigError) else ("error", describe(e))
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
