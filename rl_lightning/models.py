@@ -100,3 +100,25 @@ def load_reward_model(
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(name).pad_token_id
     return model
+
+
+def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for a transformers forward on a micro-batch. Packed micro-batches pass no attention mask
+    (``rl_varlen`` attention isolates the sequences by their position-id resets, or runs ring attention given
+    ``cp_layout``)."""
+    inputs = {"input_ids": micro_batch["input_ids"], "position_ids": micro_batch["position_ids"], "use_cache": False}
+    if "attention_mask" in micro_batch:
+        inputs["attention_mask"] = micro_batch["attention_mask"]
+    if "cp_layout" in micro_batch:
+        inputs["cp_layout"] = micro_batch["cp_layout"]
+    return inputs
+
+
+def target_logprobs(model: Any, micro_batch: dict[str, Any], temperature: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log-probability of each ``target_ids`` token (meaningful where ``target_mask`` is 1) at `temperature`,
+    and the (B, T, V) logits they came from."""
+    from rl_lightning.algorithms import token_logprobs
+
+    logits = model(**model_inputs(micro_batch)).logits
+    return token_logprobs(logits, micro_batch["target_ids"], temperature), logits

@@ -1,9 +1,11 @@
-"""Optimizer, learning-rate schedule and gradient clipping shared by every task."""
+"""Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.optim.*``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,18 +30,44 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     return 1.0 - (1.0 - min_lr_ratio) * progress
 
 
-def check_optim_args(lr: float, warmup_steps: int, schedule: str, min_lr_ratio: float, prefix: str = "model") -> None:
-    errors = []
-    if lr <= 0:
-        errors.append(f"{prefix}.lr must be > 0, got {lr}")
-    if warmup_steps < 0:
-        errors.append(f"{prefix}.warmup_steps must be >= 0, got {warmup_steps}")
-    if schedule not in SCHEDULES:
-        errors.append(f"{prefix}.lr_schedule must be one of {', '.join(SCHEDULES)}, got '{schedule}'")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        errors.append(f"{prefix}.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    if errors:
-        raise ConfigError("; ".join(errors))
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a warmup + decay learning-rate schedule, and gradient clipping: ``model.optim.*`` of every task.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup length in optimizer steps.
+        lr_schedule: after warmup: ``cosine`` or ``linear`` decay to `min_lr_ratio` x `lr` at the end of the run, or
+            ``constant``.
+        min_lr_ratio: final learning rate as a fraction of `lr` (cosine and linear).
+        max_grad_norm: clip the global gradient L2 norm to this value; <= 0 disables clipping (the norm is still
+            logged).
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.lr <= 0:
+            errors.append(f"model.optim.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            errors.append(f"model.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule not in SCHEDULES:
+            errors.append(f"model.optim.lr_schedule must be one of {', '.join(SCHEDULES)}, got '{self.lr_schedule}'")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            errors.append(f"model.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if errors:
+            raise ConfigError("; ".join(errors))
 
 
 def adamw(
@@ -54,12 +82,43 @@ def adamw(
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
 
-def scheduler(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio)
+def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int, lr: float | None = None
+                    ) -> tuple[torch.optim.AdamW, dict[str, Any]]:
+    """AdamW over `model`'s trainable parameters and its schedule over `total_steps` optimizer steps (stepped once
+    per optimizer step, see `optimizer_step`); `lr` overrides the peak learning rate."""
+    optimizer = adamw(model, lr or optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.lr_schedule, optim.min_lr_ratio)
     )
+    return optimizer, {"scheduler": schedule, "interval": "step"}
+
+
+def run_length(trainer: Any, optim: OptimConfig) -> int:
+    """Optimizer steps of a run with one optimizer step per training batch (SFT, RM, DPO), which a decaying schedule
+    spans; a run bounded by neither ``trainer.max_steps`` nor ``trainer.max_epochs`` only allows a constant one."""
+    total = trainer.estimated_stepping_batches
+    if math.isinf(total):
+        if optim.lr_schedule == "constant":
+            return 0
+        raise ConfigError(f"model.optim.lr_schedule={optim.lr_schedule} decays over the run, but the run is unbounded "
+                          "(trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps or "
+                          "trainer.max_epochs, or model.optim.lr_schedule: constant")
+    return int(total)
+
+
+def optimizer_step(module: Any, max_grad_norm: float, index: int | None = None,
+                   model: torch.nn.Module | None = None) -> torch.Tensor:
+    """Clip, step and zero one optimizer of a manually optimised LightningModule and advance its scheduler; returns
+    the pre-clip grad norm. `index` picks among several optimizers (None: the only one); `model` limits clipping to
+    its parameters."""
+    optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
+    if index is not None:
+        optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
+    grad_norm = clip_grad_norm((model or module).parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr_scheduler.step()
+    return grad_norm
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -4,6 +4,7 @@ No config objects, no logging, no torch.distributed: global normalisers are pass
 """
 
 from rl_lightning.algorithms.advantages import (
+    estimate_advantages,
     gae,
     group_advantages,
     reinforce_pp_advantages,
@@ -11,7 +12,7 @@ from rl_lightning.algorithms.advantages import (
 )
 from rl_lightning.algorithms.kl import KL_ESTIMATORS
 from rl_lightning.algorithms.logprobs import token_logprobs
-from rl_lightning.algorithms.policy import clipped_policy_loss, clipped_value_loss, sequence_mean, token_mean
+from rl_lightning.algorithms.policy import clipped_policy_loss, clipped_value_loss, token_mean
 from rl_lightning.algorithms.preference import DPO_LOSSES, bradley_terry_loss, dpo_logits, dpo_loss
 from rl_lightning.algorithms.sft import sft_loss
 
@@ -23,11 +24,11 @@ __all__ = [
     "clipped_value_loss",
     "dpo_logits",
     "dpo_loss",
+    "estimate_advantages",
     "gae",
     "group_advantages",
     "reinforce_pp_advantages",
     "rloo_advantages",
-    "sequence_mean",
     "sft_loss",
     "token_logprobs",
     "token_mean",

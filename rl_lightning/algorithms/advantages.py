@@ -7,6 +7,8 @@ Shapes: B trajectories, T completion tokens, G completions per prompt (trajector
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -23,7 +25,8 @@ def gae(
     Args:
         rewards: (B, T) per-token rewards (outcome reward on the last token, plus any per-token KL penalty).
         values: (B, T) critic values V(s_t).
-        completion_mask: (B, T) 1 on valid completion tokens (a right-aligned run; rows may be fully masked).
+        completion_mask: (B, T) 1 on valid completion tokens (one contiguous run per row; rows may be fully
+            masked).
         gamma: discount; lam: GAE lambda.
 
     Returns:
@@ -39,28 +42,6 @@ def gae(
         running = (delta + gamma * lam * running * next_mask) * mask[:, t]
         advantages[:, t] = running
     return advantages, (advantages + values) * mask
-
-
-def packed_gae(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, seq_index: torch.Tensor,
-               num_sequences: int, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gae` on a packed row: each sequence's completion tokens (mask 1, in order; gaps such as tool tokens are
-    skipped) form one episode.
-
-    Args:
-        rewards, values, completion_mask, seq_index: (1, N) packed-row tensors (`seq_index` names each token's
-            sequence).
-
-    Returns:
-        advantages (1, N) and returns (1, N), zero outside the completion tokens.
-    """
-    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
-    is_completion = completion_mask[0] > 0
-    for s in range(num_sequences):
-        idx = ((seq_index[0] == s) & is_completion).nonzero().flatten()  # (L,)
-        if len(idx):
-            a, r = gae(rewards[:, idx], values[:, idx], torch.ones_like(values[:, idx]), gamma, lam)  # (1, L)
-            advantages[:, idx], returns[:, idx] = a, r
-    return advantages, returns
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = False, eps: float = 1e-6
@@ -111,26 +92,98 @@ def discounted_returns(rewards: torch.Tensor, completion_mask: torch.Tensor, gam
     return returns
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(values - mean) / (std + eps) over the masked entries (population std); zero where the mask is 0."""
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+                  global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """(values - mean) / (std + eps) over the masked entries (population std); zero where the mask is 0.
+
+    `global_sum` (default: none) sums a small statistics tensor over every process that holds part of the batch, so
+    the mean and std are the whole batch's; it is the only communication, injected by the caller."""
+    total = global_sum or (lambda x: x)
     m = mask.to(values.dtype)
-    count = m.sum().clamp(min=1)
-    mean = (values * m).sum() / count
-    var = (((values - mean) * m) ** 2).sum() / count
+    stats = total(torch.stack([(values * m).sum(), m.sum()]))
+    mean = stats[0] / stats[1].clamp(min=1)
+    var = total(((values - mean) * m).pow(2).sum()) / stats[1].clamp(min=1)
     return (values - mean) / (var.sqrt() + eps) * m
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, completion_mask: torch.Tensor, gamma: float = 1.0
-                            ) -> torch.Tensor:
+def reinforce_pp_advantages(rewards: torch.Tensor, completion_mask: torch.Tensor, gamma: float = 1.0,
+                            global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """REINFORCE++: token reward-to-go normalised over the whole (global) batch of completion tokens.
 
     A_t = whiten_batch(sum_{k >= t} gamma^(k - t) r_k). Paper: Hu 2025, https://arxiv.org/abs/2501.03262, eq. 7-8.
-    The caller passes the global batch (all ranks) or accepts per-rank statistics.
+    `global_sum` makes the whitening statistics global (see `masked_whiten`).
 
     Args:
         rewards: (B, T) per-token rewards; completion_mask: (B, T).
     """
-    return masked_whiten(discounted_returns(rewards, completion_mask, gamma), completion_mask)
+    return masked_whiten(discounted_returns(rewards, completion_mask, gamma), completion_mask, global_sum=global_sum)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) outcome rewards -> (B, T) per-token rewards: each on its completion's last token (zero for a completion
+    with no token left, e.g. a truncated one masked out)."""
+    mask = completion_mask.to(torch.float32)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).amax(dim=1)  # (B,)
+    token_rewards = torch.zeros_like(mask)
+    has_tokens = last >= 0
+    token_rewards[has_tokens, last[has_tokens]] = rewards[has_tokens].to(torch.float32)
+    return token_rewards
+
+
+ESTIMATORS = ("drgrpo", "grpo", "rloo", "reinforce_pp", "gae")
+GROUP_ESTIMATORS = ("drgrpo", "grpo", "rloo")
+
+
+def estimate_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    completion_mask: torch.Tensor,
+    group_size: int,
+    kl_penalty: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages (and returns, for the critic) of one rollout, by estimator name.
+
+    - ``drgrpo`` / ``grpo`` / ``rloo``: the outcome reward against its group's baseline (`group_advantages`,
+      `rloo_advantages`) on every completion token, plus the reward-to-go of `kl_penalty`;
+    - ``reinforce_pp``: `reinforce_pp_advantages` of the outcome reward (on the last token) plus `kl_penalty`,
+      whitened over every completion token of the rollout (`global_sum` makes that the global rollout);
+    - ``gae``: `gae` of the same token rewards with the critic's `values`.
+
+    Args:
+        rewards: (B,) outcome rewards, groups of `group_size` contiguous.
+        completion_mask: (B, T) 1 on each trajectory's completion tokens, in order (T: completion tokens only, so a
+            multi-turn trajectory's tool tokens in between are not there).
+        kl_penalty: (B, T) per-token reward -coef x KL_t to the reference (KL as a reward), or None.
+        values: (B, T) critic values V(s_t) (``gae``).
+
+    Returns:
+        advantages (B, T) and returns (B, T) (``gae``; None otherwise), zero where the mask is 0.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator '{estimator}'; use one of {', '.join(ESTIMATORS)}")
+    mask = completion_mask.to(torch.float32)
+    if estimator in GROUP_ESTIMATORS:
+        if estimator == "rloo":
+            outcome = rloo_advantages(rewards, group_size)
+        else:
+            outcome = group_advantages(rewards, group_size, scale_by_std=estimator == "grpo")
+        advantages = broadcast_to_tokens(outcome, mask)
+        if kl_penalty is not None:
+            advantages = advantages + discounted_returns(kl_penalty, mask)
+        return advantages, None
+    token_rewards = outcome_token_rewards(rewards, mask)
+    if kl_penalty is not None:
+        token_rewards = token_rewards + kl_penalty * mask
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(token_rewards, mask, gamma, global_sum), None
+    if values is None:
+        raise ValueError("the gae estimator needs the critic's values")
+    return gae(token_rewards, values, mask, gamma, lam)
 
 
 def broadcast_to_tokens(sequence_values: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

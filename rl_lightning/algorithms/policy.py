@@ -62,17 +62,9 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, engine_logprobs: to
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.Tensor) -> torch.Tensor:
-    """Token-level aggregation: sum over every masked token / `num_tokens` (the global token count): long and short
-    completions weigh by their length (DAPO, Dr. GRPO)."""
+    """Sum over every masked token / `num_tokens`: with the global token count, DAPO's token-level mean (long and
+    short completions weigh by their length); with completions x the generation budget, Dr. GRPO's constant."""
     return (values * mask).sum() / num_tokens
-
-
-def sequence_mean(values: torch.Tensor, mask: torch.Tensor, num_sequences: float | torch.Tensor) -> torch.Tensor:
-    """Sequence-level aggregation: each sequence's mean over its masked tokens, summed / `num_sequences` (the global
-    count); fully masked rows contribute 0."""
-    m = mask.to(values.dtype)
-    per_sequence = (values * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-    return per_sequence.sum() / num_sequences
 
 
 def clipped_value_loss(

@@ -14,10 +14,10 @@ from rl_lightning.data.steps import (
     StepDataset,
     check_batching_args,
     check_enough_rows,
-    data_parallel_coords,
     log_stats,
 )
 from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.reductions import data_parallel_coords
 
 log = logging.getLogger(__name__)
 

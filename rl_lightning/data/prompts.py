@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from rl_lightning.data.datamodule import load_tokenizer_for_data
 from rl_lightning.data.loading import Rows, load_rows
 from rl_lightning.data.rows import check_prompt_rows
-from rl_lightning.data.steps import check_enough_rows, data_parallel_coords, log_stats
+from rl_lightning.data.steps import check_enough_rows, log_stats
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.parallel.reductions import data_parallel_coords
 
 log = logging.getLogger(__name__)
 

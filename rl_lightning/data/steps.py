@@ -45,21 +45,6 @@ def unit_length(unit: Unit) -> int:
     return sum(len(s.input_ids) for s in unit_sequences(unit))
 
 
-def data_parallel_coords(trainer: Any) -> tuple[int, int]:
-    """(rank, size) of this process along the data-parallel dimension (ranks that differ only in tensor/context
-    parallel coordinates see the same data)."""
-    if trainer is None:
-        return 0, 1
-    dp_mesh = getattr(trainer.strategy, "dp_mesh", None)  # rl_lightning.parallel.ParallelStrategy
-    if dp_mesh is not None:
-        return dp_mesh.get_local_rank(), dp_mesh.size()
-    mesh = getattr(trainer.strategy, "_device_mesh", None)  # Lightning's ModelParallelStrategy
-    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
-        sub = mesh["data_parallel"]
-        return sub.get_local_rank(), sub.size()
-    return trainer.global_rank, trainer.world_size
-
-
 def _sequence_tensors(sequences: Sequence[TokenizedExample], pad_token_id: int) -> list[dict[str, torch.Tensor]]:
     """Per sequence: ids, next-token targets (the last token has none) and which tokens are targets/last.
 

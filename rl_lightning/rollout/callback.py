@@ -1,14 +1,21 @@
-"""`RolloutCallback`: before each training step, turn the batch's prompts into scored trajectories.
+"""Rollout settings (``model.rollout.*`` of the PPO task) and the `RolloutCallback` the task runs them with.
 
-The engine samples ``responses_per_prompt`` completions per prompt (multi-turn through the environment's
-``interact`` when ``max_turns`` > 1), the environment's ``reward_fn`` scores them, and the trajectories are attached to
-the batch (``batch["trajectories"]``, grouped by prompt) for the PPO task's ``training_step``.
+Before each training batch, the callback turns the batch's prompts into scored trajectories: the engine samples
+``responses_per_prompt`` completions per prompt (multi-turn through the environment's ``interact`` when ``max_turns``
+> 1), the environment's ``reward_fn`` scores them, and a `Rollout` is attached to the batch (``batch["rollout"]``) for
+the task's ``training_step``.
+
+The PPO task owns its rollout: it builds the callback from its ``rollout`` argument group and hands it to the Trainer
+through ``configure_callbacks``, so ``--model.rollout.env_path my_env.py`` works from the command line and the
+sampling temperature the task recomputes log-probabilities at is the one the engine sampled at. The callback reads
+the task's policy interface only: ``model``, ``tokenizer``, ``model_name`` and ``rollouts`` (completed rollouts).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -16,24 +23,26 @@ import torch
 
 from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_penalty
 from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.reductions import data_parallel_coords
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.scoring import start_pool
-from rl_lightning.rollout.trajectory import rollout
+from rl_lightning.rollout.trajectory import Rollout, rollout
 from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
 from rl_lightning.rollout.weights import WeightSync
 
 ENGINES = ("hf", "vllm")
 
 
-class RolloutCallback(L.Callback):
-    """Generate and score trajectories for every training batch of prompts.
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How trajectories are sampled and scored: ``model.rollout.*``.
 
     Args:
         env_path: Python file defining ``reward_fn(messages, answer)`` (and optionally ``interact(messages)``).
         responses_per_prompt: completions sampled per prompt (the group size of group-baseline estimators).
         max_turns: assistant turns per conversation (> 1 needs ``interact``).
-        temperature: sampling temperature (also used when the task recomputes log-probabilities).
+        temperature: sampling temperature; the task recomputes old, reference and current log-probabilities at it.
         top_p: nucleus sampling threshold.
         top_k: top-k sampling (0 = off).
         max_new_tokens: tokens generated per turn.
@@ -68,7 +77,6 @@ class RolloutCallback(L.Callback):
             component is logged as ``train/reward/<name>``.
         reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
         reward_ideal: Tchebycheff ideal point per component (default 1.0 each).
-
         val_temperature: validation sampling temperature (0: greedy).
         val_responses_per_prompt: completions per held-out prompt at validation (> 1 needs `val_temperature` > 0);
             their seeds stay the same across validations, so successive scores compare the same draws.
@@ -77,91 +85,94 @@ class RolloutCallback(L.Callback):
     the mean); with ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
     """
 
-    def __init__(
-        self,
-        env_path: str,
-        responses_per_prompt: int = 8,
-        max_turns: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 256,
-        engine: str = "hf",
-        engine_tp_size: int = 1,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.3,
-        weight_bucket_mb: int = 512,
-        on_error: str = "raise",
-        reward_workers: int | None = None,
-        reward_timeout_s: float | None = 60.0,
-        seed: int | None = 0,
-        filter_range: tuple[float, float] | None = None,
-        max_refill_rounds: int = 4,
-        overlong_cache_length: int | None = None,
-        mask_truncated: bool = False,
-        reward_weights: dict[str, float] | None = None,
-        reward_combination: str = "weighted_sum",
-        reward_ideal: dict[str, float] | None = None,
-        val_temperature: float = 0.0,
-        val_responses_per_prompt: int = 1,
-    ) -> None:
+    env_path: str
+    responses_per_prompt: int = 8
+    max_turns: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    engine: str = "hf"
+    engine_tp_size: int = 1
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.3
+    weight_bucket_mb: int = 512
+    on_error: str = "raise"
+    reward_workers: int | None = None
+    reward_timeout_s: float | None = 60.0
+    seed: int | None = 0
+    filter_range: tuple[float, float] | None = None
+    max_refill_rounds: int = 4
+    overlong_cache_length: int | None = None
+    mask_truncated: bool = False
+    reward_weights: dict[str, float] | None = None
+    reward_combination: str = "weighted_sum"
+    reward_ideal: dict[str, float] | None = None
+    val_temperature: float = 0.0
+    val_responses_per_prompt: int = 1
+
+    def __post_init__(self) -> None:
         errors = []
-        if val_temperature < 0 or val_responses_per_prompt < 1 or (val_temperature == 0 and
-                                                                   val_responses_per_prompt > 1):
+        if self.val_temperature < 0 or self.val_responses_per_prompt < 1 or (self.val_temperature == 0 and
+                                                                             self.val_responses_per_prompt > 1):
             errors.append(f"val_temperature must be >= 0 and val_responses_per_prompt >= 1 (1 when greedy), got "
-                          f"{val_temperature}, {val_responses_per_prompt}")
-        if responses_per_prompt < 1:
-            errors.append(f"responses_per_prompt must be >= 1, got {responses_per_prompt}")
-        if max_turns < 1:
-            errors.append(f"max_turns must be >= 1, got {max_turns}")
-        if engine not in ENGINES:
-            errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{engine}'")
-        errors += _vllm_errors(engine, engine_tp_size, max_model_len, kv_cache_memory_bytes, gpu_memory_utilization,
-                               weight_bucket_mb, max_turns, filter_range)
-        if temperature < 0 or max_new_tokens < 1:
-            errors.append(f"temperature must be >= 0 and max_new_tokens >= 1, got {temperature}, {max_new_tokens}")
-        if filter_range is not None and not filter_range[0] < filter_range[1]:
-            errors.append(f"filter_range must be (low, high) with low < high, got {filter_range}")
-        if max_refill_rounds < 1:
-            errors.append(f"max_refill_rounds must be >= 1, got {max_refill_rounds}")
-        if overlong_cache_length is not None and not 0 < overlong_cache_length <= max_new_tokens:
-            errors.append(f"overlong_cache_length must be in (0, max_new_tokens={max_new_tokens}], got "
-                          f"{overlong_cache_length}")
-        if (reward_workers is not None and reward_workers < 0) or (reward_timeout_s is not None and
-                                                                   not reward_timeout_s > 0):
+                          f"{self.val_temperature}, {self.val_responses_per_prompt}")
+        if self.responses_per_prompt < 1:
+            errors.append(f"responses_per_prompt must be >= 1, got {self.responses_per_prompt}")
+        if self.max_turns < 1:
+            errors.append(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.engine not in ENGINES:
+            errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        errors += _vllm_errors(self)
+        if self.temperature <= 0 or self.max_new_tokens < 1:
+            errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
+                          f"{self.temperature}, {self.max_new_tokens}")
+        if self.filter_range is not None and not self.filter_range[0] < self.filter_range[1]:
+            errors.append(f"filter_range must be (low, high) with low < high, got {self.filter_range}")
+        if self.max_refill_rounds < 1:
+            errors.append(f"max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
+        if self.overlong_cache_length is not None and not 0 < self.overlong_cache_length <= self.max_new_tokens:
+            errors.append(f"overlong_cache_length must be in (0, max_new_tokens={self.max_new_tokens}], got "
+                          f"{self.overlong_cache_length}")
+        if (self.reward_workers is not None and self.reward_workers < 0) or (
+                self.reward_timeout_s is not None and not self.reward_timeout_s > 0):
             errors.append(f"reward_workers must be >= 0 (0: inline) and reward_timeout_s > 0 or null, got "
-                          f"{reward_workers}, {reward_timeout_s}")
+                          f"{self.reward_workers}, {self.reward_timeout_s}")
         if errors:
-            raise ConfigError("; ".join(f"rollout callback: {e}" for e in errors))
-        self.env = load_environment(env_path, on_error, weights=reward_weights, combination=reward_combination,
-                                    ideal=reward_ideal)
-        if max_turns > 1 and self.env.interact is None:
-            raise ConfigError(f"rollout callback: max_turns={max_turns} needs interact(messages) in {env_path}")
-        self.responses_per_prompt, self.max_turns = responses_per_prompt, max_turns
-        self.temperature, self.top_p, self.top_k, self.max_new_tokens = temperature, top_p, top_k, max_new_tokens
-        self.engine_name, self.seed = engine, seed
-        self.engine_tp_size, self.max_model_len, self.weight_bucket_mb = engine_tp_size, max_model_len, weight_bucket_mb
-        self.kv_cache_memory_bytes, self.gpu_memory_utilization = kv_cache_memory_bytes, gpu_memory_utilization
+            raise ConfigError("; ".join(f"model.rollout.{e}" for e in errors))
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The generation budget of one trajectory: `max_new_tokens` per turn x `max_turns`."""
+        return self.max_new_tokens * self.max_turns
+
+
+class RolloutCallback(L.Callback):
+    """Generate and score trajectories for every training (and validation) batch of prompts, as `config` says."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        self.config = c = config
+        self.env = load_environment(c.env_path, c.on_error, weights=c.reward_weights, combination=c.reward_combination,
+                                    ideal=c.reward_ideal)
+        if c.max_turns > 1 and self.env.interact is None:
+            raise ConfigError(f"model.rollout.max_turns={c.max_turns} needs interact(messages) in {c.env_path}")
         self.weight_sync: WeightSync | None = None
-        self.filter_range, self.max_refill_rounds = filter_range, max_refill_rounds
-        self.overlong_cache_length, self.mask_truncated = overlong_cache_length, mask_truncated
-        self.val_temperature, self.val_responses_per_prompt = val_temperature, val_responses_per_prompt
-        self.reward_workers, self.reward_timeout_s = reward_workers, reward_timeout_s
         self.engine: Any = None
         self.refills = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        c = self.config
         if self.env.scorer is None:
-            self.env.scorer = start_pool(self.env.path, self.reward_workers, self.reward_timeout_s, trainer.num_devices)
-        if self.engine_name == "hf":
+            self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices)
+        if c.engine == "hf":
             from rl_lightning.rollout.hf import HFEngine
 
             self.engine = HFEngine(pl_module.model, pl_module.tokenizer.pad_token_id)
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             self.engine = self._vllm_engine(trainer, pl_module)
-        self.weight_sync = WeightSync(self.weight_bucket_mb << 20)  # a fresh fit always pushes its weights first
+        self.weight_sync = WeightSync(c.weight_bucket_mb << 20)  # a fresh fit always pushes its weights first
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.env.scorer is not None:  # the reward workers
@@ -174,23 +185,25 @@ class RolloutCallback(L.Callback):
     def _vllm_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         from rl_lightning.rollout.vllm import VLLMEngine, check_engine
 
+        c = self.config
         device_type = trainer.strategy.root_device.type
-        check_engine(pl_module.model.config, self.engine_tp_size, trainer.world_size, device_type)
-        return VLLMEngine(pl_module.hparams.model_name, self.engine_tp_size, self._max_model_len(trainer, pl_module),
-                          device_type, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
+        check_engine(pl_module.model.config, c.engine_tp_size, trainer.world_size, device_type)
+        return VLLMEngine(pl_module.model_name, c.engine_tp_size, self._max_model_len(trainer, pl_module),
+                          device_type, c.gpu_memory_utilization, c.kv_cache_memory_bytes,
                           rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size)
 
     def _max_model_len(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
-        if self.max_model_len is not None:
-            return self.max_model_len
+        c = self.config
+        if c.max_model_len is not None:
+            return c.max_model_len
         limit = getattr(pl_module.model.config, "max_position_embeddings", None)
         prompt = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("max_prompt_length")
-        if prompt is None or (self.max_turns > 1 and limit is not None):  # tool messages take room too
+        if prompt is None or (c.max_turns > 1 and limit is not None):  # tool messages take room too
             if limit is None:
-                raise ConfigError("rollout callback: set max_model_len (the model config has no "
-                                  "max_position_embeddings and the data module no max_prompt_length)")
+                raise ConfigError("model.rollout.max_model_len must be set: the model config has no "
+                                  "max_position_embeddings and the data module no max_prompt_length")
             return limit
-        needed = prompt + self.max_new_tokens * self.max_turns
+        needed = prompt + c.max_completion_tokens
         return needed if limit is None else min(needed, limit)
 
     def _prepare_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -200,59 +213,57 @@ class RolloutCallback(L.Callback):
             self.weight_sync(self.engine, pl_module.model, trainer.global_step)
         self.engine.wake()
 
-    def sampling_params(self, step: int, prompts: list, refill_round: int = 0) -> SamplingParams:
+    def sampling_params(self, step: int, prompts: list, stop_id: int, refill_round: int = 0) -> SamplingParams:
         """Per-prompt seeds from the rollout count and each prompt's dataset position, never the rank: a prompt
         samples the same completions whatever the parallel layout (dp=2 == dp=1)."""
-        seeds = None if self.seed is None else [self.seed + 1_000_003 * step + 7_919 * refill_round + p.index
-                                                for p in prompts]
-        return SamplingParams(n=self.responses_per_prompt, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, max_new_tokens=self.max_new_tokens,
-                              stop_token_ids=[self._stop_id], seeds=seeds)
+        c = self.config
+        seeds = None if c.seed is None else [c.seed + 1_000_003 * step + 7_919 * refill_round + p.index
+                                             for p in prompts]
+        return SamplingParams(n=c.responses_per_prompt, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                              max_new_tokens=c.max_new_tokens, stop_token_ids=[stop_id], seeds=seeds)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
                              ) -> None:
-        self._stop_id = pl_module.tokenizer.eos_token_id
         self._prepare_engine(trainer, pl_module)
         start, self.env.reward_seconds = time.perf_counter(), 0.0
-        params = self.sampling_params(pl_module.rollouts, batch["prompts"])
-        trajectories = self._generate(batch["prompts"], pl_module.tokenizer, params)
-        if self.filter_range is not None:
+        tokenizer = pl_module.tokenizer
+        params = self.sampling_params(pl_module.rollouts, batch["prompts"], tokenizer.eos_token_id)
+        trajectories = self._generate(batch["prompts"], tokenizer, params)
+        if self.config.filter_range is not None:
             trajectories = self._refill(trainer, pl_module, batch["prompts"], trajectories)
-        pl_module.log("rollout/generate_s", time.perf_counter() - start)  # sampling, scoring and refills
-        pl_module.log("rollout/reward_s", self.env.reward_seconds)  # scoring alone
-        pl_module.log("rollout/reward_timeouts", float(self.env.timeouts))  # since the start
+        metrics = {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
+                   "rollout/reward_s": self.env.reward_seconds,  # scoring alone
+                   "rollout/reward_timeouts": float(self.env.timeouts)}  # since the start
         if self.weight_sync is not None:
-            pl_module.log("rollout/weight_sync_s", self.weight_sync.seconds)  # 0: skipped (no optimizer step)
-        batch["trajectories"] = trajectories
-        batch["group_size"] = self.responses_per_prompt
-        batch["reward_failures"] = self.env.failures
-        batch["refills"] = self.refills
-        batch["reward_names"] = self.env.component_names
+            metrics["rollout/weight_sync_s"] = self.weight_sync.seconds  # 0: skipped (no optimizer step)
+        batch["rollout"] = Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names,
+                                   self.env.failures, self.refills, metrics)
         self.engine.sleep()
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         """Held-out prompts: `val_responses_per_prompt` completions each (multi-turn as in training), scored."""
-        self._stop_id = pl_module.tokenizer.eos_token_id
+        c = self.config
         self._prepare_engine(trainer, pl_module)
-        sampled = self.val_temperature > 0
-        params = SamplingParams(n=self.val_responses_per_prompt, temperature=self.val_temperature,
-                                top_p=self.top_p if sampled else 1.0, top_k=self.top_k if sampled else 0,
-                                max_new_tokens=self.max_new_tokens, stop_token_ids=[self._stop_id],
-                                seeds=[(self.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
-        batch["trajectories"] = rollout(self.engine, batch["prompts"], self.env, pl_module.tokenizer, params,
-                                        self.max_turns)
-        batch["reward_names"] = self.env.component_names
+        sampled = c.val_temperature > 0
+        params = SamplingParams(n=c.val_responses_per_prompt, temperature=c.val_temperature,
+                                top_p=c.top_p if sampled else 1.0, top_k=c.top_k if sampled else 0,
+                                max_new_tokens=c.max_new_tokens, stop_token_ids=[pl_module.tokenizer.eos_token_id],
+                                seeds=[(c.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
+        trajectories = rollout(self.engine, batch["prompts"], self.env, pl_module.tokenizer, params, c.max_turns)
+        batch["rollout"] = Rollout(trajectories, c.val_responses_per_prompt, self.env.component_names,
+                                   self.env.failures, self.refills)
         self.engine.sleep()
 
     def _generate(self, prompts: list, tokenizer: Any, params: SamplingParams) -> list:
-        trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, self.max_turns)
-        if self.overlong_cache_length is not None:
+        c = self.config
+        trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns)
+        if c.overlong_cache_length is not None:
             lengths = torch.tensor([t.completion_length for t in trajectories])
-            penalties = overlong_penalty(lengths, self.max_new_tokens * self.max_turns, self.overlong_cache_length)
+            penalties = overlong_penalty(lengths, c.max_completion_tokens, c.overlong_cache_length)
             for t, penalty in zip(trajectories, penalties.tolist(), strict=True):
                 t.reward += penalty
-        if self.mask_truncated:
+        if c.mask_truncated:
             for t in trajectories:
                 if not t.finished:
                     t.completion_mask = [0] * len(t.completion_mask)
@@ -260,46 +271,39 @@ class RolloutCallback(L.Callback):
 
     def _refill(self, trainer: L.Trainer, pl_module: L.LightningModule, prompts: list, trajectories: list) -> list:
         """DAPO dynamic sampling: keep informative groups, top up with freshly drawn prompts (a seeded stream per
-        rank and rollout) until the batch is full or the rounds run out; the count of refill rounds is logged."""
-        group = self.responses_per_prompt
-        buffer = GroupRefill(target=len(prompts), max_rounds=self.max_refill_rounds)
+        data-parallel rank and rollout) until the batch is full or the rounds run out; refill rounds are counted."""
+        c = self.config
+        group = c.responses_per_prompt
+        buffer = GroupRefill(target=len(prompts), max_rounds=c.max_refill_rounds)
         pool = trainer.datamodule.prompts["train"]
-        rng = random.Random((self.seed or 0) + 104_729 * pl_module.rollouts + data_parallel_rank(trainer))
+        rng = random.Random((c.seed or 0) + 104_729 * pl_module.rollouts + data_parallel_coords(trainer)[0])
         while True:
             groups = [trajectories[i : i + group] for i in range(0, len(trajectories), group)]
             rewards = torch.tensor([t.reward for t in trajectories])
-            buffer.add(groups, keep_groups(rewards, group, *self.filter_range))
+            buffer.add(groups, keep_groups(rewards, group, *c.filter_range))
             if buffer.exhausted:
                 break
             self.refills += 1
             extra = rng.sample(pool, k=min(len(pool), len(prompts)))
-            params = self.sampling_params(pl_module.rollouts, extra, buffer.rounds)
+            params = self.sampling_params(pl_module.rollouts, extra, pl_module.tokenizer.eos_token_id, buffer.rounds)
             trajectories = self._generate(extra, pl_module.tokenizer, params)
         return [t for kept in buffer.take() for t in kept]
 
 
-def data_parallel_rank(trainer: L.Trainer) -> int:
-    """The rank among ranks that see different prompts: context- and tensor-parallel peers share prompts, so they must
-    share sampling seeds too (identical trajectories)."""
-    dp_mesh = getattr(trainer.strategy, "dp_mesh", None)
-    return trainer.global_rank if dp_mesh is None else dp_mesh.get_local_rank()
-
-
-def _vllm_errors(engine: str, tp_size: int, max_model_len: int | None, kv_cache_memory_bytes: int | None,
-                 gpu_memory_utilization: float, weight_bucket_mb: int, max_turns: int,
-                 filter_range: tuple[float, float] | None) -> list[str]:
+def _vllm_errors(c: RolloutConfig) -> list[str]:
     errors = []
-    if tp_size < 1 or weight_bucket_mb < 1 or (max_model_len is not None and max_model_len < 1):
-        errors.append(f"engine_tp_size, weight_bucket_mb and max_model_len must be >= 1, got {tp_size}, "
-                      f"{weight_bucket_mb}, {max_model_len}")
-    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
-        errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {kv_cache_memory_bytes}")
-    if not 0 < gpu_memory_utilization <= 1:
-        errors.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if engine == "vllm" and not vllm_available():
+    if c.engine_tp_size < 1 or c.weight_bucket_mb < 1 or (c.max_model_len is not None and c.max_model_len < 1):
+        errors.append(f"engine_tp_size, weight_bucket_mb and max_model_len must be >= 1, got {c.engine_tp_size}, "
+                      f"{c.weight_bucket_mb}, {c.max_model_len}")
+    if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes < 1:
+        errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {c.kv_cache_memory_bytes}")
+    if not 0 < c.gpu_memory_utilization <= 1:
+        errors.append(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+    if c.engine == "vllm" and not vllm_available():
         errors.append(f"engine=vllm needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
-    if engine == "vllm" and tp_size > 1 and (max_turns > 1 or filter_range is not None):
+    if c.engine == "vllm" and c.engine_tp_size > 1 and (c.max_turns > 1 or c.filter_range is not None):
         # the ranks of an engine generate together, but these loops decide per rank how often to generate
-        errors.append(f"engine_tp_size={tp_size} does not support multi-turn rollouts (max_turns={max_turns}) or "
-                      f"dynamic sampling (filter_range={filter_range}) yet; use engine_tp_size: 1")
+        errors.append(f"engine_tp_size={c.engine_tp_size} does not support multi-turn rollouts "
+                      f"(max_turns={c.max_turns}) or dynamic sampling (filter_range={c.filter_range}) yet; use "
+                      "engine_tp_size: 1")
     return errors

@@ -43,6 +43,27 @@ class Trajectory:
                                                                               **values})
 
 
+@dataclass
+class Rollout:
+    """What the rollout callback hands the task for one batch of prompts (``batch["rollout"]``).
+
+    Attributes:
+        trajectories: this rank's scored trajectories, grouped by prompt (`group_size` consecutive completions each).
+        group_size: completions per prompt.
+        reward_names: names of the reward's components (empty for a scalar reward_fn).
+        reward_failures: reward_fn failures scored 0 so far in the run (``on_error: zero``).
+        refills: dynamic-sampling refill rounds so far in the run.
+        metrics: this rollout's timings and counters, logged as they are (``rollout/generate_s``, ...).
+    """
+
+    trajectories: list[Trajectory]
+    group_size: int
+    reward_names: list[str] = field(default_factory=list)
+    reward_failures: int = 0
+    refills: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 

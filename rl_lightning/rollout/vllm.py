@@ -55,7 +55,7 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"rollout callback: engine=vllm needs vllm, which cannot be imported ({e}); "
+        raise ConfigError(f"model.rollout.engine=vllm needs vllm, which cannot be imported ({e}); "
                           f"{INSTALL_HINT}, or set engine: hf") from None
     return vllm
 
@@ -84,7 +84,7 @@ def check_engine(config: Any, tensor_parallel_size: int, world_size: int, device
         errors.append(f"the model's head_dim={head_dim(config)} is not supported by vLLM's CPU attention (supported: "
                       f"{', '.join(map(str, CPU_HEAD_DIMS))}); use engine: hf or a model with a supported head size")
     if errors:
-        raise ConfigError("; ".join(f"rollout callback: {e}" for e in errors))
+        raise ConfigError("; ".join(f"model.rollout: {e}" for e in errors))
 
 
 def _refresh_tied_heads(model: torch.nn.Module) -> int:
@@ -157,7 +157,7 @@ class VLLMEngine:
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         if self.world_size % tensor_parallel_size:
-            raise ConfigError(f"rollout callback: engine_tp_size={tensor_parallel_size} must divide the "
+            raise ConfigError(f"model.rollout.engine_tp_size={tensor_parallel_size} must divide the "
                               f"{self.world_size} training processes")
         # external_launcher reads these (Lightning sets LOCAL_RANK and WORLD_SIZE but never RANK)
         os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": str(self.rank if local_rank is None else local_rank),

@@ -8,6 +8,7 @@ global number of pairs in the step, so packing and data parallelism do not chang
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -15,26 +16,17 @@ import torch
 
 from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
-from rl_lightning.models import load_causal_lm
-from rl_lightning.optim import check_optim_args
+from rl_lightning.models import load_causal_lm, target_logprobs
+from rl_lightning.optim import OptimConfig, configure_adamw, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
+from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
-from rl_lightning.tasks.step import (
-    configure_adamw,
-    local_micro_batch,
-    log_validation_means,
-    pair_slices,
-    pairwise_step,
-    pairwise_validation,
-    parallel_layout,
-    sequence_sums,
-    target_logprobs,
-)
+from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
 
 
-def completion_logps(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
+def completion_logprobs(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
     """(S,) summed log-probabilities of each sequence's completion tokens."""
-    return sequence_sums(target_logprobs(model, micro_batch), micro_batch["target_mask"], micro_batch)
+    return sequence_sums(target_logprobs(model, micro_batch)[0], micro_batch["target_mask"], micro_batch)
 
 
 class DPO(L.LightningModule):
@@ -49,14 +41,7 @@ class DPO(L.LightningModule):
             in [0, 0.5).
         reference_free: compare against a uniform reference (log pi_ref = 0) and load no reference model.
         reference_offload: keep the reference on the CPU between steps (saves accelerator memory).
-        lr: peak learning rate of AdamW.
-        weight_decay: AdamW weight decay (not applied to biases and norm weights).
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        warmup_steps: linear warmup length in optimizer steps.
-        lr_schedule: decay after warmup: ``cosine``, ``linear`` or ``constant``.
-        min_lr_ratio: final learning rate as a fraction of `lr`.
-        max_grad_norm: clip the global gradient L2 norm; <= 0 disables clipping.
+        optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
@@ -71,14 +56,7 @@ class DPO(L.LightningModule):
         label_smoothing: float = 0.0,
         reference_free: bool = False,
         reference_offload: bool = False,
-        lr: float = 5e-7,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        lr_schedule: str = "cosine",
-        min_lr_ratio: float = 0.1,
-        max_grad_norm: float = 1.0,
+        optim: OptimConfig = OptimConfig(lr=5e-7),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
     ) -> None:
@@ -92,8 +70,8 @@ class DPO(L.LightningModule):
             errors.append(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
         if errors:
             raise ConfigError("; ".join(errors))
-        check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)
         self.save_hyperparameters(logger=False)
+        self.hparams.optim, self.optim = asdict(optim), optim  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         # Not a registered submodule: frozen weights stay out of the optimizer and checkpoints, and their device is
@@ -117,7 +95,8 @@ class DPO(L.LightningModule):
                                                                    trainable=False))
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.model)
+        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
+        return [optimizer], [schedule]
 
     def on_fit_start(self) -> None:
         strategy = self.trainer.strategy
@@ -127,37 +106,37 @@ class DPO(L.LightningModule):
             self._reference.to(self.device)
 
     @torch.no_grad()
-    def reference_logps(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """(S,) reference completion log-probabilities for each micro-batch (zeros when reference-free)."""
         if self._reference is None:
             return [torch.zeros(int(mb["num_sequences"]), device=self.device) for mb in micro_batches]
         if self.hparams.reference_offload:
             self._reference.to(self.device)
         layout = parallel_layout(self.trainer)
-        logps = [completion_logps(self._reference, local_micro_batch(layout, mb)) for mb in micro_batches]
+        logprobs = [completion_logprobs(self._reference, local_micro_batch(layout, mb)) for mb in micro_batches]
         if self.hparams.reference_offload:
             self._reference.to("cpu")
-        return logps
+        return logprobs
 
-    def _pair_loss(self, micro_batch: dict, ref_logps: torch.Tensor, normaliser: Any) -> tuple[torch.Tensor, dict]:
+    def _pair_loss(self, micro_batch: dict, ref_logprobs: torch.Tensor, normaliser: Any) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
-        logps = completion_logps(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
+        logprobs = completion_logprobs(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
         num_pairs = int(micro_batch["num_units"])
-        chosen, rejected = pair_slices(logps, num_pairs)
-        ref_chosen, ref_rejected = pair_slices(ref_logps, num_pairs)
+        chosen, rejected = pair_slices(logprobs, num_pairs)
+        ref_chosen, ref_rejected = pair_slices(ref_logprobs, num_pairs)
         loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, normaliser, hp.beta,
                                  DPO_LOSSES[hp.loss_type], hp.label_smoothing)
         if num_pairs == 0:  # a filler micro-batch: keep the graph so every rank runs the same backward
-            loss = loss + 0.0 * logps.sum()
+            loss = loss + 0.0 * logprobs.sum()
         return loss, metrics
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        pairwise_step(self, micro_batches, self._pair_loss, self.reference_logps(micro_batches))
+        pairwise_step(self, micro_batches, self._pair_loss, self.reference_logprobs(micro_batches))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        pairwise_validation(self._val, micro_batches, self._pair_loss, self.reference_logps(micro_batches))
+        pairwise_validation(self._val, micro_batches, self._pair_loss, self.reference_logprobs(micro_batches))
 
     def on_validation_epoch_end(self) -> None:
-        log_validation_means(self, self._val, "pairs")
+        log_validation_means(self, self._val)

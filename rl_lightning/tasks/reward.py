@@ -8,26 +8,18 @@ packed together; the loss is averaged over the global number of pairs in the ste
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
 import torch
 
 from rl_lightning.algorithms import bradley_terry_loss
-from rl_lightning.models import load_reward_model
-from rl_lightning.optim import check_optim_args
+from rl_lightning.models import load_reward_model, model_inputs
+from rl_lightning.optim import OptimConfig, configure_adamw, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
-from rl_lightning.tasks.step import (
-    configure_adamw,
-    local_micro_batch,
-    log_validation_means,
-    model_inputs,
-    pair_slices,
-    pairwise_step,
-    pairwise_validation,
-    parallel_layout,
-    sequence_sums,
-)
+from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
+from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
 
 
 def sequence_rewards(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
@@ -43,14 +35,7 @@ class RewardModel(L.LightningModule):
     Args:
         model_name: Hugging Face causal-LM folder or hub name for the backbone (a fresh scalar head is added) or an
             existing sequence-classification reward model; also the tokenizer (linked to ``data.tokenizer_name``).
-        lr: peak learning rate of AdamW.
-        weight_decay: AdamW weight decay (not applied to biases and norm weights).
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        warmup_steps: linear warmup length in optimizer steps.
-        lr_schedule: decay after warmup: ``cosine``, ``linear`` or ``constant``.
-        min_lr_ratio: final learning rate as a fraction of `lr`.
-        max_grad_norm: clip the global gradient L2 norm; <= 0 disables clipping.
+        optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
@@ -59,20 +44,13 @@ class RewardModel(L.LightningModule):
     def __init__(
         self,
         model_name: str,
-        lr: float = 5e-6,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        lr_schedule: str = "cosine",
-        min_lr_ratio: float = 0.1,
-        max_grad_norm: float = 1.0,
+        optim: OptimConfig = OptimConfig(lr=5e-6),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
-        check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)
         self.save_hyperparameters(logger=False)
+        self.hparams.optim, self.optim = asdict(optim), optim  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
@@ -85,7 +63,8 @@ class RewardModel(L.LightningModule):
         self.model = parallelize_for(self, self.model)
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.model)
+        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
+        return [optimizer], [schedule]
 
     def _pair_loss(self, micro_batch: dict[str, Any], _: None, normaliser: Any) -> tuple[torch.Tensor, dict]:
         rewards = sequence_rewards(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
@@ -105,4 +84,4 @@ class RewardModel(L.LightningModule):
         pairwise_validation(self._val, micro_batches, self._pair_loss, [None] * len(micro_batches))
 
     def on_validation_epoch_end(self) -> None:
-        log_validation_means(self, self._val, "pairs")
+        log_validation_means(self, self._val)

@@ -4,30 +4,28 @@ One training batch is one optimizer step on this rank (a list of packed micro-ba
 micro-batch is normalised by the number of assistant tokens in the whole step across all data-parallel ranks, so the
 update is the gradient of the mean token NLL of the global batch, whatever the packing, micro-batch split or number
 of ranks. Optimisation is manual for that reason (gradient accumulation happens here, not in the Trainer): use
-``model.max_grad_norm`` instead of ``trainer.gradient_clip_val`` and ``data.max_length_per_device`` instead of
+``model.optim.max_grad_norm`` instead of ``trainer.gradient_clip_val`` and ``data.max_length_per_device`` instead of
 ``trainer.accumulate_grad_batches``.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
 import torch
 
 from rl_lightning.algorithms import sft_loss
-from rl_lightning.models import load_causal_lm
-from rl_lightning.optim import check_optim_args
+from rl_lightning.models import load_causal_lm, target_logprobs
+from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
-from rl_lightning.tasks.step import (
-    configure_adamw,
+from rl_lightning.parallel.reductions import (
     data_parallel_sum,
     grad_average_size,
     local_micro_batch,
-    optimizer_step,
     parallel_layout,
     shard_sum,
-    target_logprobs,
 )
 
 
@@ -36,15 +34,7 @@ class SFT(L.LightningModule):
 
     Args:
         model_name: Hugging Face model folder or hub name (also the tokenizer, linked to ``data.tokenizer_name``).
-        lr: peak learning rate of AdamW.
-        weight_decay: AdamW weight decay (not applied to biases and norm weights).
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        warmup_steps: linear warmup length in optimizer steps.
-        lr_schedule: decay after warmup: ``cosine``, ``linear`` or ``constant``.
-        min_lr_ratio: final learning rate as a fraction of `lr` (cosine and linear).
-        max_grad_norm: clip the global gradient L2 norm to this value; <= 0 disables clipping (the norm is still
-            logged).
+        optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
@@ -53,20 +43,13 @@ class SFT(L.LightningModule):
     def __init__(
         self,
         model_name: str,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        lr_schedule: str = "cosine",
-        min_lr_ratio: float = 0.1,
-        max_grad_norm: float = 1.0,
+        optim: OptimConfig = OptimConfig(lr=1e-5),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
-        check_optim_args(lr, warmup_steps, lr_schedule, min_lr_ratio)
         self.save_hyperparameters(logger=False)
+        self.hparams.optim, self.optim = asdict(optim), optim  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         self._val_sums: list[torch.Tensor] = []
@@ -79,7 +62,8 @@ class SFT(L.LightningModule):
         self.model = parallelize_for(self, self.model)
 
     def configure_optimizers(self) -> Any:
-        return configure_adamw(self, self.model)
+        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
+        return [optimizer], [schedule]
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches, layout = batch["micro_batches"], parallel_layout(self.trainer)
@@ -88,11 +72,11 @@ class SFT(L.LightningModule):
         nll_sum = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
             local = local_micro_batch(layout, micro_batch)
-            loss, metrics = sft_loss(target_logprobs(self.model, local), local["target_mask"], normaliser)
+            loss, metrics = sft_loss(target_logprobs(self.model, local)[0], local["target_mask"], normaliser)
             self.manual_backward(loss)
             nll_sum += metrics["nll_sum"]
         lr = self.lr_schedulers().get_last_lr()[0]
-        grad_norm = optimizer_step(self, self.hparams.max_grad_norm)
+        grad_norm = optimizer_step(self, self.optim.max_grad_norm)
         self.log("train/loss", shard_sum(self.trainer, nll_sum) / num_tokens, prog_bar=True)
         self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
                        "train/micro_batches": float(len(micro_batches))})
@@ -101,7 +85,7 @@ class SFT(L.LightningModule):
         layout = parallel_layout(self.trainer)
         for micro_batch in batch["micro_batches"]:
             local = local_micro_batch(layout, micro_batch)
-            _, metrics = sft_loss(target_logprobs(self.model, local), local["target_mask"], 1.0)
+            _, metrics = sft_loss(target_logprobs(self.model, local)[0], local["target_mask"], 1.0)
             self._val_sums.append(torch.stack([metrics["nll_sum"], metrics["num_tokens"]]))
 
     def on_validation_epoch_end(self) -> None:
