@@ -28,6 +28,19 @@ QUIET_WARNINGS = (
 )
 MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 characters
 
+# What every recipe would otherwise repeat; a recipe's own `trainer.logger` / `trainer.callbacks` replace these.
+TRAINER_DEFAULTS = {
+    "trainer.logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                       "init_args": {"experiment_name": "rl_lightning", "tracking_uri": "sqlite:///mlflow.db"}},
+    "trainer.callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
+        {"class_path": "rl_lightning.export.HFExport"},
+    ],
+    "trainer.log_every_n_steps": 1,
+    "trainer.enable_model_summary": False,
+}
+
 
 def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
     """Flatten a nested config into ``{"model.lr": "1e-05", ...}``, dropping jsonargparse's ``init_args`` level."""
@@ -81,14 +94,51 @@ class ConfigLogger(SaveConfigCallback):
 
 
 class RLLightningCLI(LightningCLI):
-    """LightningCLI with task/data selection by class path, linked tokenizer and one-line errors."""
+    """LightningCLI with task/data selection by class path, linked tokenizer, shared trainer defaults (MLflow logger,
+    progress bar, last checkpoint, Hugging Face export) and one-line errors.
+
+    A run is named after its recipe (``recipes/grpo.yaml`` -> ``grpo``) unless ``trainer.logger.init_args.run_name``
+    says otherwise; checkpoints and the export go to ``checkpoints/<run>`` and ``exports/<run>`` unless their
+    ``dirpath`` is set.
+    """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
+        parser.set_defaults(TRAINER_DEFAULTS)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is None:
+            return
+        sources = config.get("config") or []
+        run = run_name(str(sources[-1])) if sources else None
+        logger = trainer.get("logger")
+        if run is None or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
+            return
+        if logger.init_args.get("run_name") is None:
+            logger.init_args.run_name = run
+        run = logger.init_args.run_name
+        for callback in trainer.get("callbacks") or []:
+            path = str(callback.get("class_path", ""))
+            if path.endswith(".ModelCheckpoint") and callback.init_args.get("dirpath") is None:
+                callback.init_args.dirpath = f"checkpoints/{run}"
+            elif path.endswith(".HFExport") and callback.init_args.get("dirpath") is None:
+                callback.init_args.dirpath = f"exports/{run}"
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
+
+
+def run_name(config_path: str) -> str:
+    """A run's default name from its recipe: the path below ``recipes/`` without the extension, ``/`` -> ``-``
+    (``recipes/real/grpo.yaml`` -> ``real-grpo``); other files: their stem."""
+    parts = os.path.normpath(os.path.splitext(config_path)[0]).split(os.sep)
+    if "recipes" in parts[:-1]:
+        parts = parts[len(parts) - 1 - parts[::-1].index("recipes") + 1 :]
+        return "-".join(parts)
+    return parts[-1]
 
 
 def main(args: list[str] | None = None) -> None:

@@ -41,11 +41,12 @@ class HFExport(L.Callback):
     The module must have ``model`` (a transformers ``PreTrainedModel``) and ``hparams.model_name`` (its tokenizer).
 
     Args:
-        dirpath: output folder (``save_pretrained`` layout; load it with ``AutoModelForCausalLM.from_pretrained``).
+        dirpath: output folder (``save_pretrained`` layout; load it with ``AutoModelForCausalLM.from_pretrained``);
+            default: ``exports/<run name>`` through the CLI, ``exports/model`` otherwise.
     """
 
-    def __init__(self, dirpath: str = "exports/model") -> None:
+    def __init__(self, dirpath: str | None = None) -> None:
         self.dirpath = dirpath
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        export_hf(pl_module.model, pl_module.hparams.model_name, self.dirpath, trainer.is_global_zero)
+        export_hf(pl_module.model, pl_module.hparams.model_name, self.dirpath or "exports/model", trainer.is_global_zero)
