@@ -100,17 +100,19 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
 
     config = yaml.safe_load((REPO / "recipes" / "real" / "grpo.yaml").read_text())
     model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
-    model.update(lr=args.lr, warmup_steps=args.warmup, update_per_rollout=1, temperature=args.temperature)
+    model.update(max_rollouts=args.rollouts, update_per_rollout=1)  # PPO counts its run in rollouts
+    model["optim"].update(lr=args.lr, warmup_steps=args.warmup)
+    model["rollout"].update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
+                            temperature=args.temperature, reward_weights=WEIGHTS,
+                            env_path=str(REPO / "examples" / "envs" / "reasoning_gym_env.py"))
     data.update(path=_spec(args), val_path=None, batch_size=args.prompts)
-    trainer.update(max_steps=args.rollouts, num_sanity_val_steps=0, enable_checkpointing=False)
-    trainer.pop("val_check_interval")
-    trainer["logger"]["init_args"]["tracking_uri"] = f"sqlite:///{workdir / 'mlflow.db'}"
-    rollout_cb = trainer["callbacks"][0]["init_args"]
-    rollout_cb.update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
-                      temperature=args.temperature,
-                      reward_weights=WEIGHTS, env_path=str(REPO / "examples" / "envs" / "reasoning_gym_env.py"))
-    trainer["callbacks"] = [trainer["callbacks"][0],
-                            {"class_path": "rl_lightning.export.HFExport", "init_args": {"dirpath": str(workdir / "export")}}]
+    trainer.update(max_epochs=-1, num_sanity_val_steps=0, enable_checkpointing=False)
+    trainer.pop("val_check_interval", None)
+    # replace the CLI's default logger and callbacks (progress bar, checkpoints, export to exports/<run>)
+    trainer["logger"] = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {
+        "experiment_name": "rl_lightning", "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
+    trainer["callbacks"] = [{"class_path": "rl_lightning.export.HFExport",
+                             "init_args": {"dirpath": str(workdir / "export")}}]
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     start = time.perf_counter()
     _run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(workdir / "config.yaml"),

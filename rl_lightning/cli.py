@@ -111,6 +111,13 @@ class RLLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        # the defaults' progress bar and checkpoint give way to enable_progress_bar / enable_checkpointing: false
+        disabled = {".RichProgressBar": trainer.get("enable_progress_bar") is False,
+                    ".ModelCheckpoint": trainer.get("enable_checkpointing") is False}
+        defaults = [c["class_path"] for c in TRAINER_DEFAULTS["trainer.callbacks"]]
+        if [str(c.get("class_path")) for c in trainer.get("callbacks") or []] == defaults:
+            trainer.callbacks = [c for c in trainer.callbacks
+                                 if not any(str(c.get("class_path", "")).endswith(k) and v for k, v in disabled.items())]
         sources = config.get("config") or []
         run = run_name(str(sources[-1])) if sources else None
         logger = trainer.get("logger")

@@ -82,11 +82,17 @@ def adamw(
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
 
+def typed(cls: type, value: Any) -> Any:
+    """An argument group as its dataclass: the CLI passes instances, ``load_from_checkpoint`` the plain dicts a
+    checkpoint keeps."""
+    return cls(**value) if isinstance(value, dict) else value
+
+
 def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int, lr: float | None = None
                     ) -> tuple[torch.optim.AdamW, dict[str, Any]]:
     """AdamW over `model`'s trainable parameters and its schedule over `total_steps` optimizer steps (stepped once
     per optimizer step, see `optimizer_step`); `lr` overrides the peak learning rate."""
-    optimizer = adamw(model, lr or optim.lr, optim.weight_decay, tuple(optim.betas), optim.eps)
+    optimizer = adamw(model, optim.lr if lr is None else lr, optim.weight_decay, tuple(optim.betas), optim.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.lr_schedule, optim.min_lr_ratio)
     )

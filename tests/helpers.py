@@ -59,7 +59,8 @@ class GradientRecorder(L.Callback):
         self.grads, self.micro_batches = [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.micro_batches.append(len(batch["micro_batches"]))
+        if "micro_batches" in batch:  # SFT, RM, DPO steps (a PPO batch is prompts)
+            self.micro_batches.append(len(batch["micro_batches"]))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()})
@@ -83,3 +84,39 @@ def assert_same_grads(a: GradientRecorder, b: GradientRecorder, atol: float = 1e
     for step_a, step_b in zip(a.grads, b.grads, strict=True):
         for name, grad in step_a.items():
             assert_close(step_b[name], grad, atol=atol)
+
+
+class Metrics(L.Callback):
+    """Every training step's logged metrics (`keys`: only these)."""
+
+    def __init__(self, keys=None):
+        self.keys, self.history = keys, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.history.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                             if self.keys is None or k in self.keys})
+
+
+def ppo_task(env, rollout=None, optim=None, kl=None, constraints=None, task_class=None, model_name=None, **kwargs):
+    """A PPO task on the tiny model with the HF engine: `rollout`, `optim`, `kl`, `constraints` are dicts of the
+    argument groups (defaults here: 4 completions of 8 tokens, lr 1e-3 constant, no clipping of the gradient)."""
+    from conftest import TINY_MODEL
+
+    from rl_lightning.optim import OptimConfig
+    from rl_lightning.rollout.callback import RolloutConfig
+    from rl_lightning.tasks import PPO
+    from rl_lightning.tasks.ppo import ConstraintConfig, KLConfig
+
+    return (task_class or PPO)(
+        model_name or str(TINY_MODEL), RolloutConfig(str(env), **{"responses_per_prompt": 4, "max_new_tokens": 8, **(rollout or {})}),
+        optim=OptimConfig(**{"lr": 1e-3, "max_grad_norm": 0.0, "lr_schedule": "constant", **(optim or {})}),
+        kl=KLConfig(**(kl or {})), constraints=ConstraintConfig(**(constraints or {})), **kwargs)
+
+
+def prompts(batch_size=2, shuffle=False, **kwargs):
+    from conftest import DEMO_DATA, TINY_MODEL
+
+    from rl_lightning.data import PromptDataModule
+
+    return PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=batch_size,
+                            shuffle=shuffle, **kwargs)

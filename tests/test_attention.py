@@ -6,8 +6,7 @@ from conftest import TINY_MODEL, assert_close
 
 from rl_lightning.data.steps import pack, pad
 from rl_lightning.data.tokenization import TokenizedExample
-from rl_lightning.models import load_causal_lm
-from rl_lightning.tasks.step import model_inputs
+from rl_lightning.models import load_causal_lm, model_inputs
 
 
 def _sequences():

@@ -1,11 +1,14 @@
 """The real LightningCLI: every recipe parses and instantiates, help documents every argument, overrides apply, and
 bad input ends in one clear line."""
 
+import dataclasses
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
+import typing
 
 import pytest
 import yaml
@@ -13,7 +16,7 @@ from conftest import REPO, TINY_MODEL
 
 from rl_lightning.cli import RLLightningCLI, flatten_config, main
 from rl_lightning.data import SFTDataModule
-from rl_lightning.tasks import SFT
+from rl_lightning.tasks import PPO, SFT
 
 
 @pytest.fixture(autouse=True)
@@ -50,30 +53,80 @@ def test_recipe_parses_and_instantiates(recipe, workdir, capsys):
 
 
 def test_dotted_overrides_apply(workdir):
-    cli = _cli(["--config", "recipes/sft.yaml", "--model.lr", "1e-5", "--trainer.max_steps", "5",
+    cli = _cli(["--config", "recipes/sft.yaml", "--model.optim.lr", "1e-5", "--trainer.max_steps", "5",
                 "--data.max_length", "77", "--model.model_name", str(TINY_MODEL)])
-    assert cli.model.hparams.lr == 1e-5
+    assert cli.model.optim.lr == 1e-5 and cli.model.optim.warmup_steps == 5  # the rest of the recipe's group stays
     assert cli.trainer.max_steps == 5
     assert cli.datamodule.hparams.max_length == 77
     assert cli.datamodule.hparams.tokenizer_name == str(TINY_MODEL)  # linked from the override
 
 
-@pytest.mark.parametrize(("flag", "cls"), [("--model.help", SFT), ("--data.help", SFTDataModule)])
+@pytest.mark.parametrize(("flag", "cls"), [("--model.help", SFT), ("--model.help", PPO), ("--data.help", SFTDataModule)])
 def test_help_documents_every_argument(flag, cls, capsys):
+    """Every argument, and every field of an argument group (``model.optim.lr``), is listed with its description."""
     with pytest.raises(SystemExit):
         main(["fit", flag, f"{cls.__module__}.{cls.__name__}"])
     text = capsys.readouterr().out
     prefix = flag.split(".")[0]
-    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    assert len(params) >= 10
-    for param in params:
-        assert f"{prefix}.{param} " in text, param
-    assert "peak learning rate of AdamW" in text or "conversations per optimizer step" in text
+    names, hints = [], typing.get_type_hints(cls.__init__)
+    for name in inspect.signature(cls.__init__).parameters:
+        if name == "self":
+            continue
+        group = hints[name] if dataclasses.is_dataclass(hints[name]) else None
+        names += [f"{name}.{f.name}" for f in dataclasses.fields(group)] if group else [name]
+    assert len(names) >= 10
+    for name in names:
+        assert f"{prefix}.{name} " in text, name
+    assert "(type: " in text and ("peak learning rate" in text or "conversations per optimizer step" in text)
+
+
+def test_rollout_keys_override_from_the_command_line(workdir, tmp_path):
+    """The task owns its rollout: any rollout key is a `--model.rollout.*` flag, and the task hands the Trainer a
+    callback built from exactly those settings."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rl_lightning.export import HFExport
+    from rl_lightning.rollout.callback import RolloutCallback
+
+    env = tmp_path / "my_env.py"
+    env.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
+    cli = _cli(["--config", "recipes/grpo.yaml", "--model.rollout.env_path", str(env), "--model.rollout.engine", "hf",
+                "--model.rollout.responses_per_prompt", "3", "--model.rollout.temperature", "0.6"])
+    (callback,) = cli.model.configure_callbacks()
+    assert isinstance(callback, RolloutCallback) and callback.env.path == str(env)
+    config = callback.config
+    assert (config.engine, config.responses_per_prompt, config.temperature) == ("hf", 3, 0.6)
+    assert config.reward_weights == {"correct": 1.0, "format": 0.5}  # the recipe's other rollout keys stay
+    # the run is named after the recipe; checkpoints and the export follow it
+    assert cli.trainer.logger._run_name == "grpo"
+    dirpaths = {type(c).__name__: c.dirpath for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint | HFExport)}
+    assert dirpaths == {"ModelCheckpoint": os.path.realpath("checkpoints/grpo"), "HFExport": "exports/grpo"}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [(["--trainer.max_steps", "5"], "PPO counts its run in rollouts: set model.max_rollouts instead of "
+                                    "trainer.max_steps=5 (which counts optimizer steps"),
+     (["--model.max_rollouts", "null", "--trainer.max_epochs", "-1"],
+      "the run is unbounded (trainer.max_epochs=-1): set model.max_rollouts"),
+     (["--model.rollout.responses_per_prompt", "1"], "model.advantage_estimator=drgrpo compares completions of a "
+                                                     "prompt: set model.rollout.responses_per_prompt >= 2 (got 1)"),
+     (["--model.aggregation", "token"], "model.aggregation must be one of token_mean, sequence_mean, token_sum, "
+                                        "got 'token'")],
+    ids=["max-steps", "unbounded", "group-of-one", "aggregation"],
+)
+def test_ppo_run_bounds_are_checked_at_start_up(args, expected, workdir, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.logger", "false",
+              *args])
+    assert info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("rl_lightning: error: ") and expected in line, line
 
 
 def test_flatten_config_drops_init_args():
-    flat = flatten_config({"model": {"class_path": "a.B", "init_args": {"lr": 0.1, "betas": [0.9, 0.95]}}})
-    assert flat == {"model.class_path": "a.B", "model.lr": "0.1", "model.betas": "[0.9, 0.95]"}
+    flat = flatten_config({"model": {"class_path": "a.B", "init_args": {"optim": {"lr": 0.1, "betas": [0.9, 0.95]}}}})
+    assert flat == {"model.class_path": "a.B", "model.optim.lr": "0.1", "model.optim.betas": "[0.9, 0.95]"}
 
 
 def _write(path, rows):

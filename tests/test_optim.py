@@ -1,12 +1,13 @@
-"""Learning-rate schedule closed forms and optimizer-argument validation."""
+"""Learning-rate schedule closed forms, `model.optim` validation and the run length a schedule spans."""
 
 import math
+import types
 
 import pytest
 import torch
 
 from rl_lightning.errors import ConfigError
-from rl_lightning.optim import adamw, check_optim_args, clip_grad_norm, lr_factor
+from rl_lightning.optim import OptimConfig, adamw, clip_grad_norm, configure_adamw, lr_factor, run_length
 
 
 def test_warmup_then_cosine_and_linear():
@@ -23,9 +24,80 @@ def test_warmup_then_cosine_and_linear():
     assert lr_factor(2, 0, 8, "cosine", 0.0) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
 
 
-def test_bad_optim_args_are_reported_together():
-    with pytest.raises(ConfigError, match=r"model.lr must be > 0, got 0.*lr_schedule must be one of cosine"):
-        check_optim_args(0.0, 0, "exp", 0.5)
+def test_bad_optim_args_are_reported_together_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        OptimConfig(lr=0.0, warmup_steps=-1, lr_schedule="exp", min_lr_ratio=1.5)
+    assert str(error.value) == (
+        "model.optim.lr must be > 0, got 0.0; model.optim.warmup_steps must be >= 0, got -1; "
+        "model.optim.lr_schedule must be one of cosine, linear, constant, got 'exp'; "
+        "model.optim.min_lr_ratio must be in [0, 1], got 1.5"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"lr": -1e-3}, "model.optim.lr must be > 0, got -0.001"),
+        ({"warmup_steps": -2}, "model.optim.warmup_steps must be >= 0, got -2"),
+        ({"lr_schedule": "step"}, "model.optim.lr_schedule must be one of cosine, linear, constant, got 'step'"),
+        ({"min_lr_ratio": -0.1}, "model.optim.min_lr_ratio must be in [0, 1], got -0.1"),
+    ],
+    ids=["lr", "warmup_steps", "lr_schedule", "min_lr_ratio"],
+)
+def test_each_bad_optim_arg_names_its_key(kwargs, expected):
+    with pytest.raises(ConfigError) as error:
+        OptimConfig(**kwargs)
+    assert str(error.value) == expected
+
+
+def test_optim_defaults_and_frozen():
+    optim = OptimConfig()
+    assert (optim.lr_schedule, optim.warmup_steps, optim.min_lr_ratio, optim.max_grad_norm) == ("cosine", 0, 0.1, 1.0)
+    with pytest.raises(AttributeError):
+        optim.lr = 1.0  # frozen: a task's typed config cannot drift from its saved hyper-parameters
+
+
+def _trainer(estimated_stepping_batches):
+    return types.SimpleNamespace(estimated_stepping_batches=estimated_stepping_batches)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_run_length_of_a_bounded_run_is_the_trainers_estimate(schedule):
+    """Bounded by trainer.max_steps or trainer.max_epochs, Lightning estimates the optimizer steps (an int)."""
+    assert run_length(_trainer(37), OptimConfig(lr_schedule=schedule)) == 37
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_unbounded_run_refuses_a_decaying_schedule_in_one_line(schedule):
+    """max_epochs=-1 and max_steps=-1: Lightning's estimate is infinite, so a decay has no end to reach."""
+    with pytest.raises(ConfigError) as error:
+        run_length(_trainer(float("inf")), OptimConfig(lr_schedule=schedule))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message == (f"model.optim.lr_schedule={schedule} decays over the run, but the run is unbounded "
+                       "(trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps or "
+                       "trainer.max_epochs, or model.optim.lr_schedule: constant")
+
+
+def test_unbounded_run_with_a_constant_schedule_has_no_length():
+    assert run_length(_trainer(float("inf")), OptimConfig(lr_schedule="constant")) == 0
+
+
+def test_configure_adamw_schedules_over_the_run_and_overrides_lr():
+    """warmup 2, cosine over 6 steps to m = .1: the scheduler's factors are lr_factor's; `lr` overrides optim.lr."""
+    model = torch.nn.Linear(2, 2)
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6, warmup_steps=2)
+    optimizer, schedule = configure_adamw(model, optim, total_steps=6)
+    assert schedule["interval"] == "step"
+    assert optimizer.defaults["betas"] == (0.8, 0.9) and optimizer.defaults["eps"] == 1e-6
+    factors = []
+    for _ in range(7):
+        factors.append(optimizer.param_groups[0]["lr"] / 1e-2)
+        optimizer.step()
+        schedule["scheduler"].step()
+    assert factors == pytest.approx([lr_factor(s, 2, 6, "cosine", 0.1) for s in range(7)])
+    overridden, _ = configure_adamw(model, optim, total_steps=6, lr=3e-4)
+    assert overridden.defaults["lr"] == 3e-4
 
 
 def test_adamw_skips_decay_on_vectors():

@@ -6,14 +6,12 @@ import lightning as L
 import pytest
 import torch
 from conftest import DEMO_DATA, TINY_MODEL
-from helpers import fit
+from helpers import Metrics, fit, ppo_task, prompts
 from lightning.pytorch.loggers import Logger
-from test_ppo import PARITY_ENV, Metrics
+from test_ppo import PARITY_ENV
 
-from rl_lightning.algorithms import KL_ESTIMATORS
-from rl_lightning.data import PromptDataModule
+from rl_lightning.algorithms import KL_ESTIMATORS, group_advantages
 from rl_lightning.models import load_causal_lm
-from rl_lightning.rollout.callback import RolloutCallback
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.hf import HFEngine
@@ -29,32 +27,24 @@ def reward_fn(messages, answer):
 
 
 class Captured(PPO):
-    """Keeps every rollout's micro-batches (the dicts the loss reads, after all advantage post-processing)."""
+    """Keeps every rollout's trajectories and micro-batches (the dicts the loss reads, advantages assigned)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.captured = []
 
-    def training_step(self, batch, batch_idx):
-        self.captured.append([])
-        return super().training_step(batch, batch_idx)
-
-    def _minibatch(self, trajectories, advantages):
-        micro_batches = super()._minibatch(trajectories, advantages)
-        self.captured[-1].append((trajectories, advantages, micro_batches))
-        return micro_batches
+    def assign_advantages(self, rollout, micro_batches):
+        sums = super().assign_advantages(rollout, micro_batches)
+        self.captured.append((rollout.trajectories, micro_batches))
+        return sums
 
 
-def _run(tmp_path, model_kwargs, max_steps=2, rollout_kwargs=None, env_source=PARITY_ENV, callbacks=()):
+def _run(tmp_path, task_kwargs, rollouts=2, rollout_kwargs=None, env_source=PARITY_ENV, callbacks=()):
     env = tmp_path / "env.py"
     env.write_text(env_source)
     L.seed_everything(0)
-    data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=2,
-                            shuffle=False)
-    model = Captured(str(TINY_MODEL), **{"lr": 1e-3, "max_grad_norm": 0.0, **model_kwargs})
-    callback = RolloutCallback(str(env), **{"responses_per_prompt": 4, "max_new_tokens": 8, **(rollout_kwargs or {})})
-
-    fit(model, data, max_steps, [callback, *callbacks])
+    model = ppo_task(env, rollout=rollout_kwargs, task_class=Captured, max_rollouts=rollouts, **task_kwargs)
+    fit(model, prompts(2), -1, callbacks)
     return model
 
 
@@ -71,16 +61,16 @@ def test_reward_type_kl_adds_the_reward_to_go_of_the_penalty(tmp_path):
     """kl_type: reward: A_t = A_group - coef * sum_{k >= t} KL_k(old || ref). On the second rollout the policy has
     moved, so the penalty is non-zero; the loss does not carry the KL term itself."""
     metrics = Metrics()
-    model = _run(tmp_path, {"kl_coef": 0.5, "kl_type": "reward", "kl_estimator": "k1", "lr": 5e-3},
+    model = _run(tmp_path, {"kl": {"coef": 0.5, "type": "reward", "estimator": "k1"}, "optim": {"lr": 5e-3}},
                  callbacks=[metrics])
-    trajectories, advantages, micro_batches = model.captured[1][0]
-    group_values = advantages.tolist()
+    trajectories, micro_batches = model.captured[1]
+    group_values = group_advantages(torch.tensor([t.reward for t in trajectories]), 4).tolist()
     checked = 0
     for mb in micro_batches:
         kl = KL_ESTIMATORS["k1"](mb["old_logprobs"], mb["ref_logprobs"])[0]
         for _, idx in _sequences(mb):
             to_go = torch.flip(torch.cumsum(torch.flip(kl[idx], [0]), 0), [0])
-            base = mb["target_advantages"][0, idx] + 0.5 * to_go  # must be this sequence's group advantage
+            base = mb["advantages"][0, idx] + 0.5 * to_go  # must be this sequence's group advantage
             assert torch.allclose(base, base[0].expand_as(base), atol=1e-5)
             assert min(abs(float(base[0]) - g) for g in group_values) < 1e-5
             checked += float(to_go.abs().max() > 1e-4)
@@ -91,9 +81,8 @@ def test_reward_type_kl_adds_the_reward_to_go_of_the_penalty(tmp_path):
 def test_reinforce_pp_whitens_advantages_over_all_tokens(tmp_path):
     """reinforce_pp: every completion token of trajectory i gets (R_i - mu) / sigma, with mu, sigma the token-weighted
     mean and (population) std of the rewards over the rollout."""
-    model = _run(tmp_path, {"advantage_estimator": "reinforce_pp", "update_per_rollout": 2}, max_steps=2)
-    parts = model.captured[0]
-    trajectories = [t for ts, _, _ in parts for t in ts]
+    model = _run(tmp_path, {"advantage_estimator": "reinforce_pp", "update_per_rollout": 2}, rollouts=1)
+    trajectories, micro_batches = model.captured[0]
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
     lengths = torch.tensor([t.completion_length for t in trajectories], dtype=torch.float64)
     mu = (rewards * lengths).sum() / lengths.sum()
@@ -101,13 +90,13 @@ def test_reinforce_pp_whitens_advantages_over_all_tokens(tmp_path):
     assert sigma > 0
     expected = ((rewards - mu) / (sigma + 1e-8)).tolist()
     tokens = []
-    for _, _, micro_batches in parts:
-        for mb in micro_batches:
-            for _, idx in _sequences(mb):
-                values = mb["target_advantages"][0, idx]
-                assert torch.allclose(values, values[0].expand_as(values), atol=1e-6)
-                assert min(abs(float(values[0]) - e) for e in expected) < 1e-5
-                tokens.append(values)
+    assert len(micro_batches) >= 2  # two minibatches: the whitening spans the whole rollout, not each minibatch
+    for mb in micro_batches:
+        for _, idx in _sequences(mb):
+            values = mb["advantages"][0, idx]
+            assert torch.allclose(values, values[0].expand_as(values), atol=1e-6)
+            assert min(abs(float(values[0]) - e) for e in expected) < 1e-5
+            tokens.append(values)
     tokens = torch.cat(tokens)
     assert abs(float(tokens.mean())) < 1e-5 and abs(float(tokens.std(unbiased=False)) - 1) < 1e-4
 
@@ -116,8 +105,8 @@ def test_lagrangian_multipliers_follow_dual_ascent(tmp_path):
     """log lambda_{k+1} = log lambda_k + lr * lambda_k * g_k with g = target - entropy (entropy floor) and
     g = KL - kl_max (KL ceiling), from the rollout's measured per-token means."""
     metrics = Metrics()
-    _run(tmp_path, {"entropy_min": 10.0, "kl_max": 0.05, "multiplier_lr": 0.5, "multiplier_init": 0.2},
-         max_steps=3, callbacks=[metrics])
+    _run(tmp_path, {"constraints": {"entropy_min": 10.0, "kl_max": 0.05, "multiplier_lr": 0.5,
+                                    "multiplier_init": 0.2}}, rollouts=3, callbacks=[metrics])
     history = metrics.history
     for name, violation in (("entropy", lambda h: 10.0 - h["train/entropy"]),
                             ("kl", lambda h: h["train/kl"] - 0.05)):
@@ -133,7 +122,7 @@ def test_lagrangian_multipliers_follow_dual_ascent(tmp_path):
 def test_reward_components_are_logged_and_combined(tmp_path):
     """train/reward = sum_k w_k train/reward/<k> (a weighted sum is linear, so it holds for the means)."""
     metrics = Metrics()
-    _run(tmp_path, {}, max_steps=2, env_source=COMPONENT_ENV, callbacks=[metrics],
+    _run(tmp_path, {}, rollouts=2, env_source=COMPONENT_ENV, callbacks=[metrics],
          rollout_kwargs={"reward_weights": {"length": 1.0, "checksum": 0.25}})
     for h in metrics.history:
         assert h["train/reward"] == pytest.approx(h["train/reward/length"] + 0.25 * h["train/reward/checksum"], rel=1e-5)
@@ -176,15 +165,13 @@ def test_validation_scores_completions_of_held_out_prompts(tmp_path, temperature
     env_path.write_text(COMPONENT_ENV)
     weights = {"length": 1.0, "checksum": 0.25}
     L.seed_everything(0)
-    data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=2,
-                            shuffle=False, val_path=str(DEMO_DATA / "arithmetic_test.jsonl"))
-    model = PPO(str(TINY_MODEL), lr=5e-3, max_grad_norm=0.0)
-    callback = RolloutCallback(str(env_path), responses_per_prompt=4, max_new_tokens=8, reward_weights=weights,
-                               val_temperature=temperature, val_responses_per_prompt=n)
+    data = prompts(2, val_path=str(DEMO_DATA / "arithmetic_test.jsonl"))
+    model = ppo_task(env_path, optim={"lr": 5e-3}, max_rollouts=2, rollout={
+        "reward_weights": weights, "val_temperature": temperature, "val_responses_per_prompt": n})
     logger = CaptureLogger()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                        limit_val_batches=3, num_sanity_val_steps=3, val_check_interval=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=3,
+                        num_sanity_val_steps=3, val_check_interval=2)
     trainer.fit(model, datamodule=data)
     env = load_environment(str(env_path), weights=weights)
     held_out = data.prompts["val"][:6]  # 3 batches of 2, unshuffled

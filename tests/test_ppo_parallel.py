@@ -1,55 +1,47 @@
 """PPO under ParallelStrategy on CPU/gloo gives the single-process run: the same sampled completions (per-prompt
-seeds, whatever rank holds the prompt), rewards, KL, entropy and gradient norms per rollout, for data, tensor and
-context parallelism, and for the critic (GAE) under data parallelism."""
+seeds, whatever rank holds the prompt), rewards, KL, entropy, gradient norms, KL coefficient and Lagrange multipliers
+per rollout, for data, tensor and context parallelism, with the critic (GAE), and with CPU offload.
+
+Completions are 32 tokens, so under context parallelism every completion spans both zigzag shards: per-token sums
+measured on one shard (KL, entropy, token counts) must be completed over the context-parallel group before they feed
+the adaptive KL controller and the multipliers, or the peers' controllers diverge and the logs show one shard."""
 
 import lightning as L
 import pytest
 import torch
-from conftest import DEMO_DATA, TINY_MODEL
-from helpers import fit, run_on_cpu_ranks
+from helpers import Metrics, fit, ppo_task, prompts, run_on_cpu_ranks
 
-from rl_lightning.data import PromptDataModule
 from rl_lightning.parallel import ParallelStrategy
-from rl_lightning.rollout.callback import RolloutCallback
-from rl_lightning.tasks import PPO
 
 PROMPTS_PER_ROLLOUT = 4
 COMPARED = ("train/reward", "train/completion_length", "train/entropy", "train/kl", "train/grad_norm",
-            "train/approx_kl", "train/value_loss", "train/critic_grad_norm")
+            "train/approx_kl", "train/value_loss", "train/critic_grad_norm", "train/kl_coef", "train/entropy_multiplier",
+            "train/kl_multiplier", "train/advantage_mean", "train/advantage_std")
 PARITY_ENV = '''
 def reward_fn(messages, answer):
     return float(len(messages[-1]["content"]) % 2)
 '''
+# the adaptive controller moves by e * trajectories / horizon per rollout: a short horizon makes a wrong count visible
+CONTROLLED = {"kl": {"coef": 0.05, "controller": "adaptive", "target": 0.001, "horizon": 20.0},
+              "constraints": {"entropy_min": 10.0, "kl_max": 0.05, "multiplier_lr": 0.5}}
+GAE = {"advantage_estimator": "gae", "critic_lr": 1e-3, "lam": 0.9, "gamma": 0.99}
 
 
-class Metrics(L.Callback):
-    def __init__(self):
-        self.history = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.history.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in COMPARED})
-
-
-def _ppo(env, dp=1, cp=1, tp=1, model_kwargs=None, rollouts=3):
+def _ppo(env, dp=1, cp=1, tp=1, task_kwargs=None, strategy_kwargs=None, rollouts=3):
     L.seed_everything(0)
-    data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL),
-                            batch_size=PROMPTS_PER_ROLLOUT // dp, shuffle=True)
-    kwargs = {"lr": 2e-3, "max_grad_norm": 1.0, "kl_coef": 0.05, "update_per_rollout": 2,
-              "max_length_per_device": 256, **(model_kwargs or {})}
-    model = PPO(str(TINY_MODEL), **kwargs)
-    metrics = Metrics()
-    rollout = RolloutCallback(env, responses_per_prompt=4, max_new_tokens=8)
+    model = ppo_task(env, rollout={"max_new_tokens": 32}, optim={"lr": 2e-3, "max_grad_norm": 1.0},
+                     update_per_rollout=2, max_length_per_device=256, max_rollouts=rollouts, **(task_kwargs or {}))
+    metrics = Metrics(COMPARED)
     strategy = {}
     if dp * cp * tp > 1:
         strategy["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
-                                                tensor_parallel_size=tp)
-    steps_per_rollout = kwargs["update_per_rollout"] * (2 if kwargs.get("advantage_estimator") == "gae" else 1)
-    fit(model, data, rollouts * steps_per_rollout, [rollout, metrics], devices=dp * cp * tp, **strategy)
+                                                tensor_parallel_size=tp, **(strategy_kwargs or {}))
+    fit(model, prompts(PROMPTS_PER_ROLLOUT // dp, shuffle=True), -1, [metrics], devices=dp * cp * tp, **strategy)
     return metrics.history
 
 
-def _worker(rank, env, sizes, model_kwargs, out_path):
-    history = _ppo(env, *sizes, model_kwargs=model_kwargs)
+def _worker(rank, env, sizes, task_kwargs, strategy_kwargs, out_path):
+    history = _ppo(env, *sizes, task_kwargs=task_kwargs, strategy_kwargs=strategy_kwargs)
     if rank == 0:
         torch.save(history, out_path)
 
@@ -65,17 +57,18 @@ SINGLE = {}  # single-process histories, shared by the layouts that compare agai
 
 
 @pytest.mark.parametrize(
-    ("sizes", "model_kwargs"),
-    [((2, 1, 1), {}), ((1, 1, 2), {}), ((1, 2, 1), {}),
-     ((2, 1, 1), {"advantage_estimator": "gae", "kl_coef": 0.0, "critic_lr": 1e-3})],
-    ids=["dp2", "tp2", "cp2", "dp2-gae"],
+    ("sizes", "task_kwargs", "strategy_kwargs"),
+    [((2, 1, 1), CONTROLLED, {}), ((1, 1, 2), CONTROLLED, {}), ((1, 2, 1), CONTROLLED, {}), ((2, 1, 1), GAE, {}),
+     ((1, 2, 1), {**GAE, "kl": {"coef": 0.05, "type": "reward"}}, {}), ((2, 1, 1), CONTROLLED, {"cpu_offload": True})],
+    ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload"],
 )
-def test_ppo_parallel_equals_single_process(sizes, model_kwargs, env, tmp_path):
-    key = repr(sorted(model_kwargs.items()))
+def test_ppo_parallel_equals_single_process(sizes, task_kwargs, strategy_kwargs, env, tmp_path):
+    key = repr(task_kwargs)
     if key not in SINGLE:
-        SINGLE[key] = _ppo(env, model_kwargs=model_kwargs)
+        SINGLE[key] = _ppo(env, task_kwargs=task_kwargs)
     single = SINGLE[key]
-    run_on_cpu_ranks(_worker, sizes[0] * sizes[1] * sizes[2], env, sizes, model_kwargs, tmp_path / "h.pt")
+    run_on_cpu_ranks(_worker, sizes[0] * sizes[1] * sizes[2], env, sizes, task_kwargs, strategy_kwargs,
+                     tmp_path / "h.pt")
     parallel = torch.load(tmp_path / "h.pt")
     assert len(parallel) == len(single) == 3 and set(parallel[0]) == set(single[0])
     for step, (a, b) in enumerate(zip(parallel, single, strict=True)):
@@ -83,3 +76,5 @@ def test_ppo_parallel_equals_single_process(sizes, model_kwargs, env, tmp_path):
             assert abs(a[name] - b[name]) < 1e-5, (step, name, parallel, single)
     # not a vacuous match: gradients flow, and each rollout's second minibatch is off-policy (approx KL > 0)
     assert all(h["train/grad_norm"] > 0 and h["train/approx_kl"] > 1e-7 for h in single)
+    if "constraints" in task_kwargs:  # the controllers really moved
+        assert single[-1]["train/kl_coef"] != 0.05 and single[-1]["train/entropy_multiplier"] > 0.1

@@ -1,5 +1,6 @@
 """RM and DPO in-process: packing, micro-batch splits and data parallelism leave loss and gradients unchanged; the
-losses match a one-by-one reference computation; the RM export scores like training did."""
+losses match a one-by-one reference computation; the RM reads rewards where Hugging Face pools (also when EOS pads)
+and its export scores like training did."""
 
 import math
 
@@ -11,7 +12,9 @@ from helpers import GradientRecorder, assert_same_grads, fit, run_on_cpu_ranks
 
 from rl_lightning.data import PreferenceDataModule
 from rl_lightning.data.steps import pack
+from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
+from rl_lightning.optim import OptimConfig
 from rl_lightning.tasks import DPO, RewardModel
 from rl_lightning.tasks.reward import sequence_rewards
 
@@ -22,7 +25,8 @@ def fit_pairs(task, max_steps=1, data_kwargs=None, model_kwargs=None, callbacks=
     L.seed_everything(0)
     data_kwargs = {"batch_size": 8, "shuffle": False, "max_length": 128, **(data_kwargs or {})}
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), **data_kwargs)
-    model = TASKS[task](str(TINY_MODEL), lr=1e-3, lr_schedule="constant", max_grad_norm=0.0, **(model_kwargs or {}))
+    optim = OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0)
+    model = TASKS[task](str(TINY_MODEL), optim=optim, **(model_kwargs or {}))
     return model, data, fit(model, data, max_steps, callbacks, **trainer_kwargs)
 
 
@@ -68,7 +72,7 @@ def test_two_data_parallel_ranks_give_the_single_rank_gradient(task, tmp_path):
         assert_close(dp2["metrics"][key], trainer.callback_metrics[key], atol=1e-5)
 
 
-def _reference_logps(model, pair_sequences):
+def _completion_logprobs_one_by_one(model, pair_sequences):
     """Summed completion log-probabilities, one unpacked sequence at a time."""
     out = []
     for s in pair_sequences:
@@ -77,6 +81,23 @@ def _reference_logps(model, pair_sequences):
         picked = logprobs.gather(-1, ids[0, 1:, None])[:, 0]
         out.append((picked * torch.tensor(s.loss_mask[1:])).sum())
     return torch.stack(out)
+
+
+def test_dpo_completion_logprobs_of_a_packed_micro_batch_equal_one_by_one():
+    """`completion_logprobs` sums each packed sequence's target-token log-probabilities, exactly as each sequence alone
+    (plain forward, float64 log-softmax) gives them."""
+    from rl_lightning.models import load_causal_lm
+    from rl_lightning.tasks.dpo import completion_logprobs
+
+    model = load_causal_lm(str(TINY_MODEL)).eval()
+    torch.manual_seed(0)
+    sequences = [TokenizedExample(torch.randint(0, 256, (n,)).tolist(), [0] * (n // 2) + [1] * (n - n // 2))
+                 for n in (9, 4, 15, 6)]
+    with torch.no_grad():
+        packed = completion_logprobs(model, pack(sequences, 0))
+        expected = _completion_logprobs_one_by_one(model, sequences)
+    assert packed.shape == (4,)
+    assert_close(packed.double(), expected, atol=1e-5)
 
 
 def test_dpo_first_step_loss_is_log_two_and_reference_free_matches_by_hand():
@@ -89,8 +110,8 @@ def test_dpo_first_step_loss_is_log_two_and_reference_free_matches_by_hand():
     _, data, trainer = fit_pairs("dpo", model_kwargs={"reference_free": True, "beta": 0.5})
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     pairs = data.units["train"][:8]
-    chosen = _reference_logps(model, [p.chosen for p in pairs])
-    rejected = _reference_logps(model, [p.rejected for p in pairs])
+    chosen = _completion_logprobs_one_by_one(model, [p.chosen for p in pairs])
+    rejected = _completion_logprobs_one_by_one(model, [p.rejected for p in pairs])
     expected = -torch.nn.functional.logsigmoid(0.5 * (chosen - rejected)).mean()
     assert_close(trainer.callback_metrics["train/loss"].double(), expected, atol=1e-5)
 
@@ -117,6 +138,25 @@ def test_reward_model_export_scores_like_training(tmp_path):
     for sequence, reward in zip((pair.chosen, pair.rejected), training_rewards, strict=True):
         hf_reward = exported(input_ids=torch.tensor([sequence.input_ids])).logits[0, 0]
         assert_close(hf_reward, reward, atol=1e-5)
+
+
+def test_reward_is_read_where_hf_pools_when_eos_pads():
+    """A tokenizer that pads with EOS and sequences ending in EOS: transformers pools at the last non-pad token, so
+    training must read the reward there too."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rl_lightning.models import load_reward_model
+
+    model = load_reward_model(str(TINY_MODEL)).eval()
+    eos = model.config.eos_token_id
+    model.config.pad_token_id = eos
+    sequence = TokenizedExample([258, 84, 82, 19, eos], [0, 0, 1, 1, 1])
+    batch = pack([sequence, TokenizedExample([258, 19], [0, 1])], pad_token_id=eos)
+    assert batch["last_mask"].tolist() == [[0, 0, 0, 1, 0, 0, 1]]
+    hf = AutoModelForSequenceClassification.from_config(model.config)
+    hf.load_state_dict(model.state_dict())
+    expected = hf.eval()(input_ids=torch.tensor([sequence.input_ids])).logits[0, 0]
+    assert_close(sequence_rewards(model, batch)[0], expected, atol=1e-5)
 
 
 def test_overlong_pair_fails_at_setup_or_is_counted_when_opted_in():

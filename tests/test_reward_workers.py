@@ -11,7 +11,8 @@ from helpers import fit
 
 from rl_lightning.data import PromptDataModule
 from rl_lightning.errors import ConfigError, DataError
-from rl_lightning.rollout.callback import RolloutCallback
+from rl_lightning.optim import OptimConfig
+from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.scoring import RewardFailure, RewardPool
 from rl_lightning.tasks import PPO
@@ -73,8 +74,8 @@ def test_timeouts_follow_the_on_error_policy(env_path):
         with pytest.raises(DataError) as error:
             strict.score_all([([], "4", "data.jsonl row 7"), ([], "sleep", "data.jsonl row 8")])
         assert str(error.value) == (f"data.jsonl row 8: reward_fn from {env_path} timed out after 0.5 s "
-                                    "(reward_timeout_s); make it faster or raise reward_timeout_s, or set rollout "
-                                    "on_error: zero to score such trajectories 0")
+                                    "(reward_timeout_s); make it faster or raise reward_timeout_s, or set "
+                                    "model.rollout.on_error: zero to score such trajectories 0")
         assert strict.timeouts == 1
     finally:
         lenient.scorer.close()
@@ -82,8 +83,8 @@ def test_timeouts_follow_the_on_error_policy(env_path):
 
 
 def test_reward_keys_are_checked(env_path):
-    with pytest.raises(ConfigError, match="reward_workers must be >= 0 .* got -1, 0"):
-        RolloutCallback(env_path, reward_workers=-1, reward_timeout_s=0)
+    with pytest.raises(ConfigError, match="^model.rollout.reward_workers must be >= 0 .* got -1, 0$"):
+        RolloutConfig(env_path, reward_workers=-1, reward_timeout_s=0)
 
 
 class _Metrics(L.Callback):
@@ -95,19 +96,20 @@ class _Metrics(L.Callback):
 
 
 def _hanging_reward(tmp_path, on_error):
-    """Every trajectory's reward_fn never returns: each call is cut at 0.3 s by one of 4 workers."""
+    """PPO whose every trajectory's reward_fn never returns: each call is cut at 0.3 s by one of 4 workers."""
     env = tmp_path / "hang.py"
     env.write_text("def reward_fn(messages, answer):\n    while True:\n        pass\n")
-    return RolloutCallback(str(env), responses_per_prompt=4, max_new_tokens=4, on_error=on_error, reward_workers=4,
-                           reward_timeout_s=0.3)
+    rollout = RolloutConfig(str(env), responses_per_prompt=4, max_new_tokens=4, on_error=on_error, reward_workers=4,
+                            reward_timeout_s=0.3)
+    return PPO(str(TINY_MODEL), rollout=rollout, max_rollouts=2, optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
 
 
-def _fit(callback):
+def _fit(model):
     L.seed_everything(0)
     data = PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=1,
                             shuffle=False)
     metrics = _Metrics()
-    fit(PPO(str(TINY_MODEL), lr=1e-3), data, 2, [callback, metrics])
+    fit(model, data, -1, [metrics], max_epochs=-1)  # PPO counts its run in rollouts: model.max_rollouts
     return metrics.history
 
 
@@ -120,7 +122,7 @@ def test_run_goes_on_under_zero_and_stops_in_one_line_under_raise(tmp_path):
     strict = _hanging_reward(tmp_path, "raise")
     with pytest.raises(DataError) as error:
         _fit(strict)
-    assert strict.env.scorer is None  # the workers were shut down with the failed run
+    assert strict.rollout_callback.env.scorer is None  # the workers were shut down with the failed run
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"{DEMO_DATA / 'arithmetic.jsonl'} line 1: reward_fn from ")
     assert "timed out after 0.3 s (reward_timeout_s)" in message

@@ -1,6 +1,8 @@
 """HF engine: greedy == argmax decoding, seeded sampling reproducible, engine logprobs == recomputed processed
-logprobs; environment loading and the reward-error policy."""
+logprobs; environment loading and the reward-error policy; rollout settings (``model.rollout``) and the sampling
+parameters the rollout callback derives from them."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,8 +10,10 @@ import torch
 from conftest import TINY_MODEL, assert_close
 
 from rl_lightning.algorithms import token_logprobs
+from rl_lightning.data.prompts import Prompt
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.models import load_causal_lm
+from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.hf import HFEngine
@@ -118,3 +122,28 @@ def test_multi_component_reward_mismatches_are_config_errors(tmp_path):
     nan = _env(tmp_path, "def reward_fn(messages, answer):\n    return {'a': float('nan')}\n")
     lenient = load_environment(nan, on_error="zero", weights={"a": 1.0})
     assert lenient.score([], "x", "row 1") == (0.0, {"a": 0.0}) and lenient.failures == 1
+
+
+def test_rollout_config_errors_are_reported_together_under_model_rollout(tmp_path):
+    env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
+    with pytest.raises(ConfigError) as error:
+        RolloutConfig(env, responses_per_prompt=0, max_turns=0, engine="sglang")
+    assert str(error.value) == ("model.rollout.responses_per_prompt must be >= 1, got 0; model.rollout.max_turns must "
+                                "be >= 1, got 0; model.rollout.engine must be one of hf, vllm, got 'sglang'")
+    assert RolloutConfig(env, max_new_tokens=16, max_turns=3).max_completion_tokens == 48  # the generation budget
+
+
+def test_sampling_params_seed_each_prompt_by_rollout_row_and_refill_round(tmp_path):
+    """seed + 1_000_003 x rollout + 7_919 x refill round + the prompt's row index: never the rank, so a prompt samples
+    the same completions wherever it lands; the stop token is the caller's."""
+    env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
+    config = RolloutConfig(env, responses_per_prompt=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12,
+                           seed=10)
+    callback = RolloutCallback(config)
+    prompts = [Prompt([1], [], None, "row 5", 4), Prompt([2], [], None, "row 10", 9)]
+    assert callback.sampling_params(2, prompts, 257, refill_round=1) == SamplingParams(
+        n=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12, stop_token_ids=[257],
+        seeds=[10 + 2_000_006 + 7_919 + 4, 10 + 2_000_006 + 7_919 + 9])
+    assert callback.sampling_params(0, prompts, 3).seeds == [14, 19]
+    assert callback.sampling_params(0, prompts, 3).stop_token_ids == [3]
+    assert RolloutCallback(dataclasses.replace(config, seed=None)).sampling_params(0, prompts, 3).seeds is None

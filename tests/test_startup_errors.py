@@ -1,16 +1,22 @@
 """Start-up errors that used to be tracebacks or misleading (issue 12): each is one line from the real CLI, with no
 traceback, before any training step (a probe callback records steps) and, for the parallel layout, before Lightning
-starts any process."""
+starts any process; data checks that refuse a run at setup (non-finite preference margins, context parallelism over
+unpacked sequences)."""
 
 import json
 import subprocess
 import sys
+import types
 
 import lightning as L
 import pytest
+from conftest import DEMO_DATA, TINY_MODEL
 
 from rl_lightning.cli import main
-from rl_lightning.errors import ConfigError
+from rl_lightning.data import SFTDataModule
+from rl_lightning.data.loading import Rows
+from rl_lightning.data.rows import check_preference_rows
+from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.parallel import ParallelStrategy
 
 PROBE = '''
@@ -76,6 +82,21 @@ def test_csv_rows_are_numbered_as_the_file_shows_them(workdir, capsys):
     error = _fit_error(workdir, capsys, "sft.yaml", "--data.path", "chats.csv")
     assert error == ("chats.csv line 5: messages[0] has unknown role 'robot'; allowed roles: system, user, "
                      "assistant, tool")
+
+
+@pytest.mark.parametrize("margin", ["0.5", None, float("nan"), True])
+def test_margin_must_be_a_finite_number(margin):
+    rows = Rows([{"messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b", "margin": margin}],
+                "p.jsonl", [1])
+    with pytest.raises(DataError, match="p.jsonl line 1: 'margin' must be a finite number"):
+        check_preference_rows(rows)
+
+
+def test_context_parallel_needs_packing():
+    data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), packing=False)
+    data.trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(cp_size=2))
+    with pytest.raises(ConfigError, match="strategy.context_parallel_size=2 splits packed sequences; set data.packing"):
+        data.setup("fit")
 
 
 def test_parallel_layout_that_cannot_fit_stops_before_processes_start():

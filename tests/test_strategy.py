@@ -1,5 +1,8 @@
 """ParallelStrategy on CPU/gloo: SFT under dp, cp, tp and dp x cp gives the single-process per-step losses; DPO under
-dp=2 too; distributed checkpoints resume exactly; misconfiguration fails at start-up with one line."""
+dp=2 too; distributed checkpoints resume exactly; misconfiguration and unsupported strategies fail at start-up with
+one line."""
+
+import types
 
 import lightning as L
 import pytest
@@ -9,7 +12,9 @@ from helpers import fit, run_on_cpu_ranks
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.errors import ConfigError
+from rl_lightning.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
+from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.tasks import DPO, SFT, RewardModel
 
 GLOBAL_ROWS = 8
@@ -27,7 +32,8 @@ def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), strategy_kwargs=None, **tr
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=GLOBAL_ROWS // dp,
                          shuffle=True, max_length=96, max_length_per_device=256)
-    model = SFT(str(TINY_MODEL), lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=1.0)
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=1.0)
+    model = SFT(str(TINY_MODEL), optim=optim)
     world = dp * cp * tp
     if world > 1:
         trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
@@ -77,9 +83,9 @@ def _pairs(task, dp=1, cp=1, tp=1, callbacks=(), **trainer_kwargs):
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL),
                                 batch_size=GLOBAL_ROWS // dp, max_length=96, max_length_per_device=512)
     if task == "dpo":
-        model = DPO(str(TINY_MODEL), lr=1e-3, lr_schedule="constant", beta=0.5)
+        model = DPO(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"), beta=0.5)
     else:
-        model = RewardModel(str(TINY_MODEL), lr=1e-3, lr_schedule="constant")
+        model = RewardModel(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
     if dp * cp * tp > 1:
         trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
                                                       tensor_parallel_size=tp)
@@ -129,7 +135,7 @@ def _resume_worker(rank, root, ckpt_path, out_path):
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
-    model = SFT(str(TINY_MODEL), lr=1e-3, warmup_steps=1, lr_schedule="cosine")
+    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, warmup_steps=1, lr_schedule="cosine"))
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, default_root_dir=str(root),
                         strategy=ParallelStrategy(data_parallel_size=2))
@@ -156,7 +162,7 @@ def _export_worker(rank, out_dir):
     from rl_lightning.export import export_hf
 
     L.seed_everything(0)
-    model = SFT(str(TINY_MODEL), lr=1e-3, lr_schedule="constant")
+    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
     trainer = fit(model, data, 2, devices=2, strategy=ParallelStrategy(tensor_parallel_size=2))
@@ -168,7 +174,7 @@ def test_hf_export_gathers_full_weights_from_shards(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_on_cpu_ranks(_export_worker, 2, tmp_path / "tp2")
-    single = SFT(str(TINY_MODEL), lr=1e-3, lr_schedule="constant")
+    single = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
@@ -209,6 +215,16 @@ def _sft_with(strategy_kwargs, model_kwargs):
 def test_misconfiguration_fails_at_start_up(strategy_kwargs, model_kwargs, expected, tmp_path):
     run_on_cpu_ranks(_misconfig_worker, 2, strategy_kwargs, model_kwargs, tmp_path / "error.txt")
     assert (tmp_path / "error.txt").read_text() == expected
+
+
+def test_unsupported_strategies_are_rejected():
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        module = types.SimpleNamespace(_trainer=types.SimpleNamespace(strategy=strategy))
+        with pytest.raises(ConfigError, match=f"trainer.strategy {type(strategy).__name__} is not supported; use "
+                                              "rl_lightning.parallel.ParallelStrategy"):
+            parallelize_for(module, object())
 
 
 def test_heads_not_divisible_by_tp_and_bad_sizes():

@@ -150,7 +150,7 @@ class PromptDataModule(L.LightningDataModule):
             if trainer and name == "train" else (lambda: 0),
             keep_last=name != "train",
         )
-        # A dict the rollout callback can extend in place (``batch["trajectories"]``); prompts stay Python objects.
+        # A dict the rollout callback can extend in place (``batch["rollout"]``); prompts stay Python objects.
         return DataLoader(dataset, batch_size=None, collate_fn=lambda prompts: {"prompts": prompts})
 
     def train_dataloader(self) -> DataLoader:

@@ -97,7 +97,7 @@ class Environment:
             if self.on_error == "raise":
                 raise DataError(f"{where}: reward_fn from {self.path} {_what(failure)}; "
                                 f"{'make it faster or raise reward_timeout_s' if failure.timed_out else 'fix it'}, "
-                                "or set rollout on_error: zero to score such trajectories 0") from None
+                                "or set model.rollout.on_error: zero to score such trajectories 0") from None
             self.failures += 1
             return 0.0, dict.fromkeys(self.component_names, 0.0)
         return reward, components
@@ -110,7 +110,7 @@ class Environment:
                                        f"components {names}: return a dict with those keys")
             return {}
         if sorted(value) != names:
-            fix = "set the rollout callback's reward_weights" if not names else "make reward_weights and its keys agree"
+            fix = "set model.rollout.reward_weights" if not names else "make reward_weights and its keys agree"
             raise _WrongComponents(f"returned components {sorted(value)} but reward_weights has {names}: {fix}")
         components = {k: float(v) for k, v in value.items()}
         bad = [k for k, v in components.items() if not math.isfinite(v)]

@@ -17,7 +17,7 @@ import torch
 from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
 from rl_lightning.models import load_causal_lm, target_logprobs
-from rl_lightning.optim import OptimConfig, configure_adamw, run_length
+from rl_lightning.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
@@ -70,8 +70,9 @@ class DPO(L.LightningModule):
             errors.append(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
         if errors:
             raise ConfigError("; ".join(errors))
+        self.optim = typed(OptimConfig, optim)
         self.save_hyperparameters(logger=False)
-        self.hparams.optim, self.optim = asdict(optim), optim  # checkpoints keep plain data
+        self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         # Not a registered submodule: frozen weights stay out of the optimizer and checkpoints, and their device is

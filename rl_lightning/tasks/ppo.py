@@ -61,7 +61,7 @@ from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
 from rl_lightning.models import load_causal_lm, load_reward_model, load_tokenizer, model_inputs, target_logprobs
-from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step
+from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
     data_parallel_max,
@@ -215,6 +215,8 @@ class PPO(L.LightningModule):
         attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
+        rollout, kl = typed(RolloutConfig, rollout), typed(KLConfig, kl)
+        constraints, optim = typed(ConstraintConfig, constraints), typed(OptimConfig, optim)
         errors = []
         if advantage_estimator not in ESTIMATORS:
             errors.append(f"model.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got "
@@ -232,7 +234,7 @@ class PPO(L.LightningModule):
         if errors:
             raise ConfigError("; ".join(errors))
         self.save_hyperparameters(logger=False)
-        # checkpoints keep plain data: the argument groups as dicts
+        # checkpoints keep plain data: the argument groups as dicts (turned back into dataclasses above on loading)
         self.hparams.update({k: asdict(v) for k, v in self.hparams.items() if is_dataclass(v)})
         self.rollout_config, self.kl_config, self.optim = rollout, kl, optim
         self.automatic_optimization = False
@@ -270,7 +272,14 @@ class PPO(L.LightningModule):
                           "the critic's)")
         if stage == "fit" and hp.max_rollouts is None and trainer.max_epochs == -1:
             errors.append("the run is unbounded (trainer.max_epochs=-1): set model.max_rollouts")
-        per_rank = trainer.datamodule.hparams.batch_size * self.rollout_config.responses_per_prompt
+        data, rollout = trainer.datamodule.hparams, self.rollout_config
+        train_prompts = getattr(trainer.datamodule, "prompts", {}).get("train") or []
+        longest = max((len(p.prompt_ids) for p in train_prompts), default=0) + rollout.max_completion_tokens
+        if rollout.max_turns == 1 and longest > hp.max_length_per_device:
+            errors.append(f"model.max_length_per_device={hp.max_length_per_device} cannot hold the longest trajectory, "
+                          f"{longest} tokens (the longest training prompt + model.rollout.max_new_tokens): raise it to "
+                          f"at least {longest}")
+        per_rank = data.batch_size * rollout.responses_per_prompt
         if per_rank % hp.update_per_rollout:
             errors.append(f"model.update_per_rollout={hp.update_per_rollout} must divide the {per_rank} trajectories "
                           "per rank (data.batch_size x model.rollout.responses_per_prompt)")
@@ -342,7 +351,7 @@ class PPO(L.LightningModule):
             {k: float(means[k]) for k in ("kl", "entropy") if k in means}, trajectories,
             move_multipliers=self.rollouts >= self.hparams.freeze_steps))
         self.rollouts += 1
-        self.log_rollout(rollout, means, advantage_sums, logged)  # 6.
+        self.log_rollout(rollout, means, advantage_sums, logged, len(micro_batches))  # 6.
         if self.hparams.max_rollouts is not None and self.rollouts >= self.hparams.max_rollouts:
             self.trainer.should_stop = True
 
@@ -368,6 +377,9 @@ class PPO(L.LightningModule):
             units = [TokenizedExample([self.tokenizer.pad_token_id], [0], values={
                 k: [0.0] for k in ("engine_logprobs", "trajectory", "slot")})]
         lengths = [len(u.input_ids) for u in units]
+        if max(lengths) > budget:
+            raise ConfigError(f"a trajectory of {max(lengths)} tokens (prompt + completion) does not fit "
+                              f"model.max_length_per_device={budget}; raise it to at least {max(lengths)}")
         count = -(-sum(lengths) // budget)
         while True:  # the smallest count that fits locally, then the largest over ranks
             plan = karmarkar_karp(lengths, max(1, count))
@@ -521,7 +533,7 @@ class PPO(L.LightningModule):
         return token_mean(loss, mask, normaliser), sums
 
     def log_rollout(self, rollout: Rollout, means: dict[str, torch.Tensor], advantage_sums: torch.Tensor,
-                    logged: dict[str, Any]) -> None:
+                    logged: dict[str, Any], micro_batches: int) -> None:
         trajectories, names = rollout.trajectories, rollout.reward_names
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         lengths = torch.tensor([float(t.completion_length) for t in trajectories])
@@ -542,7 +554,7 @@ class PPO(L.LightningModule):
             **{k if k.startswith("train/") else f"train/{k}": v for k, v in logged.items()},
             "train/rollouts": float(self.rollouts), "train/refills": float(rollout.refills),
             "train/reward_failures": float(rollout.reward_failures), "train/trajectories": count,
-            **rollout.metrics})
+            "train/micro_batches": float(micro_batches), **rollout.metrics})
         self.log_dict(metrics, prog_bar=False)
         self.log("reward", mean, prog_bar=True, logger=False)
 

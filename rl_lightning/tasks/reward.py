@@ -16,7 +16,7 @@ import torch
 
 from rl_lightning.algorithms import bradley_terry_loss
 from rl_lightning.models import load_reward_model, model_inputs
-from rl_lightning.optim import OptimConfig, configure_adamw, run_length
+from rl_lightning.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
@@ -49,8 +49,9 @@ class RewardModel(L.LightningModule):
         attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
+        self.optim = typed(OptimConfig, optim)
         self.save_hyperparameters(logger=False)
-        self.hparams.optim, self.optim = asdict(optim), optim  # checkpoints keep plain data
+        self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         self._val: list[dict[str, torch.Tensor]] = []

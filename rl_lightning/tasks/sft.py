@@ -18,7 +18,7 @@ import torch
 
 from rl_lightning.algorithms import sft_loss
 from rl_lightning.models import load_causal_lm, target_logprobs
-from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, run_length
+from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
     data_parallel_sum,
@@ -48,8 +48,9 @@ class SFT(L.LightningModule):
         attn_implementation: str = "rl_varlen",
     ) -> None:
         super().__init__()
+        self.optim = typed(OptimConfig, optim)
         self.save_hyperparameters(logger=False)
-        self.hparams.optim, self.optim = asdict(optim), optim  # checkpoints keep plain data
+        self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         self._val_sums: list[torch.Tensor] = []

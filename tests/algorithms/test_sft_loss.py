@@ -1,11 +1,16 @@
-"""SFT loss and token log-probabilities against hand-computed values and a reference implementation."""
+"""SFT loss and token log-probabilities (also through a model forward) against hand-computed values and a reference
+implementation."""
 
 import math
+import types
 
 import torch
 from conftest import assert_close
 
 from rl_lightning.algorithms import sft_loss, token_logprobs
+from rl_lightning.data.steps import pack
+from rl_lightning.data.tokenization import TokenizedExample
+from rl_lightning.models import model_inputs, target_logprobs
 
 
 def test_token_logprobs_hand_computed():
@@ -23,6 +28,25 @@ def test_token_logprobs_matches_log_softmax():
     labels = torch.randint(0, 11, (3, 5))
     reference = torch.log_softmax(logits / 0.7, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert_close(token_logprobs(logits, labels, temperature=0.7), reference, atol=1e-5)
+
+
+def test_target_logprobs_returns_the_logprobs_and_the_logits_they_came_from():
+    """One forward on the micro-batch's model inputs (packed: no attention mask); the (B, T) log-probabilities of
+    its next-token targets at the temperature, and the (B, T, V) logits themselves (entropy needs them)."""
+    torch.manual_seed(0)
+    micro_batch = pack([TokenizedExample([3, 1, 4], [0, 1, 1]), TokenizedExample([1, 5], [0, 1])], pad_token_id=0)
+    logits, calls = torch.randn(1, 5, 7), []
+
+    def model(**inputs):
+        calls.append(inputs)
+        return types.SimpleNamespace(logits=logits)
+
+    logprobs, returned = target_logprobs(model, micro_batch, temperature=0.7)
+    assert returned is logits and len(calls) == 1 and "attention_mask" not in calls[0]
+    assert calls[0].keys() == model_inputs(micro_batch).keys()
+    assert torch.equal(calls[0]["input_ids"], micro_batch["input_ids"])
+    assert_close(logprobs, token_logprobs(logits, micro_batch["target_ids"], temperature=0.7))
+    assert_close(logprobs[0, 0], torch.log_softmax(logits[0, 0] / 0.7, -1)[1])  # token 3 predicts 1
 
 
 def test_sft_loss_hand_computed():

@@ -1,5 +1,5 @@
-"""Balanced packing: partitions are exact, budgets hold, ranks and micro-batches are balanced on the demo data, and a
-packed forward equals the sequences run one by one."""
+"""Balanced packing: partitions are exact, budgets hold, ranks and micro-batches are balanced on the demo data, a
+validation epoch keeps its last partial step, and a packed forward equals the sequences run one by one."""
 
 import random
 
@@ -9,7 +9,7 @@ from conftest import DEMO_DATA, TINY_MODEL, assert_close
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.data.packing import karmarkar_karp, plan_micro_batches
-from rl_lightning.data.steps import layout_stats, pack, pad
+from rl_lightning.data.steps import StepDataset, layout_stats, pack, pad
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
 
@@ -55,6 +55,19 @@ def test_demo_packing_is_dense_and_balanced():
     assert fraction == 1.0 and balance <= 1.05, (fraction, balance)
 
 
+def test_validation_keeps_the_last_partial_step():
+    units = [TokenizedExample([1, 2, 3], [0, 1, 1]) for _ in range(7)]
+    seen = 0
+    for rank in range(2):
+        dataset = StepDataset(units, 2, rank, 2, packing=False, max_tokens=64, micro_batch_size=2, pad_token_id=0,
+                              shuffle=False, drop_remainder=False)
+        assert len(dataset) == 2  # 7 rows, 4 per step
+        steps = list(dataset)
+        assert [len(s["micro_batches"]) for s in steps] == [1, 1]  # same count on every rank, filler if empty
+        seen += sum(int(mb["num_units"]) for s in steps for mb in s["micro_batches"])
+    assert seen == 7
+
+
 def test_pack_and_pad_layouts():
     a, b = TokenizedExample([5, 6, 7], [0, 1, 1]), TokenizedExample([8, 9], [1, 1])
     packed = pack([a, b], pad_token_id=0)
@@ -79,7 +92,7 @@ def test_pack_and_pad_layouts():
 def test_packed_forward_equals_sequences_one_by_one():
     from transformers import AutoModelForCausalLM
 
-    from rl_lightning.tasks.step import model_inputs
+    from rl_lightning.models import model_inputs
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     torch.manual_seed(0)

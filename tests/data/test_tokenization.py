@@ -1,10 +1,11 @@
-"""Assistant-token masks from prefix rendering, checked against the template's own `{% generation %}` masks."""
+"""Assistant-token masks from prefix rendering, checked against the template's own `{% generation %}` masks; the
+last turn alone as target; which examples have a target at all."""
 
 import copy
 
 import pytest
 
-from rl_lightning.data.tokenization import tokenize_messages
+from rl_lightning.data.tokenization import TokenizedExample, tokenize_messages
 from rl_lightning.errors import DataError
 
 SINGLE = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
@@ -78,6 +79,17 @@ def test_without_chat_template_concatenates_contents_and_appends_eos(tokenizer):
     expected_mask = [0] * 14 + [1, 1] + [0] * 13 + [1] * 23
     assert example.loss_mask == expected_mask
     assert "<|im_start|>" not in tokenizer.decode(example.input_ids)
+
+
+def test_last_turn_only_and_has_targets(tokenizer):
+    messages = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    all_turns = tokenize_messages(tokenizer, messages)
+    last = tokenize_messages(tokenizer, messages, last_turn_only=True)
+    assert last.input_ids == all_turns.input_ids
+    assert sum(all_turns.loss_mask) == 2 * sum(last.loss_mask)  # "2<|im_end|>\n" and "4<|im_end|>\n", 3 tokens each
+    assert tokenizer.decode([i for i, m in zip(last.input_ids, last.loss_mask, strict=True) if m]) == "4<|im_end|>\n"
+    assert not TokenizedExample([5, 6], [1, 0]).has_targets and TokenizedExample([5, 6], [0, 1]).has_targets
 
 
 def test_truncation_is_flagged_and_keeps_the_prefix(tokenizer):
