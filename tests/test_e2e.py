@@ -51,7 +51,7 @@ def test_loss_falls_and_is_logged_to_mlflow(sft_run):
     losses = [m.value for m in history]
     assert len(losses) == 30 and [m.step for m in history] == list(range(30))
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
-    assert run.data.params["model.lr"] == "0.003" and run.data.params["trainer.max_steps"] == "30"
+    assert run.data.params["model.optim.lr"] == "0.003" and run.data.params["trainer.max_steps"] == "30"
     assert run.data.metrics["data/train_rows"] == 2000
 
 

@@ -163,7 +163,7 @@ def real_sft_run(real_model_dir, tmp_path_factory):
     for name in ("recipes", "rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     _fit(workdir, "recipes/real/sft.yaml", "--data.path", f"{TASK}&train_size=16&test_size=8&format=sft",
-         "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.lr", "5e-5", "--model.warmup_steps", "0",
+         "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.optim.lr", "5e-5", "--model.optim.warmup_steps", "0",
          "--trainer.val_check_interval", "3")
     return workdir
 
@@ -181,7 +181,7 @@ def test_real_dpo_raises_preference_accuracy(real_model_dir, workdir):
     """5 DPO steps on the same 8 pairs: at step 0 policy = reference (margin 0, accuracy 0); after, it prefers the
     right answers."""
     _fit(workdir, "recipes/real/dpo.yaml", "--data.path", f"{TASK}&train_size=8&test_size=8&format=preference",
-         "--data.batch_size", "8", "--trainer.max_steps", "5", "--model.lr", "2e-5", "--model.warmup_steps", "0",
+         "--data.batch_size", "8", "--trainer.max_steps", "5", "--model.optim.lr", "2e-5", "--model.optim.warmup_steps", "0",
          "--trainer.val_check_interval", "5")
     accuracy, losses = _history(workdir, "train/accuracy"), _history(workdir, "train/loss")
     assert accuracy[0] == 0.0 and abs(losses[0] - math.log(2)) < 1e-5, (accuracy, losses)  # policy = reference
@@ -353,10 +353,10 @@ def test_real_grpo_through_the_cli_with_the_vllm_engine(real_model_dir, workdir)
     from safetensors.torch import load_file
 
     config = yaml.safe_load((REPO / "recipes" / "real" / "grpo.yaml").read_text())
-    config["trainer"]["callbacks"][0]["init_args"].update(responses_per_prompt=4, max_new_tokens=16)
-    (workdir / "grpo.yaml").write_text(yaml.safe_dump(config))
-    _fit(workdir, "grpo.yaml", "--data.path", f"{TASK}&train_size=16&test_size=4", "--data.batch_size", "2",
-         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.lr", "1e-4")
+    config["model"]["init_args"]["rollout"].update(responses_per_prompt=4, max_new_tokens=16)
+    (workdir / "real-grpo.yaml").write_text(yaml.safe_dump(config))  # the run (and its export) named as the recipe's
+    _fit(workdir, "real-grpo.yaml", "--data.path", f"{TASK}&train_size=16&test_size=4", "--data.batch_size", "2",
+         "--model.max_rollouts", "2", "--trainer.val_check_interval", "2", "--model.optim.lr", "1e-4")
     rewards, approx_kl = _history(workdir, "train/reward"), _history(workdir, "train/approx_kl")
     assert len(rewards) == 2 and all(0.0 <= r <= 1.5 for r in rewards), rewards
     assert abs(approx_kl[0]) < 1e-6, approx_kl  # engine and trainer agree: the first update starts on-policy

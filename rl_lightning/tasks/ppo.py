@@ -345,7 +345,8 @@ class PPO(L.LightningModule):
         self.score(micro_batches)  # 2. old/ref log-probs, values
         advantage_sums = self.assign_advantages(rollout, micro_batches)  # 3.
         sums, logged = self.update(rollout, minibatches)  # 4. one optimizer step per minibatch
-        means = {k: v / sums["tokens"].clamp(min=1) for k, v in shard_sum_dict(self.trainer, sums).items()}
+        totals = shard_sum_dict(self.trainer, sums)  # measured on this rank's tokens: over data x context ranks
+        means = {k: v / totals["tokens"].clamp(min=1) for k, v in totals.items()}
         trajectories = int(data_parallel_sum(self.trainer, torch.tensor(float(len(rollout.trajectories)))))
         logged.update(self.controllers.update(  # 5. KL coefficient, Lagrange multipliers
             {k: float(means[k]) for k in ("kl", "entropy") if k in means}, trajectories,
