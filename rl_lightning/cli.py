@@ -106,6 +106,17 @@ class RLLightningCLI(LightningCLI):
         parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
         parser.set_defaults(TRAINER_DEFAULTS)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # the recipe's path, which the parsed namespace does not keep under a subcommand
+        raw = [str(a) for a in (sys.argv[1:] if args is None else args)] if isinstance(args, list | None) else []
+        self.recipe = None
+        for i, arg in enumerate(raw):
+            if arg == "--config" and i + 1 < len(raw):
+                self.recipe = raw[i + 1]
+            elif arg.startswith("--config="):
+                self.recipe = arg.split("=", 1)[1]
+        super().parse_arguments(parser, args)
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         trainer = config.get("trainer")
@@ -119,7 +130,8 @@ class RLLightningCLI(LightningCLI):
             trainer.callbacks = [c for c in trainer.callbacks
                                  if not any(str(c.get("class_path", "")).endswith(k) and v for k, v in disabled.items())]
         sources = config.get("config") or []
-        run = run_name(str(sources[-1])) if sources else None
+        recipe = str(sources[-1]) if sources else self.recipe
+        run = run_name(recipe) if recipe else None
         logger = trainer.get("logger")
         if run is None or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
             return
