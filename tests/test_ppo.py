@@ -11,6 +11,7 @@ from conftest import REPO, TINY_MODEL, assert_close
 from helpers import GradientRecorder, Metrics, fit, ppo_task, prompts
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.optim import lr_factor
 from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.tasks import PPO
@@ -83,14 +84,13 @@ def test_learning_rate_schedules_span_the_run_in_rollouts():
     model, trainer = _ppo(rollouts=4, callbacks=[LR()], advantage_estimator="gae", freeze_steps=1,
                           update_per_rollout=2, critic_lr=1e-3, optim={"lr_schedule": "cosine", "min_lr_ratio": 0.1})
     assert model.rollouts == 4 and trainer.global_step == 2 + 3 * 2 * 2  # critic alone, then actor + critic
-    actor_steps, critic_steps = 3 * 2, 4 * 2
     actor, critic = zip(*lrs, strict=True)
-    assert actor[0] == pytest.approx(1e-3)  # frozen actor: its schedule has not moved
-    assert actor[-1] == pytest.approx(1e-3 * 0.1) and critic[-1] == pytest.approx(1e-3 * 0.1)
-    assert model.optimizers()[0].param_groups[0]["lr"] == pytest.approx(1e-4)
-    # one step before the end the schedules are still above their floor (they were sized to the run, not longer)
-    assert actor[-2] > 1e-4 * 1.01 and critic[-2] > 1e-4 * 1.01
-    assert (actor_steps, critic_steps) == (6, 8)
+    # after rollout r: the actor has taken 2r steps of 6 (frozen for rollout 0), the critic 2(r + 1) of 8
+    for r in range(4):
+        assert actor[r] == pytest.approx(1e-3 * lr_factor(2 * r, 0, 6, "cosine", 0.1), rel=1e-9)
+        assert critic[r] == pytest.approx(1e-3 * lr_factor(2 * (r + 1), 0, 8, "cosine", 0.1), rel=1e-9)
+    assert actor[-1] == pytest.approx(1e-4) and critic[-1] == pytest.approx(1e-4)  # the floor, reached at the end
+    assert actor[-2] > 1e-4 * 1.01 and critic[-2] > 1e-4 * 1.01  # and not before
 
 
 @pytest.mark.parametrize(

@@ -126,3 +126,10 @@ def sequence_sums(values: torch.Tensor, mask: torch.Tensor, micro_batch: dict[st
     sums = sums.index_add(0, seq_index[keep], values[keep])
     layout = micro_batch.get("cp_layout")
     return _SumAcrossContext.apply(sums, layout.group) if layout is not None else sums
+
+
+def shard_sum_dict(trainer: Any, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`shard_sum` of every entry of a dict of per-rank sums, in one collective."""
+    names = sorted(sums)
+    totals = shard_sum(trainer, torch.stack([sums[n].float() for n in names]))
+    return dict(zip(names, totals, strict=True))

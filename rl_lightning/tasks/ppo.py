@@ -70,7 +70,7 @@ from rl_lightning.parallel.reductions import (
     local_micro_batch,
     parallel_layout,
     sequence_sums,
-    shard_sum,
+    shard_sum_dict,
 )
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
@@ -458,7 +458,9 @@ class PPO(L.LightningModule):
         hp = self.hparams
         train_actor = self.rollouts >= hp.freeze_steps
         sums: dict[str, torch.Tensor] = {"tokens": torch.zeros((), device=self.device)}
-        logged: dict[str, Any] = {}
+        schedules = self.lr_schedulers()
+        actor_schedule = schedules[0] if isinstance(schedules, list) else schedules
+        logged: dict[str, Any] = {"train/lr": actor_schedule.get_last_lr()[0]}  # this rollout's first actor step
         for part, micro_batches in minibatches:
             tokens, policy_count = self.loss_counts(rollout.trajectories, part)
             size = grad_average_size(self.trainer)
@@ -479,8 +481,6 @@ class PPO(L.LightningModule):
                                                            None if self.critic is None else 0, self.model)
             if self.critic is not None:
                 logged["train/critic_grad_norm"] = optimizer_step(self, self.optim.max_grad_norm, 1, self.critic)
-        logged["train/lr"] = self.lr_schedulers()[0].get_last_lr()[0] if self.critic is not None else \
-            self.lr_schedulers().get_last_lr()[0]
         return sums, logged
 
     def loss_counts(self, trajectories: list[Trajectory], part: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,9 +584,3 @@ class PPO(L.LightningModule):
         else:
             self.log_dict(metrics)
 
-
-def shard_sum_dict(trainer: Any, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`shard_sum` of every entry (one collective)."""
-    names = sorted(sums)
-    totals = shard_sum(trainer, torch.stack([sums[n].float() for n in names]))
-    return dict(zip(names, totals, strict=True))
