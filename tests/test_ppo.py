@@ -7,6 +7,7 @@ from unittest import mock
 
 import lightning as L
 import pytest
+import torch
 from conftest import REPO, TINY_MODEL, assert_close
 from helpers import GradientRecorder, Metrics, fit, ppo_task, prompts
 
@@ -57,6 +58,36 @@ def test_the_trainer_recomputes_log_probs_at_the_rollout_temperature(parity_env)
     for h in metrics.history:
         assert h["train/engine_logprob_diff"] < 1e-5, metrics.history
     assert metrics.history[0]["train/clipped"] == 0.0 and metrics.history[0]["train/approx_kl"] < 1e-7
+
+
+class ForwardCounter(L.Callback):
+    """Counts the policy's forward passes over packed training rows (generation passes carry an attention mask),
+    split by whether they record gradients."""
+
+    def __init__(self):
+        self.counts = {True: 0, False: 0}
+
+    def on_fit_start(self, trainer, pl_module):
+        def count(module, args, kwargs):
+            if kwargs.get("attention_mask") is None:
+                self.counts[torch.is_grad_enabled()] += 1
+        pl_module.model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_the_first_minibatch_takes_its_old_log_probs_from_its_training_forward(parity_env, updates):
+    """Nothing moves the policy between sampling and the first minibatch's update, so its training forward's
+    detached log-probabilities are the sampling policy's: the extra no-grad pass runs only for later minibatches
+    (none with one update per rollout). They equal the engine's (reused or recomputed), and the second minibatch is
+    off-policy."""
+    counter, metrics = ForwardCounter(), Metrics()
+    _ppo(parity_env, batch_size=4, callbacks=[counter, metrics], update_per_rollout=updates, tis_cap=2.0,
+         optim={"lr": 1e-2})
+    steps = metrics.history[0]["train/micro_batches"]  # one per minibatch here
+    assert steps == updates and counter.counts == {True: updates, False: updates - 1}
+    assert metrics.history[0]["train/engine_logprob_diff"] < 1e-5
+    if updates == 2:
+        assert metrics.history[0]["train/approx_kl"] > 1e-7  # the second minibatch's old policy is the sampler
 
 
 @pytest.mark.parametrize("budget", [160, 320])

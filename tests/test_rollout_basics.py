@@ -50,6 +50,30 @@ def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(engine):
     assert_close(torch.tensor(completion.logprobs), recomputed, atol=1e-4)  # generate's cached vs full forward
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0.7}, {"temperature": 1.0, "top_k": 5},
+                                      {"temperature": 0.9, "top_p": 0.8}], ids=["temperature", "top_k", "top_p"])
+def test_batched_decoding_samples_what_generate_samples_for_each_prompt_alone(engine, sampling):
+    """Prompts of different lengths decode in one left-padded batch, yet each prompt's n completions are exactly what
+    ``model.generate`` samples for that prompt alone after ``torch.manual_seed(seed)`` (transformers' warpers and
+    multinomial draw), and the same as decoding the prompt by itself: independent of the batch and the rank."""
+    prompts, seeds = [PROMPT, PROMPT[:5], PROMPT[3:9]], [5, 9, 11]
+    params = SamplingParams(n=3, max_new_tokens=12, seeds=seeds, **sampling)
+    batched = engine.generate(prompts, params)
+    for prompt, seed, completions in zip(prompts, seeds, batched, strict=True):
+        torch.manual_seed(seed)
+        ids = torch.tensor([prompt] * 3)
+        reference = engine.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=12, pad_token_id=257,
+            eos_token_id=None, temperature=sampling["temperature"], top_k=sampling.get("top_k") or None,
+            top_p=sampling.get("top_p", 1.0))[:, len(prompt):]
+        assert [c.token_ids for c in completions] == reference.tolist()
+        (alone,) = engine.generate([prompt], dataclasses.replace(params, seeds=[seed]))
+        assert [c.token_ids for c in alone] == [c.token_ids for c in completions]
+        for a, b in zip(alone, completions, strict=True):  # padding changes only the summation order
+            assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert len({tuple(c.token_ids) for g in batched for c in g}) > 3  # not a constant sequence
+
+
 def test_stop_tokens_end_completions(engine):
     (greedy,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=6))[0]
     stop = greedy.token_ids[2]

@@ -1,5 +1,17 @@
 """`HFEngine`: sampling with transformers on the policy model itself (colocated by construction, so its weights are
-always the trainer's current ones). Slow, simple, exact; the reference the vLLM engine is tested against."""
+always the trainer's current ones). Simple and exact; the reference the vLLM engine is tested against.
+
+All prompts of a `generate` call decode together, in one left-padded batch over one KV cache, with a decode loop of
+our own rather than ``model.generate``: ``generate`` draws every row's token from one random stream, so batching
+prompts would make a prompt's completions depend on what else is in the batch (and on the rank it lands on). Here
+each prompt samples from its own generator, seeded with ``params.request_seed(index)``: a prompt gets the same
+completions alone, in any batch and on any rank. Its ``n`` rows draw together, as ``generate`` draws a batch
+(``torch.multinomial`` over the ``(n, vocab)`` probabilities), so one prompt decoded here samples what
+``model.generate`` samples after ``torch.manual_seed(seed)``.
+
+Under a sharded policy (FSDP2 / tensor parallel), every forward is a collective: all ranks run the same number of
+decode steps (one all-reduce of "anyone still decoding?" per step), whatever their own completions do.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +20,11 @@ from typing import Any
 
 import torch
 
-from rl_lightning.algorithms import token_logprobs
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
 
 class HFEngine:
-    """Generate with ``model.generate`` (left-padded batches, no cache sharing between prompts).
+    """Generate with the policy module itself: one batched decode over all prompts of a call.
 
     Args:
         model: the policy (a transformers causal LM), used in eval mode during generation.
@@ -37,40 +48,98 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return [self._generate_one(prompt, params, index) for index, prompt in enumerate(prompts)]
+            tokens, logprobs = self._decode(prompts, params)
         finally:
             self.model.train(was_training)
+        rows = [self._completion(t, lp, params) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+        return [rows[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
-    def _generate_one(self, prompt: list[int], params: SamplingParams, index: int) -> list[Completion]:
+    def _decode(self, prompts: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, steps) sampled tokens and their log-probabilities; row ``i * n + j`` is prompt i's j-th sample.
+        Rows that hit a stop token keep decoding (cheaper than reshaping the cache) and are cut by `_completion`."""
         device = next(self.model.parameters()).device
-        input_ids = torch.tensor([prompt] * params.n, device=device)  # (n, P): one prompt, no padding needed
-        generator_state, seed = None, params.request_seed(index)
-        if seed is not None:  # per-request seeds: reproducible whatever else was sampled before
-            generator_state = torch.random.get_rng_state()
-            torch.manual_seed(seed)
-        greedy = params.temperature == 0
-        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
-                                      "top_k": params.top_k or None}
-        try:
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=not greedy,
-                max_new_tokens=params.max_new_tokens, eos_token_id=params.stop_token_ids or None,
-                pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
-                **sampling,
-            )
-        finally:
-            if generator_state is not None:
-                torch.random.set_rng_state(generator_state)
-        new_tokens = out.sequences[:, input_ids.shape[1] :]  # (n, L)
-        # Processed scores (after temperature/top-k/top-p): the distribution the tokens were sampled from.
-        scores = torch.stack(out.scores, dim=1)  # (n, L, V)
-        logprobs = token_logprobs(scores, new_tokens)  # (n, L)
-        return [self._completion(new_tokens[i], logprobs[i], params) for i in range(params.n)]
+        n, width = params.n, max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts) * n, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, prompt in enumerate(prompts):
+            input_ids[i * n : (i + 1) * n, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[i * n : (i + 1) * n, width - len(prompt) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [self._generator(params.request_seed(i), device) for i in range(len(prompts))]
+        stops = torch.tensor(params.stop_token_ids or [-1], device=device)
+        sharded = _sharded(self.model)
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+        tokens, logprobs, cache = [], [], None
+        for step in range(params.max_new_tokens):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            scores = process_logits(out.logits[:, -1].float(), params)  # what the token is sampled from
+            token = sample(scores, generators, n) if params.temperature > 0 else scores.argmax(-1)
+            tokens.append(token)
+            logprobs.append(scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+            done |= torch.isin(token, stops)
+            if step + 1 == params.max_new_tokens or _all_done(done, sharded):
+                break
+            input_ids, positions = token[:, None], positions[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
-    def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingParams) -> Completion:
-        ids = tokens.tolist()
+    @staticmethod
+    def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+        return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+    def _completion(self, ids: list[int], logprobs: list[float], params: SamplingParams) -> Completion:
         stops = set(params.stop_token_ids)
         end = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
         if end is None:
-            return Completion(ids, logprobs.tolist(), finished=False)
-        return Completion(ids[:end], logprobs[:end].tolist(), finished=True)
+            return Completion(ids, logprobs, finished=False)
+        return Completion(ids[:end], logprobs[:end], finished=True)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(rows, vocab) fp32 logits -> the scores sampled from, as transformers' warpers make them: divided by the
+    temperature, then all but the `top_k` largest set to -inf, then the smallest tokens whose probabilities sum to at
+    most ``1 - top_p`` (the most likely one always stays). Greedy (temperature 0) keeps the raw logits."""
+    if params.temperature == 0:
+        return logits
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - params.top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return scores
+
+
+def sample(scores: torch.Tensor, generators: list[torch.Generator | None], n: int) -> torch.Tensor:
+    """One token per row; prompt i's ``n`` rows draw together from ``generators[i]`` (the default stream if None)."""
+    probs = scores.softmax(-1)
+    return torch.cat([torch.multinomial(probs[i * n : (i + 1) * n], 1, generator=g).squeeze(-1)
+                      for i, g in enumerate(generators)])
+
+
+def _sharded(model: Any) -> bool:
+    """Whether the policy's forward is a collective (FSDP2 / tensor-parallel DTensor parameters)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _all_done(done: torch.Tensor, sharded: bool) -> bool:
+    """Every row stopped, on every rank when the forward is a collective (a rank that stopped early would leave its
+    peers waiting in the next forward's all-gather)."""
+    pending = (~done).any().float()
+    if sharded:
+        import torch.distributed as dist
+
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+    return pending.item() == 0

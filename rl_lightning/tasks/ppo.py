@@ -8,7 +8,9 @@ phases:
    the same trajectories whatever the data-parallel size) of balanced packed micro-batches, each a context-parallel
    shard under ``strategy.context_parallel_size`` > 1;
 2. **score** them without gradients: the sampling policy's log-probabilities (``old_logprobs``, before any update of
-   this rollout), the frozen reference's (``ref_logprobs``) and the critic's values;
+   this rollout), the frozen reference's (``ref_logprobs``) and the critic's values. The first minibatch needs no
+   extra pass for ``old_logprobs``: nothing has changed the policy before its update, so its training forward's
+   detached log-probabilities are the sampling policy's (with ``update_per_rollout: 1``, the whole pass is saved);
 3. **advantages** from one pure function, `rl_lightning.algorithms.advantages.estimate_advantages`, on this rank's
    trajectories, with statistics that must be global (REINFORCE++ whitening) summed over data-parallel ranks;
 4. **update**: one optimizer step per minibatch on the clipped surrogate (asymmetric ``clip_low``/``clip_high``,
@@ -342,7 +344,7 @@ class PPO(L.LightningModule):
         rollout: Rollout = batch["rollout"]
         minibatches = self.pack(rollout.trajectories)  # 1. [(trajectory indices, micro-batches)] per minibatch
         micro_batches = [mb for _, mbs in minibatches for mb in mbs]
-        self.score(micro_batches)  # 2. old/ref log-probs, values
+        self.score(minibatches)  # 2. old/ref log-probs, values
         advantage_sums = self.assign_advantages(rollout, micro_batches)  # 3.
         sums, logged = self.update(rollout, minibatches)  # 4. one optimizer step per minibatch
         totals = shard_sum_dict(self.trainer, sums)  # measured on this rank's tokens: over data x context ranks
@@ -394,16 +396,20 @@ class PPO(L.LightningModule):
                 for p in karmarkar_karp(lengths, count)]
 
     @torch.no_grad()
-    def score(self, micro_batches: list[dict[str, Any]]) -> None:
+    def score(self, minibatches: list[tuple[list[int], list[dict[str, Any]]]]) -> None:
         """Record, on this rank's tokens, the log-probabilities of the policy that sampled (nothing has changed it
-        since), the reference's, and the critic's values."""
+        since), the reference's, and the critic's values. The first minibatch's sampling log-probabilities are left
+        to its training forward (`policy_loss`), unless the advantages need them first (KL as a reward)."""
         temperature = self.rollout_config.temperature
-        for mb in micro_batches:
-            mb["old_logprobs"] = target_logprobs(self.model, mb, temperature)[0]
-            if self._reference is not None:
-                mb["ref_logprobs"] = target_logprobs(self._reference, mb, temperature)[0]
-            if self.critic is not None:
-                mb["old_values"] = self._values(mb)
+        kl_reward = self.kl_config.type == "reward" and self._reference is not None
+        for k, (_, micro_batches) in enumerate(minibatches):
+            for mb in micro_batches:
+                if k > 0 or kl_reward:
+                    mb["old_logprobs"] = target_logprobs(self.model, mb, temperature)[0]
+                if self._reference is not None:
+                    mb["ref_logprobs"] = target_logprobs(self._reference, mb, temperature)[0]
+                if self.critic is not None:
+                    mb["old_values"] = self._values(mb)
 
     def assign_advantages(self, rollout: Rollout, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         """Per-token advantages (and returns) of this rank's trajectories from `estimate_advantages`, written into the
@@ -498,6 +504,8 @@ class PPO(L.LightningModule):
     def policy_loss(self, mb: dict[str, Any], normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         hp = self.hparams
         logprobs, logits = target_logprobs(self.model, mb, self.rollout_config.temperature)
+        if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
+            mb["old_logprobs"] = logprobs.detach()
         mask = mb["target_mask"].float()
         loss, metrics = clipped_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], hp.clip_low,
                                             hp.clip_high, hp.dual_clip)
