@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -114,11 +114,27 @@ def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
     return inputs
 
 
-def target_logprobs(model: Any, micro_batch: dict[str, Any], temperature: float = 1.0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) log-probability of each ``target_ids`` token (meaningful where ``target_mask`` is 1) at `temperature`,
-    and the (B, T, V) logits they came from."""
-    from rl_lightning.algorithms import token_logprobs
+def target_logprobs(model: Any, micro_batch: dict[str, Any], temperature: float = 1.0,
+                    entropy: Literal["value", "grad"] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log-probability of each ``target_ids`` token at `temperature` and, with `entropy`, the (B, T) entropy of
+    the next-token distribution (at temperature 1; ``value``: detached, ``grad``: differentiable); both 0 at
+    positions where no row has a target.
 
-    logits = model(**model_inputs(micro_batch)).logits
-    return token_logprobs(logits, micro_batch["target_ids"], temperature), logits
+    The language-model head runs only at those positions (``logits_to_keep`` with the target columns): in RL the
+    prompt tokens, and in SFT the masked ones, are often most of a micro-batch, and with a 150k-token vocabulary the
+    head's (tokens x vocab) logits cost more time and memory than a decoder block. Without ``target_mask`` every
+    position is a target."""
+    from rl_lightning.algorithms import token_logprobs
+    from rl_lightning.algorithms.policy import entropy_from_logits
+
+    targets = micro_batch["target_ids"]
+    mask = micro_batch.get("target_mask")
+    keep = torch.arange(targets.shape[1], device=targets.device) if mask is None else (mask > 0).any(0).nonzero()[:, 0]
+    if len(keep) == 0:  # a filler micro-batch: one position, so the backward still reaches every parameter
+        keep = keep.new_zeros(1)
+    logits = model(**model_inputs(micro_batch), logits_to_keep=keep).logits  # (B, K, V)
+    zeros = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+    logprobs = zeros.index_copy(1, keep, token_logprobs(logits, targets[:, keep], temperature))
+    if entropy is None:
+        return logprobs, None
+    return logprobs, zeros.index_copy(1, keep, entropy_from_logits(logits if entropy == "grad" else logits.detach()))

@@ -54,7 +54,6 @@ from rl_lightning.algorithms.kl import KL_CONTROLLERS
 from rl_lightning.algorithms.policy import (
     clipped_policy_loss,
     clipped_value_loss,
-    entropy_from_logits,
     token_mean,
     truncated_importance_weights,
 )
@@ -503,7 +502,9 @@ class PPO(L.LightningModule):
 
     def policy_loss(self, mb: dict[str, Any], normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         hp = self.hparams
-        logprobs, logits = target_logprobs(self.model, mb, self.rollout_config.temperature)
+        needs_grad = hp.entropy_coef != 0 or hp.constraints["entropy_min"] is not None
+        logprobs, entropy = target_logprobs(self.model, mb, self.rollout_config.temperature,
+                                            entropy="grad" if needs_grad else "value")
         if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
             mb["old_logprobs"] = logprobs.detach()
         mask = mb["target_mask"].float()
@@ -511,8 +512,7 @@ class PPO(L.LightningModule):
                                             hp.clip_high, hp.dual_clip)
         if hp.tis_cap is not None:
             loss = loss * truncated_importance_weights(mb["old_logprobs"], mb["target_engine_logprobs"], hp.tis_cap)
-        needs_grad = hp.entropy_coef != 0 or hp.constraints["entropy_min"] is not None
-        measured = {"entropy": entropy_from_logits(logits if needs_grad else logits.detach())}
+        measured = {"entropy": entropy}
         if self._reference is not None:
             measured["kl"] = KL_ESTIMATORS[self.kl_config.estimator](logprobs, mb["ref_logprobs"])
             if self.kl_config.type == "loss":

@@ -8,6 +8,7 @@ import torch
 from conftest import assert_close
 
 from rl_lightning.algorithms import sft_loss, token_logprobs
+from rl_lightning.algorithms.policy import entropy_from_logits
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.models import model_inputs, target_logprobs
@@ -30,23 +31,33 @@ def test_token_logprobs_matches_log_softmax():
     assert_close(token_logprobs(logits, labels, temperature=0.7), reference, atol=1e-5)
 
 
-def test_target_logprobs_returns_the_logprobs_and_the_logits_they_came_from():
-    """One forward on the micro-batch's model inputs (packed: no attention mask); the (B, T) log-probabilities of
-    its next-token targets at the temperature, and the (B, T, V) logits themselves (entropy needs them)."""
+def test_target_logprobs_runs_the_head_only_at_targets():
+    """One forward on the micro-batch's model inputs (packed: no attention mask) asking for logits at the target
+    positions only; the (B, T) log-probabilities of the next-token targets at the temperature and their entropy
+    equal those from the full logits there, 0 elsewhere. The entropy is differentiable only when asked."""
     torch.manual_seed(0)
     micro_batch = pack([TokenizedExample([3, 1, 4], [0, 1, 1]), TokenizedExample([1, 5], [0, 1])], pad_token_id=0)
-    logits, calls = torch.randn(1, 5, 7), []
+    full, calls = torch.randn(1, 5, 7, requires_grad=True), []
 
-    def model(**inputs):
-        calls.append(inputs)
-        return types.SimpleNamespace(logits=logits)
+    def model(logits_to_keep, **inputs):
+        calls.append((inputs, logits_to_keep))
+        return types.SimpleNamespace(logits=full[:, logits_to_keep])
 
-    logprobs, returned = target_logprobs(model, micro_batch, temperature=0.7)
-    assert returned is logits and len(calls) == 1 and "attention_mask" not in calls[0]
-    assert calls[0].keys() == model_inputs(micro_batch).keys()
-    assert torch.equal(calls[0]["input_ids"], micro_batch["input_ids"])
-    assert_close(logprobs, token_logprobs(logits, micro_batch["target_ids"], temperature=0.7))
-    assert_close(logprobs[0, 0], torch.log_softmax(logits[0, 0] / 0.7, -1)[1])  # token 3 predicts 1
+    logprobs, entropy = target_logprobs(model, micro_batch, temperature=0.7, entropy="value")
+    inputs, keep = calls[0]
+    assert len(calls) == 1 and inputs.keys() == model_inputs(micro_batch).keys() and "attention_mask" not in inputs
+    assert torch.equal(inputs["input_ids"], micro_batch["input_ids"])
+    targets = micro_batch["target_mask"][0] > 0
+    assert keep.tolist() == targets.nonzero().flatten().tolist() and len(keep) < 5  # the head skips non-targets
+    expected = token_logprobs(full, micro_batch["target_ids"], temperature=0.7)
+    assert_close(logprobs[0, targets], expected[0, targets])
+    assert_close(entropy[0, targets], entropy_from_logits(full)[0, targets])
+    assert not logprobs[0, ~targets].any() and not entropy[0, ~targets].any()
+    assert_close(logprobs[0, 0], torch.log_softmax(full[0, 0] / 0.7, -1)[1])  # token 3 predicts 1
+    assert logprobs.requires_grad and not entropy.requires_grad
+    assert target_logprobs(model, micro_batch, entropy="grad")[1].requires_grad
+    without_mask = {k: v for k, v in micro_batch.items() if k != "target_mask"}
+    assert target_logprobs(model, without_mask)[1] is None and calls[-1][1].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_sft_loss_hand_computed():
