@@ -6,22 +6,34 @@ each rank holds the same share of early (cheap) and late (expensive) causal quer
 to every per-token tensor of a micro-batch (targets already sit at the token that predicts them, so slicing is
 exact); `gather_tokens` undoes it for per-token outputs.
 
-Attention itself has two backends, chosen per call:
+Attention is a P2P ring. With ring-flash-attn and flash-attn importable on CUDA (fp16/bf16) it is their
+``zigzag_ring_flash_attn_varlen_func``; otherwise it is this module's ring (`ring_attention`):
 
-- CUDA with ring-flash-attn importable: ``zigzag_ring_flash_attn_varlen_func`` (P2P ring, flash kernels).
-- otherwise (CPU/gloo, or GPUs without flash-attn): all-gather K and V over the group with autograd (so the
-  backward reduce-scatters dK and dV) and run exact causal SDPA per sequence, the local zigzag queries against the
-  sequence's full keys. Communication is the same volume as a ring pass; memory holds one sequence's K/V at a time
-  plus the gathered row. This is the path the CPU tests prove equal to full attention.
+- Forward: each rank keeps its local K/V and passes it round the ring (``batch_isend_irecv`` to rank r + 1, from
+  rank r - 1, sub-group ranks translated with ``get_global_rank``). At step i it attends its queries to the block
+  of rank ``j = (r - i) mod cp``, the next block already in flight, and merges the partial (out, lse) pairs exactly
+  (`rl_lightning.attention.merge_partials`, fp32). Zigzag makes every step one unmasked or plainly causal call
+  (`step_kind`): j = r is causal in local order; j < r: all local queries see only j's early chunk of each
+  sequence; j > r: only the local late chunk of each sequence sees both of j's chunks, and the early one sees none.
+- Backward (`_RingAttention`, which saves only local q, k, v, out, lse: O(N / cp) memory): a second ring pass in
+  which the K/V blocks travel again, each followed by its fp32 dK/dV accumulator, which after cp hops lands back
+  on its owner; dQ stays local. Each step is flash's backward from the final out and lse.
+- Block kernels (`rl_lightning.attention.block_forward`): torch's aten flash kernels on CUDA fp16/bf16, exact fp32
+  maths elsewhere (the CPU/gloo path the tests prove equal to full attention).
+
+The ring loop works on a stack of ranks: one (this rank) in training, all of them in `ring_attention_emulated`,
+which runs the same loop in one process so one GPU can check the kernels and the merge against full attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from rl_lightning.attention import block_backward, block_forward, merge_partials
 
 
 @dataclass
@@ -40,7 +52,7 @@ class ZigzagLayout:
 
 
 class _AllGather(torch.autograd.Function):
-    """All-gather over `group` -> (size, *shape); the backward sums every rank's gradient for this rank's piece
+    """For `gather_tokens`. All-gather over `group` -> (size, *shape); the backward sums every rank's gradient for this rank's piece
     (a reduce-scatter, done as all-reduce + slice, which gloo supports). torch.distributed.nn's version breaks on
     sub-groups under gloo (its backward scatters with group ranks taken as global ranks)."""
 
@@ -164,6 +176,195 @@ def _flash_ring(query, key, value, layout: ZigzagLayout, scaling: float | None) 
     return out.unsqueeze(0)  # (1, n, H, D)
 
 
+def shard_tokens(tensor: torch.Tensor, layout: ZigzagLayout, dim: int = 1) -> torch.Tensor:
+    """This rank's zigzag share of a per-token tensor whose `dim` is the original row (N), padding as zeros."""
+    real = (layout.source >= 0).to(tensor.device)
+    padded = tensor.index_select(dim, layout.source.clamp(min=0).to(tensor.device))  # N -> N' along dim
+    padded = padded * real.view([-1 if i == dim else 1 for i in range(tensor.dim())])
+    return padded.index_select(dim, layout.local_index.to(tensor.device))  # N' -> n
+
+
+@dataclass
+class ZigzagBlocks:
+    """Row sets of a rank's zigzag share, the same on every rank: sequence s is local rows ``cu[s]:cu[s+1]``, its
+    early chunk first, then its late chunk, each `chunk_cu`-sized."""
+
+    cu: torch.Tensor  # (S + 1,) int32
+    chunk_cu: torch.Tensor  # (S + 1,) int32: half of `cu`
+    max_len: int
+    max_chunk: int
+    early: torch.Tensor  # (n / 2,) rows of the early chunks
+    late: torch.Tensor  # (n / 2,) rows of the late chunks
+
+
+def zigzag_blocks(local_cu_seqlens: torch.Tensor, device: torch.device | str = "cpu") -> ZigzagBlocks:
+    """The row sets from ``layout.local_cu_seqlens`` (S + 1,), indices on `device` (the varlen kernels want int32
+    offsets, maximum lengths as Python ints so no kernel call waits on the GPU)."""
+    cu = local_cu_seqlens.to(torch.int32).cpu()
+    starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
+    early = [torch.arange(s, s + n // 2) for s, n in zip(starts, lengths, strict=True)]
+    late = [torch.arange(s + n // 2, s + n) for s, n in zip(starts, lengths, strict=True)]
+    return ZigzagBlocks(cu.to(device), (cu // 2).to(device), max(lengths), max(lengths) // 2,
+                        torch.cat(early).to(device), torch.cat(late).to(device))
+
+
+def step_kind(rank: int, source: int) -> str:
+    """Which block call rank `rank` makes against the K/V of rank `source` (see the module docstring)."""
+    if source == rank:
+        return "causal"
+    return "early_keys" if source < rank else "late_queries"
+
+
+def step_forward(q: torch.Tensor, kv: torch.Tensor, kind: str, blocks: ZigzagBlocks, scale: float
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """One ring step: q (n, H, D), kv (2, n, H_kv, D) -> (rows, out, lse): the partial attention of the local query
+    `rows` (None: all) over the part of `kv` they may see; out (m, H, D), lse (H, m)."""
+    b = blocks
+    if kind == "causal":
+        return None, *block_forward(q, kv[0], kv[1], b.cu, b.cu, b.max_len, b.max_len, True, scale)
+    if kind == "early_keys":
+        k, v = kv[:, b.early]  # (n / 2, H_kv, D) each
+        return None, *block_forward(q, k, v, b.cu, b.chunk_cu, b.max_len, b.max_chunk, False, scale)
+    return b.late, *block_forward(q[b.late], kv[0], kv[1], b.chunk_cu, b.cu, b.max_chunk, b.max_len, False, scale)
+
+
+def step_backward(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  kind: str, blocks: ZigzagBlocks, scale: float
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Gradients of `step_forward`'s call from the final dout, out (n, H, D) and lse (H, n) -> (rows, dq (m, H, D),
+    dkv (2, n, H_kv, D) fp32 for the whole block)."""
+    b = blocks
+    if kind == "causal":
+        dq, dk, dv = block_backward(dout, q, kv[0], kv[1], out, lse, b.cu, b.cu, b.max_len, b.max_len, True, scale)
+        return None, dq, torch.stack([dk, dv]).float()
+    if kind == "early_keys":
+        k, v = kv[:, b.early]
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, b.cu, b.chunk_cu, b.max_len, b.max_chunk, False, scale)
+        dkv = kv.new_zeros(kv.shape, dtype=torch.float32).index_copy_(1, b.early, torch.stack([dk, dv]).float())
+        return None, dq, dkv
+    late = b.late
+    dq, dk, dv = block_backward(dout[late], q[late], kv[0], kv[1], out[late], lse[:, late], b.chunk_cu, b.cu,
+                                b.max_chunk, b.max_len, False, scale)
+    return late, dq, torch.stack([dk, dv]).float()
+
+
+class _LocalRing:
+    """All `size` ranks in this process (`ring_attention_emulated`): a hop is a roll of the rank stack."""
+
+    def __init__(self, size: int):
+        self.ranks, self.size = list(range(size)), size
+
+    def shift(self, stacked: torch.Tensor) -> Callable[[], torch.Tensor]:
+        rolled = stacked.roll(1, dims=0)  # rank r receives rank r - 1's piece
+        return lambda: rolled
+
+
+class _P2PRing:
+    """This rank of a process group (`ranks` = [its group rank]): a hop is a send to r + 1 and a receive from
+    r - 1, started at once and awaited by the returned call so the next block moves while this one computes."""
+
+    def __init__(self, rank: int, size: int, group: Any):
+        self.ranks, self.size, self.group = [rank], size, group
+
+    def shift(self, stacked: torch.Tensor) -> Callable[[], torch.Tensor]:
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return lambda: stacked
+        group = self.group if self.group is not None else dist.group.WORLD
+        rank, stacked = self.ranks[0], stacked.contiguous()
+        # P2POp peers are global ranks, even on a sub-group.
+        send_to = dist.get_global_rank(group, (rank + 1) % self.size)
+        receive_from = dist.get_global_rank(group, (rank - 1) % self.size)
+        received = torch.empty_like(stacked)
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, stacked, send_to, group),
+                                           dist.P2POp(dist.irecv, received, receive_from, group)])
+
+        def wait() -> torch.Tensor:
+            for request in requests:
+                request.wait()
+            return received
+
+        return wait
+
+
+def _ring_forward(q, kv, blocks, ring, scale):
+    """q (R, n, H, D), kv (R, 2, n, H_kv, D) for the R ranks of `ring` in this process -> fp32 out (R, n, H, D),
+    lse (R, H, n). Step i uses the K/V of rank (r - i) mod size; step 0 (causal) gives every row a finite lse."""
+    outs, lses = [], []
+    for step in range(ring.size):
+        incoming = ring.shift(kv) if step + 1 < ring.size else None
+        for i, rank in enumerate(ring.ranks):
+            rows, out, lse = step_forward(q[i], kv[i], step_kind(rank, (rank - step) % ring.size), blocks, scale)
+            if step == 0:
+                outs.append(out.float())
+                lses.append(lse)
+            elif rows is None:
+                outs[i], lses[i] = merge_partials(outs[i], lses[i], out, lse)
+            else:
+                outs[i][rows], lses[i][:, rows] = merge_partials(outs[i][rows], lses[i][:, rows], out, lse)
+        kv = incoming() if incoming is not None else kv
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _ring_backward(dout, q, kv, out, lse, blocks, ring, scale):
+    """-> fp32 dq (R, n, H, D), dkv (R, 2, n, H_kv, D). A block's dK/dV accumulator hops right behind it and, after
+    the last step's hop, arrives at the block's owner."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    arriving = None
+    for step in range(ring.size):
+        incoming = ring.shift(kv) if step + 1 < ring.size else None
+        contributions = []
+        for i, rank in enumerate(ring.ranks):
+            kind = step_kind(rank, (rank - step) % ring.size)
+            rows, dq_part, dkv_part = step_backward(dout[i], q[i], kv[i], out[i], lse[i], kind, blocks, scale)
+            if rows is None:
+                dq[i] += dq_part
+            else:
+                dq[i].index_add_(0, rows, dq_part.float())
+            contributions.append(dkv_part)
+        dkv = torch.stack(contributions)  # (R, 2, n, H_kv, D)
+        arriving = ring.shift(dkv if arriving is None else arriving() + dkv)
+        kv = incoming() if incoming is not None else kv
+    return dq, arriving()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Saves only the local q, k, v, out and lse; the backward is a second ring pass (`_ring_backward`)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: ZigzagBlocks, ring: Any,
+                scale: float) -> torch.Tensor:
+        kv = torch.stack([k, v], dim=1)  # (R, 2, n, H_kv, D): one message per hop
+        out, lse = _ring_forward(q.contiguous(), kv, blocks, ring, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.blocks, ctx.ring, ctx.scale = blocks, ring, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dkv = _ring_backward(dout.contiguous(), q.contiguous(), kv, out, lse, ctx.blocks, ctx.ring, ctx.scale)
+        return dq.to(q.dtype), dkv[:, 0].to(kv.dtype), dkv[:, 1].to(kv.dtype), None, None, None
+
+
+def ring_attention_emulated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            local_cu_seqlens: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """The ring of `ring_attention` for all cp ranks in one process (same loop, same kernels; hops are rolls).
+
+    Args:
+        query: (cp, n, H, D), rank r's zigzag queries in row r; key, value: (cp, n, H_kv, D).
+        local_cu_seqlens: (S + 1,) any rank's ``layout.local_cu_seqlens`` (the same on every rank).
+
+    Returns:
+        (cp, n, H, D), differentiable.
+    """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    blocks = zigzag_blocks(local_cu_seqlens, query.device)
+    return _RingAttention.apply(query, key, value, blocks, _LocalRing(query.shape[0]), scale)
+
+
 def ring_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: ZigzagLayout, scaling: float | None = None
 ) -> torch.Tensor:
@@ -178,22 +379,7 @@ def ring_attention(
     """
     if _flash_ring_available(query):
         return _flash_ring(query, key, value, layout, scaling)
-    size, rank = layout.size, layout.rank
-    keys = all_gather(key, layout.group)  # (size, 1, H_kv, n, D)
-    values = all_gather(value, layout.group)
-    cu = layout.local_cu_seqlens.tolist()
-    outputs = []
-    for s, padded in enumerate(layout.padded_lengths):
-        chunk, start = padded // (2 * size), cu[s]
-        # chunk j of the sequence lives on rank j (j < size) or 2size-1-j, first or second half of its local share
-        pieces = [(j if j < size else 2 * size - 1 - j, 0 if j < size else chunk) for j in range(2 * size)]
-        k_full = torch.cat([keys[r][:, :, start + o : start + o + chunk] for r, o in pieces], dim=2)  # (1,Hkv,L,D)
-        v_full = torch.cat([values[r][:, :, start + o : start + o + chunk] for r, o in pieces], dim=2)
-        q_pos = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                           torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)])
-        mask = torch.arange(padded)[None, :] <= q_pos[:, None]  # (2 chunk, L): causal by global position
-        outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start : start + 2 * chunk], k_full, v_full, attn_mask=mask.to(query.device), scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1],
-        ))  # (1, H, 2 chunk, D)
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    blocks = zigzag_blocks(layout.local_cu_seqlens, query.device)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (1, n, H, D), (1, n, H_kv, D)
+    return _RingAttention.apply(q, k, v, blocks, _P2PRing(layout.rank, layout.size, layout.group), scale)
