@@ -2,9 +2,10 @@
 seeds, whatever rank holds the prompt), rewards, KL, entropy, gradient norms, KL coefficient and Lagrange multipliers
 per rollout, for data, tensor and context parallelism, with the critic (GAE), and with CPU offload.
 
-Completions are 32 tokens, so under context parallelism every completion spans both zigzag shards: per-token sums
+Under context parallelism completions are 32 tokens, so every completion spans both zigzag shards: per-token sums
 measured on one shard (KL, entropy, token counts) must be completed over the context-parallel group before they feed
-the adaptive KL controller and the multipliers, or the peers' controllers diverge and the logs show one shard."""
+the adaptive KL controller and the multipliers, or the peers' controllers diverge and the logs show one shard. The
+other layouts use 8-token completions (the test's cost is mostly generation and updates of long completions)."""
 
 import lightning as L
 import pytest
@@ -27,9 +28,13 @@ CONTROLLED = {"kl": {"coef": 0.05, "controller": "adaptive", "target": 0.001, "h
 GAE = {"advantage_estimator": "gae", "critic_lr": 1e-3, "lam": 0.9, "gamma": 0.99}
 
 
-def _ppo(env, dp=1, cp=1, tp=1, task_kwargs=None, strategy_kwargs=None, rollouts=3):
+def _tokens(cp):
+    return 32 if cp > 1 else 8
+
+
+def _ppo(env, dp=1, cp=1, tp=1, task_kwargs=None, strategy_kwargs=None, rollouts=3, tokens=None):
     L.seed_everything(0)
-    model = ppo_task(env, rollout={"max_new_tokens": 32}, optim={"lr": 2e-3, "max_grad_norm": 1.0},
+    model = ppo_task(env, rollout={"max_new_tokens": tokens or _tokens(cp)}, optim={"lr": 2e-3, "max_grad_norm": 1.0},
                      update_per_rollout=2, max_length_per_device=256, max_rollouts=rollouts, **(task_kwargs or {}))
     metrics = Metrics(COMPARED)
     strategy = {}
@@ -63,9 +68,10 @@ SINGLE = {}  # single-process histories, shared by the layouts that compare agai
     ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload"],
 )
 def test_ppo_parallel_equals_single_process(sizes, task_kwargs, strategy_kwargs, env, tmp_path):
-    key = repr(task_kwargs)
+    tokens = _tokens(sizes[1])
+    key = (repr(task_kwargs), tokens)
     if key not in SINGLE:
-        SINGLE[key] = _ppo(env, task_kwargs=task_kwargs)
+        SINGLE[key] = _ppo(env, task_kwargs=task_kwargs, tokens=tokens)
     single = SINGLE[key]
     run_on_cpu_ranks(_worker, sizes[0] * sizes[1] * sizes[2], env, sizes, task_kwargs, strategy_kwargs,
                      tmp_path / "h.pt")
