@@ -64,14 +64,22 @@ def packed_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        scaling: float | None) -> torch.Tensor:
     """One flash call for the whole packed row: query (1, H, N, D), key/value (1, H_kv, N, D), `bounds` the S + 1
     sequence offsets -> (1, N, H, D). Causal is ``window_size=(-1, 0)`` in varlen_attn's API."""
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
     cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     max_len = max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
+    gqa = {}
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            gqa["enable_gqa"] = True
+        else:  # torch 2.11 has no enable_gqa (and may pick cuDNN kernels): give every query head its K/V
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = varlen_attn(
         query[0].transpose(0, 1).contiguous(), key[0].transpose(0, 1).contiguous(),  # (N, H, D), (N, H_kv, D)
-        value[0].transpose(0, 1).contiguous(), cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
-        enable_gqa=key.shape[1] != query.shape[1],
+        value[0].transpose(0, 1).contiguous(), cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa,
     )  # (N, H, D)
     return out.unsqueeze(0)
 
