@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU checks of rl_lightning in one run, ending in one results table (issue 13):
+#   attention  varlen attention vs SDPA, ring merge with the CUDA kernels (benchmarks/gpu/attention.py, if present)
+#   sft        SFT tokens/s, MFU and peak memory, Qwen3-0.6B / Qwen2.5-1.5B shapes, activation checkpointing on/off
+#   fsdp       FSDP2 bf16 mixed precision vs fp32 loss curves
+#   gather     FSDP2 weight gather for the rollout engine: seconds and peak memory per bucket size
+#   grpo       one GRPO step through the PPO task with the HF engine: seconds, generation share
+# (benchmarks/gpu/train.py's docstring gives each measurement and formula.)
+#
+#   bash benchmarks/gpu/run.sh [--dry] [--wheels DIR] [--out DIR]
+#
+# --dry      CPU, tiny shapes, the same code (CI runs it: tests/test_gpu_script.py); 1-2.5 minutes on 2 cores
+# --wheels   install DIR/*.whl (benchmarks/gpu/wheels.sh DIR makes it where pip reaches PyPI) into OUT/site first,
+#            for a CUDA machine with torch, transformers and lightning but without the project's other dependencies
+# --out      where results.jsonl, one log per check and the installed wheels go (default: a new /tmp folder)
+# PYTHON     the interpreter (default: the repo's .venv/bin/python if there is one, else python, else python3)
+#
+# Each check runs in its own process under a time limit; one that crashes or times out is recorded as failed with
+# the last line of its log and the rest still run. Exit status: 0 when every check is ok, 1 when one failed,
+# 2 when nothing could run (no CUDA without --dry, the project does not import).
+set -uo pipefail
+
+usage() { sed -n '10,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+DRY=0 WHEELS="" OUT=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry) DRY=1; shift ;;
+        --wheels) WHEELS=${2:?--wheels needs a folder}; shift 2 ;;
+        --out) OUT=${2:?--out needs a folder}; shift 2 ;;
+        -h | --help) usage; exit 0 ;;
+        *) echo "run.sh: error: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+    esac
+done
+
+OUT=${OUT:-$(mktemp -d /tmp/rl_lightning_gpu.XXXXXX)}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+if [ -n "$WHEELS" ] && ! WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd); then echo "run.sh: error: --wheels: no such folder" >&2; exit 2; fi
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$REPO" || exit 2
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=$(command -v python || command -v python3); fi
+fi
+RESULTS="$OUT/results.jsonl"
+: >"$RESULTS"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ -n "$WHEELS" ]; then
+    shopt -s nullglob
+    wheels=("$WHEELS"/*.whl)
+    shopt -u nullglob
+    if [ ${#wheels[@]} -eq 0 ]; then
+        echo "run.sh: error: no .whl files in '$WHEELS' (make them with benchmarks/gpu/wheels.sh DIR)" >&2
+        exit 2
+    fi
+    "$PYTHON" -m pip install --quiet --upgrade --no-index --no-deps --target "$OUT/site" "${wheels[@]}" >"$OUT/pip.log" 2>&1 || {
+        echo "run.sh: error: pip could not install the wheels from '$WHEELS': $(tail -n 1 "$OUT/pip.log")" >&2
+        exit 2
+    }
+    export PYTHONPATH="$OUT/site:$PYTHONPATH"
+    echo "installed ${#wheels[@]} wheels from $WHEELS into $OUT/site"
+fi
+
+if [ $DRY -eq 0 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    echo "run.sh: error: torch sees no CUDA device (torch.cuda.is_available() is False); run on a GPU machine, or pass --dry for the CPU run" >&2
+    exit 2
+fi
+if ! "$PYTHON" -c "import rl_lightning.tasks, rl_lightning.data, rl_lightning.parallel.strategy" 2>"$OUT/imports.log"; then
+    echo "run.sh: error: the project does not import ($(tail -n 1 "$OUT/imports.log")); install its dependencies or pass --wheels DIR (benchmarks/gpu/wheels.sh DIR)" >&2
+    exit 2
+fi
+
+if [ $DRY -eq 1 ]; then
+    FLAGS=(--dry)
+    declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120)
+    echo "rl_lightning GPU checks, DRY run (CPU, tiny shapes); results in $RESULTS"
+else
+    FLAGS=()
+    # per-check limits on one H100: 555 s in all, under the 10 minutes a command may take on the lent machines
+    declare -A LIMIT=([attention]=90 [sft]=150 [fsdp]=75 [gather]=60 [grpo]=180)
+    echo "rl_lightning GPU checks; results in $RESULTS"
+fi
+
+run_check() {  # NAME COMMAND...: run one check under its time limit; a crash or a timeout becomes a failed record
+    local name=$1 limit=${LIMIT[$1]} log="$OUT/$1.log" start=$SECONDS rc=0 reason records
+    shift
+    records=$(wc -l <"$RESULTS")
+    timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    reason="exit status $rc"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then reason="timed out after $limit s"; fi
+    if [ $rc -eq 0 ] && [ "$(wc -l <"$RESULTS")" -eq "$records" ]; then rc=1 reason="no results written"; fi
+    if [ $rc -eq 0 ]; then
+        printf '%-10s %4d s  done\n' "$name" $((SECONDS - start))
+        return
+    fi
+    printf '%-10s %4d s  FAILED (%s), log %s:\n' "$name" $((SECONDS - start)) "$reason" "$log"
+    tail -n 12 "$log" | sed 's/^/    /'
+    "$PYTHON" benchmarks/gpu/table.py "$RESULTS" --add-failure "$name" --log "$log" --reason "$reason" >/dev/null
+}
+
+if [ -f benchmarks/gpu/attention.py ]; then
+    run_check attention "$PYTHON" benchmarks/gpu/attention.py "${FLAGS[@]}" --results "$RESULTS"
+else
+    echo "attention checks: benchmarks/gpu/attention.py missing"
+fi
+for check in sft fsdp gather grpo; do
+    run_check "$check" "$PYTHON" benchmarks/gpu/train.py "$check" "${FLAGS[@]}" --results "$RESULTS"
+done
+
+echo
+"$PYTHON" benchmarks/gpu/table.py "$RESULTS" "${FLAGS[@]}"
