@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from conftest import TINY_MODEL, assert_close
+from helpers import run_on_cpu_ranks
 
 from rl_lightning.algorithms import token_logprobs
 from rl_lightning.data.prompts import Prompt
@@ -81,6 +82,37 @@ def test_stop_tokens_end_completions(engine):
     first = greedy.token_ids.index(stop)
     assert stopped.finished and stopped.token_ids == greedy.token_ids[: first + 1]
     assert len(stopped.logprobs) == len(stopped.token_ids)
+
+
+def _lockstep_worker(rank, out_path):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # a missed step fails, never hangs
+    model = load_causal_lm(str(TINY_MODEL))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    engine = HFEngine(model, pad_token_id=257)
+    (greedy,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=8))[0]
+    stops = [greedy.token_ids[1]] if rank == 0 else []  # rank 0 stops after 2 tokens, rank 1 decodes all 8
+    (stopped,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=stops))[0]
+    torch.save((greedy.token_ids, stopped.token_ids, stopped.finished), f"{out_path}.{rank}")
+
+
+def test_sharded_policy_decodes_in_lockstep_across_ranks(engine, tmp_path):
+    """Under FSDP2 every forward is a collective: a rank whose completions all stopped keeps stepping until its peers
+    are done (else its peers wait in an all-gather it never joins), and its completions are still cut at the stop."""
+    run_on_cpu_ranks(_lockstep_worker, 2, tmp_path / "out")
+    (reference,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=8))[0]
+    (greedy0, stopped0, finished0), (greedy1, stopped1, finished1) = (
+        torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert greedy0 == greedy1 == reference.token_ids  # sharding changes nothing
+    first = reference.token_ids.index(reference.token_ids[1])
+    assert stopped0 == reference.token_ids[: first + 1] and finished0
+    assert stopped1 == reference.token_ids and not finished1
 
 
 def _env(tmp_path, source):
