@@ -163,6 +163,11 @@ class RolloutCallback(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         c = self.config
+        if c.engine == "hf" and trainer.world_size > 1 and (c.filter_range is not None or c.max_turns > 1):
+            # the sharded policy's forwards are collectives, and these loops decide per rank how often to generate
+            raise ConfigError(f"model.rollout.engine=hf on {trainer.world_size} processes does not support dynamic "
+                              f"sampling (filter_range={c.filter_range}) or multi-turn rollouts "
+                              f"(max_turns={c.max_turns}) yet; use engine: vllm or one process")
         if self.env.scorer is None:
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices)
         if c.engine == "hf":
