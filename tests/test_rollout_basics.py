@@ -76,6 +76,32 @@ def test_batched_decoding_samples_what_generate_samples_for_each_prompt_alone(en
     assert len({tuple(c.token_ids) for g in batched for c in g}) > 3  # not a constant sequence
 
 
+def test_a_prompt_leaves_the_batch_when_its_completions_stopped_and_others_sample_the_same(engine):
+    """With stop tokens, a prompt whose n rows have all stopped leaves the batch and the KV cache (the forward's
+    batch shrinks), and every prompt still gets exactly what ``model.generate`` samples for it alone."""
+    prompts, seeds = [PROMPT, PROMPT[:5], PROMPT[3:9]], [5, 9, 11]
+    free = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seeds=seeds))
+    stops = sorted({c.token_ids[0] for c in free[1]})  # the middle prompt's first tokens: it stops at once
+    batch_sizes = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        batched = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seeds=seeds,
+                                                          stop_token_ids=stops))
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == 9 and min(batch_sizes) < 9  # a prompt's rows left the batch
+    for prompt, seed, completions in zip(prompts, seeds, batched, strict=True):
+        torch.manual_seed(seed)
+        ids = torch.tensor([prompt] * 3)
+        reference = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                          max_new_tokens=16, pad_token_id=257, eos_token_id=stops, temperature=1.0,
+                                          top_k=None)[:, len(prompt):].tolist()
+        for completion, row in zip(completions, reference, strict=True):
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            assert completion.token_ids == row[:end] and completion.finished == (row[end - 1] in stops)
+
+
 def test_stop_tokens_end_completions(engine):
     (greedy,) = engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=6))[0]
     stop = greedy.token_ids[2]

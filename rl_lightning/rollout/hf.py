@@ -56,9 +56,10 @@ class HFEngine:
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, steps) sampled tokens and their log-probabilities; row ``i * n + j`` is prompt i's j-th sample.
-        Rows that hit a stop token keep decoding (cheaper than reshaping the cache) and are cut by `_completion`."""
+        A prompt's rows leave the batch (and the KV cache) once all of them have stopped; until then a stopped row
+        keeps decoding, so the prompt's draws stay exactly ``generate``'s, and `_completion` cuts it at its stop."""
         device = next(self.model.parameters()).device
-        n, width = params.n, max(len(p) for p in prompts)
+        n, width, steps = params.n, max(len(p) for p in prompts), params.max_new_tokens
         input_ids = torch.full((len(prompts) * n, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, prompt in enumerate(prompts):
@@ -69,22 +70,32 @@ class HFEngine:
         generators = [self._generator(params.request_seed(i), device) for i in range(len(prompts))]
         stops = torch.tensor(params.stop_token_ids or [-1], device=device)
         sharded = _sharded(self.model)
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
-        tokens, logprobs, cache = [], [], None
-        for step in range(params.max_new_tokens):
+        tokens = torch.full((len(prompts) * n, steps), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(tokens.shape, device=device)
+        rows = torch.arange(tokens.shape[0], device=device)  # the batch's rows, as rows of `tokens`
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
+        cache, step = None, 0
+        for step in range(steps):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             scores = process_logits(out.logits[:, -1].float(), params)  # what the token is sampled from
             token = sample(scores, generators, n) if params.temperature > 0 else scores.argmax(-1)
-            tokens.append(token)
-            logprobs.append(scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+            tokens[rows, step] = token
+            logprobs[rows, step] = scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
             done |= torch.isin(token, stops)
-            if step + 1 == params.max_new_tokens or _all_done(done, sharded):
+            if step + 1 == steps or _all_done(done, sharded):
                 break
             input_ids, positions = token[:, None], positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+            going = ~done.view(-1, n).all(1)  # per prompt of the batch
+            if 0 < int(going.sum()) < len(generators):  # (a rank whose prompts all stopped keeps one in lockstep)
+                keep = going.repeat_interleave(n).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                input_ids, positions, attention_mask = input_ids[keep], positions[keep], attention_mask[keep]
+                rows, done = rows[keep], done[keep]
+                generators = [g for g, on in zip(generators, going.tolist(), strict=True) if on]
+        return tokens[:, : step + 1], logprobs[:, : step + 1]
 
     @staticmethod
     def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
