@@ -30,9 +30,22 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
     if is_global_zero:
         model.save_pretrained(dirpath, state_dict=state)
         load_tokenizer(tokenizer_name).save_pretrained(dirpath)
+        _ordinary_permissions(Path(dirpath))
         log.info("exported Hugging Face model to %s", dirpath)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank leaves (and tears down the process group) while rank 0 writes
+
+
+def _ordinary_permissions(dirpath: Path) -> None:
+    """safetensors writes its weight files through a private temporary file (mode 0600): give every exported file
+    the mode a new file gets under the user's umask, so the export can be served by another user or container."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in dirpath.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 class HFExport(L.Callback):

@@ -3,6 +3,7 @@ losses match a one-by-one reference computation; the RM reads rewards where Hugg
 and its export scores like training did."""
 
 import math
+import os
 
 import lightning as L
 import pytest
@@ -138,6 +139,10 @@ def test_reward_model_export_scores_like_training(tmp_path):
     for sequence, reward in zip((pair.chosen, pair.rejected), training_rewards, strict=True):
         hf_reward = exported(input_ids=torch.tensor([sequence.input_ids])).logits[0, 0]
         assert_close(hf_reward, reward, atol=1e-5)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "rm").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask  # servable by another user
 
 
 def test_reward_is_read_where_hf_pools_when_eos_pads():
