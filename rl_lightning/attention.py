@@ -8,7 +8,8 @@ path builds an N x N block-diagonal mask and attends over the whole row: O(N^2) 
   torch >= 2.10): one kernel call for the whole row, sequences delimited by ``cu_seqlens``;
 - anywhere else (CPU, fp32, older torch, attention dropout): causal SDPA on each sequence in a Python loop.
 
-Padded batches and cached generation go to stock SDPA with its mask. When the forward carries a ``cp_layout`` (a
+Padded batches and cached generation go to SDPA with their mask: transformers' own path on CUDA, and off CUDA
+`padded_sdpa`, which keeps grouped K/V heads as they are instead of copying them per query head. When the forward carries a ``cp_layout`` (a
 context-parallel shard), it runs zigzag ring attention over the context-parallel group
 (`rl_lightning.parallel.ring_attention`), whose per-step kernels live here too: `block_forward` / `block_backward`
 return and consume the log-sum-exp that `merge_partials` needs, through torch's flash kernels on CUDA fp16/bf16 or
@@ -18,6 +19,7 @@ explicit fp32 maths elsewhere. Installed by an explicit `register_varlen_attenti
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,15 +66,13 @@ def packed_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        scaling: float | None) -> torch.Tensor:
     """One flash call for the whole packed row: query (1, H, N, D), key/value (1, H_kv, N, D), `bounds` the S + 1
     sequence offsets -> (1, N, H, D). Causal is ``window_size=(-1, 0)`` in varlen_attn's API."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     max_len = max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
     gqa = {}
     if key.shape[1] != query.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        if _varlen_has_gqa():
             gqa["enable_gqa"] = True
         else:  # torch 2.11 has no enable_gqa (and may pick cuDNN kernels): give every query head its K/V
             groups = query.shape[1] // key.shape[1]
@@ -82,6 +82,15 @@ def packed_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         value[0].transpose(0, 1).contiguous(), cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa,
     )  # (N, H, D)
     return out.unsqueeze(0)
+
+
+@functools.cache
+def _varlen_has_gqa() -> bool:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
