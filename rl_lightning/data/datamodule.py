@@ -14,7 +14,6 @@ from rl_lightning.data.steps import (
     StepDataset,
     check_batching_args,
     check_enough_rows,
-    log_stats,
 )
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.reductions import data_parallel_coords
@@ -69,10 +68,10 @@ class StepDataModule(L.LightningDataModule):
                 units, _ = self.build_units(load_rows(path, hp.split), name)
                 self.units[name] = units
         check_enough_rows(len(self.units["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
-        log_stats(self.trainer, self.stats)
 
     def count(self, name: str, rows: int, truncated: int, dropped: int, source: str, what: str) -> None:
-        """Record (and warn about) rows, truncations and drops; logged as ``data/<name>_*`` metrics."""
+        """Record (and warn about) rows, truncations and drops: ``data/<name>_*`` metrics, which the CLI's
+        ``rl_lightning.tracking.MLflowTracking`` logs at train start."""
         self.stats.update({f"data/{name}_rows": rows, f"data/{name}_truncated": truncated,
                            f"data/{name}_dropped": dropped})
         if truncated or dropped:

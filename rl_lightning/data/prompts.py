@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from rl_lightning.data.datamodule import load_tokenizer_for_data
 from rl_lightning.data.loading import Rows, load_rows
 from rl_lightning.data.rows import check_prompt_rows
-from rl_lightning.data.steps import check_enough_rows, log_stats
+from rl_lightning.data.steps import check_enough_rows
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.parallel.reductions import data_parallel_coords
 
@@ -138,7 +138,6 @@ class PromptDataModule(L.LightningDataModule):
             if path and name not in self.prompts:
                 self.prompts[name] = self._load(load_rows(path, hp.split), name)
         check_enough_rows(len(self.prompts["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
-        log_stats(self.trainer, self.stats)
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dp_rank, dp_size = data_parallel_coords(self.trainer)

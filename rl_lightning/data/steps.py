@@ -206,13 +206,6 @@ def check_enough_rows(num_units: int, rows_per_rank: int, dp_size: int, source: 
         )
 
 
-def log_stats(trainer: Any, stats: dict[str, int]) -> None:
-    """Send data counters (rows, truncated, dropped) to every logger at step 0."""
-    if trainer is not None:
-        for logger in trainer.loggers:
-            logger.log_metrics({k: float(v) for k, v in stats.items()}, step=0)
-
-
 def check_batching_args(
     max_length: int, batch_size: int, packing: bool, max_length_per_device: int, micro_batch_size: int
 ) -> None:

@@ -251,6 +251,7 @@ class PPO(L.LightningModule):
         self.rollout_callback = RolloutCallback(rollout)
         self._val_sums: torch.Tensor | None = None
         self._val_names: list[str] = []
+        self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
 
     @property
     def model_name(self) -> str:
@@ -512,6 +513,7 @@ class PPO(L.LightningModule):
                                             hp.clip_high, hp.dual_clip)
         if hp.tis_cap is not None:
             loss = loss * truncated_importance_weights(mb["old_logprobs"], mb["target_engine_logprobs"], hp.tis_cap)
+        metrics["policy_loss"] = loss.detach()  # the clipped surrogate per token, before KL and entropy terms
         measured = {"entropy": entropy}
         if self._reference is not None:
             measured["kl"] = KL_ESTIMATORS[self.kl_config.estimator](logprobs, mb["ref_logprobs"])
@@ -564,13 +566,12 @@ class PPO(L.LightningModule):
             "train/rollouts": float(self.rollouts), "train/refills": float(rollout.refills),
             "train/reward_failures": float(rollout.reward_failures), "train/trajectories": count,
             "train/micro_batches": float(micro_batches), **rollout.metrics})
-        self.log_dict(metrics, prog_bar=False)
-        self.log("reward", mean, prog_bar=True, logger=False)
+        self.log_dict(metrics)
 
     # ---------------------------------------------------------------------------------------------- validation
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Held-out prompts (sampled by the rollout callback, greedy by default): accumulate reward sums."""
+        """Held-out prompts (sampled by the rollout callback at `rollout.val_temperature`): accumulate reward sums."""
         rollout: Rollout = batch["rollout"]
         trajectories, self._val_names = rollout.trajectories, rollout.reward_names
         record = torch.tensor([sum(t.reward for t in trajectories), sum(t.completion_length for t in trajectories),
@@ -586,6 +587,7 @@ class PPO(L.LightningModule):
         reward, length, *components = totals[[0, 1, *range(3, len(totals))]] / totals[2].clamp(min=1)
         metrics = {"val/reward": reward, "val/completion_length": length,
                    **{f"val/reward/{c}": v for c, v in zip(self._val_names, components, strict=True)}}
+        self.validation_metrics = {k: float(v) for k, v in metrics.items()}  # the terminal's, sanity check included
         if self.trainer.sanity_checking:  # Lightning drops sanity-check logs; keep the untrained policy's score
             for logger in self.trainer.loggers:
                 logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=0)

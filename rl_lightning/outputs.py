@@ -1,0 +1,103 @@
+"""Each run's own output folder, so runs never overwrite each other.
+
+``outputs/<run>/<YYYY-mm-dd_HH-MM-SS>/`` holds the run's ``checkpoints/``, its Hugging Face ``export/``, the resolved
+``config.yaml`` and ``run.json`` (the MLflow run it logs to); ``outputs/<run>/latest`` points at the newest. The CLI
+resumes ``--ckpt_path last`` in ``latest`` (same folder, same MLflow run).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "run.json"
+
+
+def new_run_dir(root: str | Path, name: str) -> Path:
+    """A fresh ``<root>/<name>/<time stamp>`` (``-2``, ``-3``, ... appended when that second is taken), created."""
+    parent = Path(root) / name
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for attempt in range(1, 1000):
+        path = parent / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run folder under {parent} for {stamp}")
+
+
+def point_latest(run_dir: Path) -> None:
+    """Make ``<run_dir>/../latest`` a relative symlink to `run_dir`, replacing the old one atomically."""
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest-{os.getpid()}"
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(run_dir.name, target_is_directory=True)
+    os.replace(tmp, link)
+
+
+def latest_run_dir(root: str | Path, name: str) -> Path | None:
+    """The folder ``<root>/<name>/latest`` points at, or None when there is no earlier run."""
+    link = Path(root) / name / "latest"
+    return Path(os.path.realpath(link)) if link.is_symlink() and link.resolve().is_dir() else None
+
+
+def read_run_file(run_dir: Path) -> dict:
+    path = run_dir / RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class RunOutputs(L.Callback):
+    """Put the run's checkpoints and export in its own folder (see the module docstring).
+
+    Only callbacks whose ``dirpath`` is unset are redirected: a ``ModelCheckpoint`` to ``<run folder>/checkpoints``
+    and an ``HFExport`` to ``<run folder>/export``. Global rank 0 names the folder and every rank uses that name.
+
+    Args:
+        name: the run's name (the CLI passes the MLflow run name, from the recipe: ``grpo``, ``real-grpo``).
+        root: the folder holding every run's outputs.
+        dirpath: use this run folder instead of a new one (the CLI passes ``latest`` when resuming).
+    """
+
+    def __init__(self, name: str = "run", root: str = "outputs", dirpath: str | None = None) -> None:
+        self.name, self.root = name, root
+        self.dirpath = Path(dirpath) if dirpath else None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.dirpath is None:
+            path = str(new_run_dir(self.root, self.name)) if trainer.is_global_zero else None
+            self.dirpath = Path(trainer.strategy.broadcast(path))
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            point_latest(self.dirpath)
+            print(f"outputs: {self.dirpath}  ({Path(self.root) / self.name / 'latest'} points here)", flush=True)
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = os.path.realpath(self.dirpath / "checkpoints")
+            elif type(callback).__name__ == "HFExport" and callback.dirpath is None:
+                callback.dirpath = str(self.dirpath / "export")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Record the MLflow run (so a resume continues it) and tag the run with this folder."""
+        if not trainer.is_global_zero or self.dirpath is None:
+            return
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        record = read_run_file(self.dirpath)
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": logger._experiment_name,
+                               "mlflow_tracking_uri": logger._tracking_uri})
+                logger.experiment.set_tag(logger.run_id, "rl_lightning.output_dir", str(self.dirpath.resolve()))
+        (self.dirpath / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,261 @@
+"""The run's terminal: one progress bar over the whole run, validation results as lines, and a summary at the end.
+
+Lightning's bars count batches per epoch. Here a run is counted the way it is bounded: PPO-family tasks in rollouts
+(``model.max_rollouts``), the others in optimizer steps (``trainer.max_steps``, or the epochs' batches). The bar shows
+the metrics a user watches (reward, completion length, KL, loss; DPO's accuracy and margin) from the values the task
+logs. On a terminal it is a Rich live bar; in a log file (SLURM, ``> out.txt``) it prints a line at each tenth of the
+run and at least every ``line_every_s`` seconds instead of a bar nobody can read.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+
+# train/ metrics shown on the bar, in this order, with their short names (the first present of each name wins)
+SHOWN = (
+    ("train/reward", "reward"),
+    ("train/completion_length", "len"),
+    ("train/kl", "kl"),
+    ("train/policy_loss", "loss"),
+    ("train/loss", "loss"),
+    ("train/value_loss", "value_loss"),
+    ("train/accuracy", "acc"),
+    ("train/margin", "margin"),
+)
+
+
+def format_metrics(metrics: dict[str, float], shown: tuple[tuple[str, str], ...] = SHOWN) -> str:
+    """``reward 0.742 · len 3.12 · loss -0.0123``: the `shown` keys present in `metrics`, each short name once."""
+    parts, names = [], set()
+    for key, name in shown:
+        if key in metrics and name not in names:
+            names.add(name)
+            parts.append(f"{name} {metrics[key]:.4g}")
+    return " · ".join(parts)
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):  # a non-scalar value has nothing to show
+            continue
+    return out
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class RunProgress(ProgressBar):
+    """One bar for the whole run, validation lines and an end-of-run summary (global rank 0 only).
+
+    Args:
+        metrics: extra ``{logged key: short name}`` shown on the bar after the defaults (e.g.
+            ``{"train/entropy": "entropy"}``).
+        line_every_s: without a terminal, print a progress line at least this often (seconds) besides each tenth
+            of the run.
+    """
+
+    def __init__(self, metrics: dict[str, str] | None = None, line_every_s: float = 60.0) -> None:
+        super().__init__()
+        self.shown = SHOWN + tuple((metrics or {}).items())
+        self.line_every_s = line_every_s
+        self._enabled = True
+        self._progress: Any = None  # rich.progress.Progress on a terminal
+        self._task: Any = None
+        self._val_task: Any = None
+        self._total = 0
+        self._done = 0
+        self._started = 0.0
+        self._last_line = 0.0
+        self._next_milestone = 1
+        self.last_validation: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------ ProgressBar interface
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self._progress is not None:
+            self._progress.console.print(*args, **kwargs)
+        else:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------- run bounds
+
+    @staticmethod
+    def unit(pl_module: L.LightningModule) -> str:
+        return "rollout" if hasattr(pl_module, "run_rollouts") else "step"
+
+    @staticmethod
+    def run_total(trainer: L.Trainer, pl_module: L.LightningModule) -> int | None:
+        """Rollouts (PPO-family tasks) or optimizer steps the run takes; None when unbounded or unknown."""
+        try:
+            total = pl_module.run_rollouts() if hasattr(pl_module, "run_rollouts") else trainer.estimated_stepping_batches
+        except Exception:  # noqa: BLE001 - an unknowable length only loses the bar's total
+            return None
+        return None if total is None or math.isinf(total) else int(total)
+
+    @staticmethod
+    def run_done(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        return int(getattr(pl_module, "rollouts", trainer.global_step))
+
+    def _description(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+        name = run_name(trainer) or type(pl_module).__name__
+        bounded_by_epochs = trainer.max_steps == -1 and not hasattr(pl_module, "run_rollouts")
+        if bounded_by_epochs and trainer.max_epochs not in (None, -1, 1):
+            return f"{name} epoch {trainer.current_epoch + 1}/{trainer.max_epochs}"
+        return name
+
+    # ------------------------------------------------------------------------------------------------ hooks
+
+    def _start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._enabled or self._started:
+            return
+        self._started = self._last_line = time.monotonic()
+        self._total = self.run_total(trainer, pl_module) or 0
+        self._done = self.run_done(trainer, pl_module)
+        if not sys.stdout.isatty():
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(), TextColumn("•"), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+            refresh_per_second=4,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(self._description(trainer, pl_module), total=self._total or None,
+                                             completed=self._done, unit=f"{self.unit(pl_module)}s", metrics="")
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start(trainer, pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._enabled:
+            return
+        self._done = self.run_done(trainer, pl_module)
+        metrics = format_metrics(_floats(trainer.callback_metrics), self.shown)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self._done, metrics=metrics,
+                                  description=self._description(trainer, pl_module))
+            return
+        now = time.monotonic()
+        milestone = self._total and self._done * 10 >= self._next_milestone * self._total
+        if milestone or now - self._last_line >= self.line_every_s or self._done == self._total:
+            while self._total and self._done * 10 >= self._next_milestone * self._total:
+                self._next_milestone += 1
+            self._last_line = now
+            total = f"/{self._total}" if self._total else ""
+            print(f"{self._description(trainer, pl_module)} {self.unit(pl_module)} {self._done}{total} "
+                  f"[{_duration(now - self._started)}] {metrics}".rstrip(), flush=True)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._enabled and self._progress is not None:
+            total = sum(n for n in trainer.num_sanity_val_batches if not math.isinf(n)) if trainer.sanity_checking \
+                else sum(n for n in trainer.num_val_batches if not math.isinf(n))
+            self._val_task = self._progress.add_task("validation", total=total or None, unit="batches", metrics="")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._val_task is not None:
+            self._progress.advance(self._val_task)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._val_task is not None:
+            self._progress.remove_task(self._val_task)
+            self._val_task = None
+        if not self._enabled:
+            return
+        # tasks whose start-of-run score Lightning would drop (sanity check) keep it in `validation_metrics`
+        metrics = getattr(pl_module, "validation_metrics", None) or {
+            k: v for k, v in _floats(trainer.callback_metrics).items() if k.startswith("val/")}
+        if not metrics or (trainer.sanity_checking and not getattr(pl_module, "validation_metrics", None)):
+            return  # Lightning's partial sanity pass (a few batches) says nothing worth printing
+        self.last_validation = dict(metrics)
+        where = "start" if trainer.sanity_checking else f"{self.unit(pl_module)} {self.run_done(trainer, pl_module)}"
+        values = " · ".join(f"{k.removeprefix('val/')} {v:.4g}" for k, v in metrics.items())
+        self.print(f"validation @ {where}: {values}")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self.run_done(trainer, pl_module))
+            self._progress.stop()
+            self._progress = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After the export (written at train end): the summary of what the run did and where everything went."""
+        if not self._enabled or not self._started:
+            return
+        print(summary(trainer, pl_module, self, time.monotonic() - self._started), flush=True)
+
+
+def run_name(trainer: L.Trainer) -> str | None:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            return logger._run_name
+    return None
+
+
+def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, seconds: float) -> str:
+    """The end-of-run lines: length and time, last train and validation metrics, outputs, the MLflow run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    done, unit = bar.run_done(trainer, pl_module), bar.unit(pl_module)
+    name = run_name(trainer) or type(pl_module).__name__
+    lines = [f"{name} finished: {done} {unit}{'s' if done != 1 else ''} in {_duration(seconds)}"]
+    train = format_metrics(_floats(trainer.callback_metrics), bar.shown)
+    if train:
+        lines.append(f"  train      {train}")
+    if bar.last_validation:
+        lines.append("  validation " + " · ".join(f"{k.removeprefix('val/')} {v:.4g}"
+                                                  for k, v in bar.last_validation.items()))
+    for callback in trainer.callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if isinstance(callback, ModelCheckpoint) and dirpath:
+            lines.append(f"  checkpoints {dirpath}")
+        elif type(callback).__name__ == "HFExport" and dirpath:
+            lines.append(f"  export     {dirpath}  (AutoModelForCausalLM.from_pretrained)")
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger) and logger._run_id:
+            uri = logger._tracking_uri
+            lines.append(f"  MLflow     run {logger._run_name or ''} ({logger.run_id}) in experiment "
+                         f"'{logger._experiment_name}': mlflow ui --backend-store-uri {uri}")
+    return "\n".join(lines)
