@@ -4,9 +4,11 @@
   charts rather than in GenAI mode.
 - MLflow's system metrics (``system/*``: CPU, memory, disk, network; GPU utilisation and memory on CUDA machines with
   ``pynvml``) are sampled for the whole run.
-- The data counters (``data/train_rows``, ...) are logged at train start, not when the data is read: nothing creates
-  the MLflow run before every start-up check has passed, so a run that fails to start leaves no empty run.
-- A run that fails after it started gets the error as its description and an ``rl_lightning.error`` tag.
+- The data counters (``data/train_rows``, ...) and the config are logged at train start, once every start-up check
+  has passed. Lightning creates the MLflow run before any setup hook runs, so a run that fails a start-up check
+  (a ``UserError``: bad config or data) and has logged nothing is deleted (MLflow's soft delete: recoverable, hidden
+  in the UI) instead of lingering as an empty FAILED run.
+- Any other failed run gets the error as its description and an ``rl_lightning.error`` tag.
 """
 
 from __future__ import annotations
@@ -78,11 +80,18 @@ class MLflowTracking(L.Callback):
         self._stop_monitors()
         if not trainer.is_global_zero:
             return
+        from rl_lightning.errors import UserError
+
         message = (str(exception).strip().splitlines() or [type(exception).__name__])[0]
         for logger in _mlflow_loggers(trainer):
             if logger._run_id is None:
                 continue  # never started: nothing to mark
             try:
+                data = logger.experiment.get_run(logger.run_id).data
+                if isinstance(exception, UserError) and not data.metrics and not data.params:
+                    logger.experiment.delete_run(logger.run_id)
+                    logger._initialized = False  # Lightning's finalize("failed") would touch the deleted run
+                    continue
                 logger.experiment.set_tag(logger.run_id, "rl_lightning.error", message[:5000])
                 logger.experiment.set_tag(logger.run_id, "mlflow.note.content",
                                           f"Failed: {type(exception).__name__}: {message}")
