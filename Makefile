@@ -34,11 +34,11 @@ real-model: setup
 	$(BIN)/python -m rl_lightning.assets.build --real
 
 test: setup real-model
-	$(BIN)/ruff check rl_lightning tests benchmarks examples
+	$(BIN)/ruff check rl_lightning callbacks tests benchmarks examples
 	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
 
 lint: setup
-	$(BIN)/ruff check rl_lightning tests benchmarks examples
+	$(BIN)/ruff check rl_lightning callbacks tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) mlflow.db mlruns checkpoints exports

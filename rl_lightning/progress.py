@@ -259,3 +259,48 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
             lines.append(f"  MLflow     run {logger._run_name or ''} ({logger.run_id}) in experiment "
                          f"'{logger._experiment_name}': mlflow ui --backend-store-uri {uri}")
     return "\n".join(lines)
+
+
+# Warnings that do not apply to runs of this library, each with the reason it does not.
+QUIET_WARNINGS = (
+    ".*defined a `validation_step` but have no `val_dataloader`.*",  # validation is optional (data.val_path)
+    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",  # Lightning 2.6 vs torch 2.13, harmless
+    ".*`max_epochs` was not set.*",  # runs are bounded by max_steps / model.max_rollouts; the bar shows the bound
+    ".*`IterableDataset` has `__len__` defined.*",  # our step datasets are sharded per rank, loaded in-process
+    ".*self.log\\(.*sync_dist=True\\)`.*",  # every logged value is already reduced across ranks by the task
+    ".*Using ModelCheckpoint with manual optimization.*",  # tasks step inside training_step: the state after it is
+    # the one to save
+    ".*torch.distributed.reduce_op` is deprecated.*",  # inside vLLM's import
+)
+# Start-up chatter of Lightning and MLflow, by logger: messages (prefixes) that tell a user of this CLI nothing.
+QUIET_LOGS = {
+    "lightning.pytorch.utilities.rank_zero": ("GPU available:", "TPU available:", "💡 Tip:", "HPU available:",
+                                              "Loading `train_dataloader` to estimate", "`Trainer.fit` stopped:"),
+    "lightning.pytorch.loggers.mlflow": ("Experiment with name",),
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
+}
+
+
+class _DropMessages:
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.getMessage()).startswith(self.prefixes)
+
+
+def quiet(rank: int = 0) -> None:
+    """Silence what does not apply (``QUIET_WARNINGS``, ``QUIET_LOGS``, transformers' weight-loading bars) and, on
+    ranks other than 0, every Python warning (rank 0 shows each once)."""
+    import logging
+    import warnings
+
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+    for name, prefixes in QUIET_LOGS.items():
+        logging.getLogger(name).addFilter(_DropMessages(prefixes))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every load and export
