@@ -1,9 +1,9 @@
 """``python -m rl_lightning fit --config recipes/<task>.yaml``: the LightningCLI entry point.
 
-The recipe picks the task (``model: {class_path: rl_lightning.tasks.SFT, ...}``) and its DataModule; every knob is a
-typed ``__init__`` argument, so ``--help``, ``--model.help rl_lightning.tasks.SFT`` and ``--print_config`` document
-the whole surface. The working directory is put on ``sys.path`` so recipes can name the user's own callbacks and
-environments by dotted path.
+The recipe picks the task (``model: {class_path: rl_lightning.tasks.SFT, ...}``, or just ``SFT``) and its DataModule;
+every knob is a typed ``__init__`` argument, so ``--help``, ``--model.help SFT`` and ``--print_config`` document the
+whole surface; a typo or a bad value is one line on stderr (`rl_lightning.cli_errors`). The working directory is put
+on ``sys.path`` so recipes can name the user's own callbacks and environments by dotted path.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import logging
 import os
 import sys
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from rl_lightning.cli_errors import first_line, jsonargparse_debug, one_line_error
 from rl_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,21 @@ class ConfigLogger(SaveConfigCallback):
                 f.write(text)
 
 
+class RLArgumentParser(LightningArgumentParser):
+    """A parser whose command-line errors are one line on stderr with exit status 2, instead of usage + message."""
+
+    argv: Sequence[str] = ()  # the command line (set by RLLightningCLI.parse_arguments): tells where a bad key was set
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or jsonargparse_debug():  # a nested parser raises: its caller reports
+            super().error(message, ex)
+        try:
+            line = one_line_error(message, self, self.argv)
+        except Exception:  # noqa: BLE001 - a bug in the rewording must not hide the user's error
+            line = first_line(message)
+        self.exit(2, f"rl_lightning: error: {line}\n")
+
+
 class RLLightningCLI(LightningCLI):
     """LightningCLI with task/data selection by class path, linked tokenizer, shared trainer defaults (MLflow logger,
     progress bar, last checkpoint, Hugging Face export) and one-line errors.
@@ -101,6 +118,19 @@ class RLLightningCLI(LightningCLI):
     says otherwise; checkpoints and the export go to ``checkpoints/<run>`` and ``exports/<run>`` unless their
     ``dirpath`` is set.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # Imported, the tasks and DataModules resolve by short name (`--model SFT`, `--data.help SFTDataModule`,
+        # `class_path: SFT`) and --help lists them as known subclasses.
+        import rl_lightning.data
+        import rl_lightning.tasks
+
+        if not issubclass(self.parser_class, RLArgumentParser):
+            self.parser_class = RLArgumentParser
+        data = [name for name in rl_lightning.data.__all__ if name.endswith("DataModule")]
+        kwargs.setdefault("epilog", f"Tasks (--model): {', '.join(rl_lightning.tasks.__all__)}. DataModules (--data): "
+                                    f"{', '.join(data)}. Their options: --model.help SFT, --data.help SFTDataModule.")
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
@@ -115,6 +145,8 @@ class RLLightningCLI(LightningCLI):
                 self.recipe = raw[i + 1]
             elif arg.startswith("--config="):
                 self.recipe = arg.split("=", 1)[1]
+        for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
+            each.argv = raw
         super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
@@ -174,6 +206,7 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_data=True,
             save_config_callback=ConfigLogger,
             save_config_kwargs={"save_to_log_dir": False},
+            auto_configure_optimizers=False,  # every task steps its own optimizers: no --optimizer/--lr_scheduler
             parser_kwargs={"parser_mode": "omegaconf+"},
             seed_everything_default=42,
             args=args,
