@@ -26,7 +26,8 @@ and completions such as ``"18"`` into numbers in the earlier rows. This callback
 rewrites the file with the new ones; a resumed run (``MLFlowLogger(run_id=...)``) first reads the run's table back
 (as JSON, types kept) and appends to it.
 
-`print_samples` of the same rows are printed to the terminal, one line per field, each cut at `max_chars`.
+`print_samples` of the same rows are printed to the terminal, one line each (prompt and completion cut at
+`max_chars`).
 
 Training rollouts only: validation samples (``data.val_path``) are not logged. Other tasks (SFT, DPO, RM) have no
 rollout in their batches; there the callback does nothing.
@@ -68,7 +69,7 @@ class RolloutSamples(L.Callback):
         max_chars: printed fields are cut at this many characters (the table keeps the full text).
     """
 
-    def __init__(self, every_n_rollouts: int = 10, rows: int = 8, print_samples: int = 1, max_chars: int = 300) -> None:
+    def __init__(self, every_n_rollouts: int = 10, rows: int = 8, print_samples: int = 1, max_chars: int = 120) -> None:
         errors = []
         if every_n_rollouts < 1:
             errors.append(f"every_n_rollouts must be >= 1, got {every_n_rollouts}")
@@ -117,14 +118,18 @@ class RolloutSamples(L.Callback):
         client.log_dict(run_id, self._tables[run_id], ARTIFACT_FILE)
 
     def _sample_text(self, table: dict[str, list], i: int) -> str:
-        """``[rollout 10, step 20] sample 1`` and one line per field, newlines shown as ``\\n``."""
-        lines = [f"[rollout {table['rollout'][i]}, step {table['step'][i]}] sample {i + 1}"]
-        for name, values in table.items():
-            if name not in ("rollout", "step"):
-                value = values[i]
-                text = (f"{value:.4g}" if isinstance(value, float) else str(value)).replace("\n", "\\n")
-                lines.append(f"  {name}: {_cut(text, self.max_chars)}")
-        return "\n".join(lines)
+        """One line: ``sample @ rollout 10: 'What is 1 + 0?' -> '1' (answer 1) · reward 1.5 (correct 1 · format 1) ·
+        2 tokens``; the prompt and the completion each cut at `max_chars`, newlines shown as ``\\n``."""
+        def text(name: str) -> str:
+            return repr(_cut(str(table[name][i]).replace("\n", "\\n"), self.max_chars))
+
+        components = " · ".join(f"{name.removeprefix('reward/')} {table[name][i]:.4g}" for name in table
+                                if name.startswith("reward/"))
+        answer = f" (answer {table['answer'][i]})" if table["answer"][i] != "" else ""
+        finished = "" if table["finished"][i] else ", cut at max_new_tokens"
+        return (f"sample @ rollout {table['rollout'][i]}: {text('prompt')} -> {text('completion')}{answer} · reward "
+                f"{table['reward'][i]:.4g}{f' ({components})' if components else ''} · "
+                f"{table['completion_length'][i]} tokens{finished}")
 
 
 def sample_table(rollout: Rollout, number: int, step: int, rows: int) -> dict[str, list]:

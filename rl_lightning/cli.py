@@ -8,10 +8,10 @@ on ``sys.path`` so recipes can name the user's own callbacks and environments by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -23,25 +23,28 @@ from rl_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# Lightning warnings that are expected with our design and only add noise to every run.
-QUIET_WARNINGS = (
-    ".*defined a `validation_step` but have no `val_dataloader`.*",  # validation is optional (data.val_path)
-    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",  # Lightning 2.6 vs torch 2.13, harmless
-)
 MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 characters
 
-# What every recipe would otherwise repeat; a recipe's own `trainer.logger` / `trainer.callbacks` replace these.
+# What every recipe would otherwise repeat. A recipe's `trainer.logger` replaces the logger; `trainer.callbacks` in
+# a recipe or an overlay ADDS to these (an entry of a class already listed replaces that one, in place).
 TRAINER_DEFAULTS = {
     "trainer.logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
                        "init_args": {"experiment_name": "rl_lightning", "tracking_uri": "sqlite:///mlflow.db"}},
     "trainer.callbacks": [
-        {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+        {"class_path": "rl_lightning.progress.RunProgress"},
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
         {"class_path": "rl_lightning.export.HFExport"},
+        {"class_path": "rl_lightning.outputs.RunOutputs"},
+        {"class_path": "rl_lightning.tracking.MLflowTracking"},
     ],
     "trainer.log_every_n_steps": 1,
     "trainer.enable_model_summary": False,
 }
+
+
+# MLflow experiment per task family (`rl_lightning/<family>`) unless the user names one: SFT losses and GRPO rewards
+# do not belong in one table of runs.
+EXPERIMENTS = {"SFT": "sft", "RewardModel": "reward-model", "DPO": "dpo", "PPO": "rl"}
 
 
 def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
@@ -53,24 +56,36 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
         for key, value in config.items():
             name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
             flat.update(flatten_config(value, name))
+    elif isinstance(config, list | tuple):  # paths as written (`[recipes/grpo.yaml]`), not `[Path_fsr(...)]`
+        flat[prefix] = "[" + ", ".join(str(v) for v in config) + "]"
     else:
         flat[prefix] = str(config)
     return flat
 
 
 class ConfigLogger(SaveConfigCallback):
-    """Log the resolved config to every logger: MLflow gets params (one per key) and ``config.yaml`` as an artifact.
+    """Write the resolved config as ``config.yaml`` into the run's output folder at setup, and log it to every logger
+    at train start (after the start-up checks): MLflow gets params (one per key) and ``config.yaml`` as an artifact.
 
     Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
     (Lightning issue #19441); this writes ``config.yaml`` into the log_dir of loggers that have one.
     """
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_none=False)
+        from rl_lightning.outputs import RunOutputs
+
+        self.text = self.parser.dump(self.config, skip_none=False)
+        for callback in trainer.callbacks:  # RunOutputs.setup has run: it comes before this callback
+            if isinstance(callback, RunOutputs) and callback.dirpath is not None:
+                (callback.dirpath / self.config_filename).write_text(self.text)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
         params = flatten_config(self.config)
         for logger in trainer.loggers:
             try:
-                self._log_to(logger, text, params)
+                self._log_to(logger, self.text, params)
             except Exception as e:  # noqa: BLE001 - never let logging kill rank 0 (the other ranks would hang)
                 # e.g. MLflow refuses to change a parameter of a resumed run (MLFlowLogger(run_id=...)).
                 log.warning("could not log the config to %s: %s", type(logger).__name__, str(e).splitlines()[0])
@@ -115,8 +130,9 @@ class RLLightningCLI(LightningCLI):
     progress bar, last checkpoint, Hugging Face export) and one-line errors.
 
     A run is named after its recipe (``recipes/grpo.yaml`` -> ``grpo``) unless ``trainer.logger.init_args.run_name``
-    says otherwise; checkpoints and the export go to ``checkpoints/<run>`` and ``exports/<run>`` unless their
-    ``dirpath`` is set.
+    says otherwise; its checkpoints, export and config go to its own folder ``outputs/<run>/<time>/``
+    (`rl_lightning.outputs`), ``--ckpt_path last`` resumes ``outputs/<run>/latest`` (same folder, same MLflow run),
+    and the MLflow experiment is ``rl_lightning/<task family>`` unless ``experiment_name`` is set anywhere.
     """
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -125,6 +141,7 @@ class RLLightningCLI(LightningCLI):
         import rl_lightning.data
         import rl_lightning.tasks
 
+        _callbacks_add_in_config_files()
         if not issubclass(self.parser_class, RLArgumentParser):
             self.parser_class = RLArgumentParser
         data = [name for name in rl_lightning.data.__all__ if name.endswith("DataModule")]
@@ -139,12 +156,13 @@ class RLLightningCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # the recipe's path, which the parsed namespace does not keep under a subcommand
         raw = [str(a) for a in (sys.argv[1:] if args is None else args)] if isinstance(args, list | None) else []
-        self.recipe = None
+        self.raw_args, self.config_files = raw, []
         for i, arg in enumerate(raw):
             if arg == "--config" and i + 1 < len(raw):
-                self.recipe = raw[i + 1]
+                self.config_files.append(raw[i + 1])
             elif arg.startswith("--config="):
-                self.recipe = arg.split("=", 1)[1]
+                self.config_files.append(arg.split("=", 1)[1])
+        self.recipe = self.config_files[-1] if self.config_files else None
         for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
             each.argv = raw
         super().parse_arguments(parser, args)
@@ -154,28 +172,53 @@ class RLLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
-        # the defaults' progress bar and checkpoint give way to enable_progress_bar / enable_checkpointing: false
-        disabled = {".RichProgressBar": trainer.get("enable_progress_bar") is False,
-                    ".ModelCheckpoint": trainer.get("enable_checkpointing") is False}
-        defaults = [c["class_path"] for c in TRAINER_DEFAULTS["trainer.callbacks"]]
-        if [str(c.get("class_path")) for c in trainer.get("callbacks") or []] == defaults:
-            trainer.callbacks = [c for c in trainer.callbacks
-                                 if not any(str(c.get("class_path", "")).endswith(k) and v for k, v in disabled.items())]
+        trainer.callbacks = merge_callbacks(trainer.get("callbacks") or [], trainer.get("enable_progress_bar"),
+                                            trainer.get("enable_checkpointing"))
         sources = config.get("config") or []
         recipe = str(sources[-1]) if sources else self.recipe
-        run = run_name(recipe) if recipe else None
         logger = trainer.get("logger")
-        if run is None or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
+        if recipe is None or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
             return
         if logger.init_args.get("run_name") is None:
-            logger.init_args.run_name = run
-        run = logger.init_args.run_name
-        for callback in trainer.get("callbacks") or []:
-            path = str(callback.get("class_path", ""))
-            if path.endswith(".ModelCheckpoint") and callback.init_args.get("dirpath") is None:
-                callback.init_args.dirpath = f"checkpoints/{run}"
-            elif path.endswith(".HFExport") and callback.init_args.get("dirpath") is None:
-                callback.init_args.dirpath = f"exports/{run}"
+            logger.init_args.run_name = run_name(recipe)
+        family = EXPERIMENTS.get(str(config.get("model", {}).get("class_path", "")).rsplit(".", 1)[-1])
+        if family and not self.mentions("experiment_name"):
+            logger.init_args.experiment_name = f"rl_lightning/{family}"
+        self.place_outputs(trainer, logger, config.get("ckpt_path"))
+
+    def mentions(self, key: str) -> bool:
+        """Whether the command line or a config file names `key` (the user chose it: leave it as written)."""
+        texts = list(self.raw_args)
+        for path in self.config_files:
+            with contextlib.suppress(OSError):
+                texts.append(open(path).read())
+        return any(key in text for text in texts)
+
+    @staticmethod
+    def place_outputs(trainer: Any, logger: Any, ckpt_path: str | None) -> None:
+        """Name the run's output folder after the run; when resuming (``--ckpt_path last`` or a checkpoint inside a
+        run folder) reuse that folder, its checkpoint/export paths and its MLflow run."""
+        from rl_lightning.outputs import read_run_file, resume_dir
+
+        outputs = [c for c in trainer.callbacks if str(c.get("class_path", "")).endswith(".RunOutputs")]
+        for callback in outputs:
+            if callback.init_args.get("name") is None:
+                callback.init_args.name = logger.init_args.run_name
+        if not outputs or ckpt_path is None:
+            return
+        (callback,) = outputs[-1:]
+        resumed = resume_dir(ckpt_path, callback.init_args.get("root") or "outputs", callback.init_args.name)
+        if resumed is None:
+            return
+        callback.init_args.dirpath = callback.init_args.get("dirpath") or str(resumed)
+        for other in trainer.callbacks:
+            path = str(other.get("class_path", ""))
+            if path.endswith(".ModelCheckpoint") and other.init_args.get("dirpath") is None:
+                other.init_args.dirpath = str(resumed / "checkpoints")
+            elif path.endswith(".HFExport") and other.init_args.get("dirpath") is None:
+                other.init_args.dirpath = str(resumed / "export")
+        if logger.init_args.get("run_id") is None:
+            logger.init_args.run_id = read_run_file(resumed).get("mlflow_run_id")
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -192,12 +235,54 @@ def run_name(config_path: str) -> str:
     return parts[-1]
 
 
+def merge_callbacks(callbacks: list[Any], progress_bar: bool | None, checkpointing: bool | None) -> list[Any]:
+    """The defaults followed by the configs' callbacks, an entry of a class already listed replacing that one in
+    place; one progress bar (the last listed: a user's own replaces `RunProgress`); none of the progress bar or the
+    checkpoint when ``enable_progress_bar`` / ``enable_checkpointing`` is false."""
+    merged: dict[str, Any] = {}
+    for callback in callbacks:
+        path = str(callback.get("class_path", ""))
+        if path.endswith(("ProgressBar", ".RunProgress")):
+            merged = {k: v for k, v in merged.items() if not k.endswith(("ProgressBar", ".RunProgress"))}
+        merged[path] = callback
+    return [c for path, c in merged.items()
+            if not (progress_bar is False and path.endswith(("ProgressBar", ".RunProgress")))
+            and not (checkpointing is False and path.endswith(".ModelCheckpoint"))]
+
+
+def _callbacks_add_in_config_files() -> None:
+    """Make ``trainer: {callbacks: [...]}`` in any config file append (jsonargparse's ``callbacks+``) instead of
+    replacing the list: an overlay that adds a callback keeps the recipe's and the defaults' (checkpoint, export, the
+    rollout's). ``--trainer.callbacks '[...]'`` on the command line still replaces the whole list."""
+    from jsonargparse import get_loader, set_loader
+    from jsonargparse._loaders_dumpers import get_loader_exceptions
+    from jsonargparse._optionals import get_omegaconf_loader  # the stock "omegaconf+" loader, wrapped below
+
+    try:
+        if getattr(get_loader("omegaconf+"), "adds_callbacks", False):
+            return
+    except KeyError:  # jsonargparse sets its omegaconf loaders up lazily
+        pass
+    base = get_omegaconf_loader("omegaconf+")
+
+    def load(value: str) -> Any:
+        loaded = base(value)
+        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+        if isinstance(trainer, dict) and "callbacks" in trainer:
+            trainer["callbacks+"] = trainer.pop("callbacks")
+        return loaded
+
+    load.adds_callbacks = True
+    set_loader("omegaconf+", load, get_loader_exceptions("yaml"))
+
+
 def main(args: list[str] | None = None) -> None:
+    from rl_lightning.progress import quiet
+
     # Recipes may name user code (callbacks, environments) by dotted path relative to where the job is launched.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    for message in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+    quiet(int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_PROCID") or 0))
     try:
         RLLightningCLI(
             LightningModule,

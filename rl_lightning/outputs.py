@@ -63,13 +63,14 @@ class RunOutputs(L.Callback):
     and an ``HFExport`` to ``<run folder>/export``. Global rank 0 names the folder and every rank uses that name.
 
     Args:
-        name: the run's name (the CLI passes the MLflow run name, from the recipe: ``grpo``, ``real-grpo``).
+        name: the run's name (the CLI passes the MLflow run name, from the recipe: ``grpo``, ``real-grpo``); null:
+            ``run``.
         root: the folder holding every run's outputs.
         dirpath: use this run folder instead of a new one (the CLI passes ``latest`` when resuming).
     """
 
-    def __init__(self, name: str = "run", root: str = "outputs", dirpath: str | None = None) -> None:
-        self.name, self.root = name, root
+    def __init__(self, name: str | None = None, root: str = "outputs", dirpath: str | None = None) -> None:
+        self.name, self.root = name or "run", root
         self.dirpath = Path(dirpath) if dirpath else None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -101,3 +102,13 @@ class RunOutputs(L.Callback):
                                "mlflow_tracking_uri": logger._tracking_uri})
                 logger.experiment.set_tag(logger.run_id, "rl_lightning.output_dir", str(self.dirpath.resolve()))
         (self.dirpath / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def resume_dir(ckpt_path: str, root: str | Path, name: str) -> Path | None:
+    """The run folder a resume continues: ``latest`` for ``last``, or the folder holding the given checkpoint (a path
+    ``<run folder>/checkpoints/<file or DCP folder>`` next to a ``run.json``); None for a fresh folder."""
+    if ckpt_path == "last":
+        return latest_run_dir(root, name)
+    path = Path(ckpt_path).resolve()
+    folder = path.parent.parent
+    return folder if path.parent.name == "checkpoints" and (folder / RUN_FILE).is_file() else None

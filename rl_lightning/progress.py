@@ -240,25 +240,29 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
 
     done, unit = bar.run_done(trainer, pl_module), bar.unit(pl_module)
     name = run_name(trainer) or type(pl_module).__name__
-    lines = [f"{name} finished: {done} {unit}{'s' if done != 1 else ''} in {_duration(seconds)}"]
-    train = format_metrics(_floats(trainer.callback_metrics), bar.shown)
-    if train:
-        lines.append(f"  train      {train}")
-    if bar.last_validation:
-        lines.append("  validation " + " · ".join(f"{k.removeprefix('val/')} {v:.4g}"
-                                                  for k, v in bar.last_validation.items()))
+    rows = [("train", format_metrics(_floats(trainer.callback_metrics), bar.shown)),
+            ("validation", " · ".join(f"{k.removeprefix('val/')} {v:.4g}" for k, v in bar.last_validation.items()))]
     for callback in trainer.callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if isinstance(callback, ModelCheckpoint) and dirpath:
-            lines.append(f"  checkpoints {dirpath}")
+            rows.append(("checkpoints", _relative(dirpath)))
         elif type(callback).__name__ == "HFExport" and dirpath:
-            lines.append(f"  export     {dirpath}  (AutoModelForCausalLM.from_pretrained)")
+            rows.append(("export", f"{_relative(dirpath)}  (AutoModelForCausalLM.from_pretrained)"))
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and logger._run_id:
-            uri = logger._tracking_uri
-            lines.append(f"  MLflow     run {logger._run_name or ''} ({logger.run_id}) in experiment "
-                         f"'{logger._experiment_name}': mlflow ui --backend-store-uri {uri}")
+            rows.append(("MLflow", f"run {logger._run_name or ''} ({logger.run_id}) in experiment "
+                                   f"'{logger._experiment_name}': mlflow ui --backend-store-uri {logger._tracking_uri}"))
+    lines = [f"{name} finished: {done} {unit}{'s' if done != 1 else ''} in {_duration(seconds)}"]
+    lines += [f"  {label:<11} {text}" for label, text in rows if text]
     return "\n".join(lines)
+
+
+def _relative(path: str) -> str:
+    """`path` relative to the working directory when it lies below it (what the user typed the run from)."""
+    import os
+
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 # Warnings that do not apply to runs of this library, each with the reason it does not.
@@ -278,6 +282,8 @@ QUIET_LOGS = {
                                               "Loading `train_dataloader` to estimate", "`Trainer.fit` stopped:"),
     "lightning.pytorch.loggers.mlflow": ("Experiment with name",),
     "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
+    "mlflow.system_metrics.system_metrics_monitor": ("Skip logging GPU metrics", "Started monitoring",
+                                                     "Stopping system metrics", "Successfully terminated"),
 }
 
 

