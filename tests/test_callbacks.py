@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import types
 
 import lightning as L
@@ -104,13 +105,12 @@ def test_rollout_samples_appends_one_table_of_the_logged_rollouts(grpo_run, tmp_
 def test_rollout_samples_prints_one_short_sample_per_logged_rollout(grpo_run):
     _, _, _, printed, recorder, errors = grpo_run
     assert "Downloading artifacts" not in errors  # MLflow's tqdm bar, off while the table is appended to
-    headers = [line for line in printed.splitlines() if line.startswith("[rollout ")]
-    assert headers == ["[rollout 1, step 1] sample 1", "[rollout 2, step 2] sample 1"]
-    block = printed.split("[rollout 2, step 2] sample 1\n")[1].splitlines()[: len(COLUMNS) - 2]
-    assert [line.split(":")[0].strip() for line in block] == COLUMNS[2:]
-    assert all(len(line.split(": ", 1)[1]) <= 30 for line in block)  # max_chars
+    lines = [line for line in printed.splitlines() if line.startswith("sample @ rollout ")]
+    assert [line.split(":")[0] for line in lines] == ["sample @ rollout 1", "sample @ rollout 2"]
     reward = recorder.rollouts[2][0][0]
-    assert f"  reward: {reward:.4g}" in block
+    assert f" · reward {reward:.4g}" in lines[1] and " tokens" in lines[1]
+    prompt, completion = re.match(r"sample @ rollout 2: ('.*?'|\".*?\") -> ('.*?'|\".*?\")", lines[1]).groups()
+    assert len(prompt) <= 30 + 2 and len(completion) <= 30 + 2  # max_chars, plus the quotes
 
 
 def _trajectory(messages, reward, components, answer="18"):
