@@ -145,7 +145,7 @@ class RunProgress(ProgressBar):
         )
 
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
+            TextColumn("[bold]{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
             TimeElapsedColumn(), TextColumn("•"), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
             refresh_per_second=4,
         )

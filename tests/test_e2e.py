@@ -186,7 +186,7 @@ def test_grpo_demo_mlflow_page_has_samples_system_metrics_and_a_readable_termina
     assert experiment.name == "rl_lightning/rl" and experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     out = (workdir / "stdout.txt").read_text().splitlines()
     assert len(out) <= 40, out  # fits a screen: progress every tenth, validation lines, samples, the summary
-    assert sum(line.startswith("grpo rollout ") for line in out) == 10
+    assert sum(line.startswith("grpo rollout ") for line in out) >= 10  # every tenth (+ one a minute if slow)
     assert [line.split(":")[0] for line in out if line.startswith("validation @")] == [
         "validation @ start", "validation @ rollout 10", "validation @ rollout 20", "validation @ rollout 30",
         "validation @ rollout 40"]
