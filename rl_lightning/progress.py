@@ -250,11 +250,21 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
             rows.append(("export", f"{_relative(dirpath)}  (AutoModelForCausalLM.from_pretrained)"))
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and logger._run_id:
-            rows.append(("MLflow", f"run {logger._run_name or ''} ({logger.run_id}) in experiment "
-                                   f"'{logger._experiment_name}': mlflow ui --backend-store-uri {logger._tracking_uri}"))
+            rows += [("MLflow", f"run {logger._run_name or ''} ({logger.run_id}) in experiment "
+                                f"'{logger._experiment_name}'"), ("", mlflow_link(logger))]
     lines = [f"{name} finished: {done} {unit}{'s' if done != 1 else ''} in {_duration(seconds)}"]
-    lines += [f"  {label:<11} {text}" for label, text in rows if text]
+    lines += [f"  {label:<11} {text}" for label, text in rows if text]  # the 2nd MLflow line: blank label
     return "\n".join(lines)
+
+
+def mlflow_link(logger: Any) -> str:
+    """How to open the run's page in the MLflow UI, in its model-training view (the UI's GenAI view is the default
+    of a new browser; ``workflowType`` in the address picks the other)."""
+    uri = logger._tracking_uri or ""
+    page = f"#/experiments/{logger.experiment_id}/runs/{logger.run_id}?workflowType=machine_learning"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}"
+    return f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/{page}"
 
 
 def _relative(path: str) -> str:

@@ -37,7 +37,7 @@ class MLflowTracking(L.Callback):
         sampling_interval_s: seconds between system-metric samples.
     """
 
-    def __init__(self, system_metrics: bool = True, sampling_interval_s: float = 10.0) -> None:
+    def __init__(self, system_metrics: bool = True, sampling_interval_s: float = 5.0) -> None:
         self.system_metrics = system_metrics
         self.sampling_interval_s = sampling_interval_s
         self._monitors: list[Any] = []

@@ -47,7 +47,9 @@ def test_ppo_run_counts_rollouts_prints_validation_and_summary(tmp_path, capsys)
     assert len(summary) == 1 and summary[0] > lines.index(progress[-1])
     tail = lines[summary[0]:]
     assert any(line.strip().startswith("train ") and "reward" in line for line in tail)
-    assert any(f"({logger.run_id})" in line and "mlflow ui --backend-store-uri sqlite:///" in line for line in tail)
+    assert any(f"({logger.run_id}) in experiment 'progress'" in line for line in tail)
+    link = f"#/experiments/{logger.experiment_id}/runs/{logger.run_id}?workflowType=machine_learning"
+    assert any("mlflow ui --backend-store-uri sqlite:///" in line and link in line for line in tail)
 
 
 def test_ppo_validation_lines_and_summary(tmp_path, capsys):
