@@ -4,6 +4,7 @@ start-up leaves no MLflow run, and a run that fails later carries its error."""
 
 import json
 import os
+import time
 
 import lightning as L
 import pytest
@@ -69,10 +70,16 @@ def test_a_given_checkpoint_or_export_dirpath_is_kept(tmp_path):
     assert not (outputs.dirpath / "checkpoints").exists() and not (outputs.dirpath / "export").exists()
 
 
+class _Slow(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.25)
+
+
 def test_mlflow_run_records_kind_system_metrics_data_counters_and_folder(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     logger = MLFlowLogger(experiment_name="outputs-test", tracking_uri=uri, run_name="sft")
-    outputs, _ = _sft_run(tmp_path, [MLflowTracking(sampling_interval_s=0.2)], max_steps=6, logger=logger)
+    # MLflow publishes a sample at the end of each interval: the steps are slowed so the run spans several
+    outputs, _ = _sft_run(tmp_path, [MLflowTracking(sampling_interval_s=0.2), _Slow()], max_steps=6, logger=logger)
     client = logger.experiment
     run = client.get_run(logger.run_id)
     assert client.get_experiment(logger.experiment_id).tags["mlflow.experimentKind"] == EXPERIMENT_KIND
