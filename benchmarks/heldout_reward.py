@@ -5,8 +5,8 @@ come from `rl_lightning.rollout.hf.HFEngine` stopping at the tokenizer's EOS, an
 ``reward_fn`` (``examples/envs/arithmetic.py``: 1 for the right final number, else 0), exactly as in a rollout.
 
     python benchmarks/heldout_reward.py rl_lightning/assets/tiny-qwen2-sft          # the warm start
-    python benchmarks/heldout_reward.py exports/grpo                                 # after `fit --config grpo`
-    python benchmarks/heldout_reward.py exports/grpo --samples 8 --temperature 1.0   # also sampled mean reward
+    python benchmarks/heldout_reward.py outputs/grpo/latest/export                                 # after `fit --config grpo`
+    python benchmarks/heldout_reward.py outputs/grpo/latest/export --samples 8 --temperature 1.0   # also sampled mean reward
 
 Greedy decoding is deterministic; sampled rewards are seeded (``--seed``), per prompt. Runs on CPU with one thread
 by default (``--threads``).
@@ -54,7 +54,7 @@ def mean_reward(model, tokenizer, prompts: list[Prompt], env_path: str | Path = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="+", help="Hugging Face model folder(s), e.g. exports/grpo")
+    parser.add_argument("model", nargs="+", help="Hugging Face model folder(s), e.g. outputs/grpo/latest/export")
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="held-out prompt rows {messages, answer}")
     parser.add_argument("--env", default=str(DEFAULT_ENV), help="environment file with reward_fn")
     parser.add_argument("--max-new-tokens", type=int, default=24)

@@ -108,7 +108,8 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     data.update(path=_spec(args), val_path=None, batch_size=args.prompts)
     trainer.update(max_epochs=-1, num_sanity_val_steps=0, enable_checkpointing=False)
     trainer.pop("val_check_interval", None)
-    # replace the CLI's default logger and callbacks (progress bar, checkpoints, export to exports/<run>)
+    # our own logger and export folder (the recipe's callbacks are dropped; the CLI's defaults stay, the progress bar
+    # and checkpoints switched off below)
     trainer["logger"] = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {
         "experiment_name": "rl_lightning", "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
     trainer["callbacks"] = [{"class_path": "rl_lightning.export.HFExport",
