@@ -315,8 +315,11 @@ def quiet(rank: int = 0) -> None:
         warnings.filterwarnings("ignore", message=message)
     if rank != 0:
         warnings.filterwarnings("ignore")
+        logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)  # "[rank: 1] Seed set to"
     for name, prefixes in QUIET_LOGS.items():
-        logging.getLogger(name).addFilter(_DropMessages(prefixes))
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every load and export

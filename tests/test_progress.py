@@ -90,3 +90,25 @@ def test_only_global_rank_zero_prints():
     bar = RunProgress()
     bar.disable()
     assert not bar.is_enabled
+
+
+def test_quiet_drops_what_does_not_apply_and_other_ranks_warnings(caplog):
+    import logging
+    import warnings
+
+    from rl_lightning.progress import quiet
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet(rank=0)
+        warnings.warn("It is recommended to use `self.log('val/reward', ..., sync_dist=True)` when logging", stacklevel=1)
+        warnings.warn("a warning that applies", stacklevel=1)
+        assert [str(w.message) for w in caught] == ["a warning that applies"]
+        quiet(rank=1)
+        warnings.warn("another one", stacklevel=1)  # shown once, by rank 0
+        assert len(caught) == 1
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").info("Restoring states from the checkpoint path")
+    assert [r.getMessage() for r in caplog.records] == ["Restoring states from the checkpoint path"]
+    assert len(logging.getLogger("mlflow.store.db.utils").filters) == 1  # quiet() twice adds its filter once
