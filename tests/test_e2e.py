@@ -179,8 +179,12 @@ def test_grpo_demo_mlflow_page_has_samples_system_metrics_and_a_readable_termina
     """What the MLflow run page shows besides the curves, and what the terminal showed."""
     engine, workdir = grpo_run
     client, run = _run(workdir)
-    table = client.load_table(run.info.experiment_id, "rollout_samples.json", run_ids=[run.info.run_id])
-    assert sorted(set(table["rollout"])) == [1, 10, 20, 30, 40] and "completion" in table and "reward/format" in table
+    import json
+
+    table = json.loads(open(client.download_artifacts(run.info.run_id, "rollout_samples.json", str(workdir))).read())
+    rollouts = [row[table["columns"].index("rollout")] for row in table["data"]]
+    assert sorted(set(rollouts)) == [1, 10, 20, 30, 40] and len(rollouts) == 5 * 8
+    assert {"prompt", "completion", "reward", "reward/format"} <= set(table["columns"])
     assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.name == "rl_lightning/rl" and experiment.tags["mlflow.experimentKind"] == "custom_model_development"
