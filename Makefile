@@ -41,4 +41,4 @@ lint: setup
 	$(BIN)/ruff check rl_lightning callbacks tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) mlflow.db mlruns checkpoints exports
+	rm -rf $(VENV) mlflow.db mlruns outputs checkpoints exports

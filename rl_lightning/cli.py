@@ -74,18 +74,18 @@ class ConfigLogger(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         from rl_lightning.outputs import RunOutputs
 
-        self.text = self.parser.dump(self.config, skip_none=False)
+        text = self.parser.dump(self.config, skip_none=False)
         for callback in trainer.callbacks:  # RunOutputs.setup has run: it comes before this callback
             if isinstance(callback, RunOutputs) and callback.dirpath is not None:
-                (callback.dirpath / self.config_filename).write_text(self.text)
+                (callback.dirpath / self.config_filename).write_text(text)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        params = flatten_config(self.config)
+        text, params = self.parser.dump(self.config, skip_none=False), flatten_config(self.config)
         for logger in trainer.loggers:
             try:
-                self._log_to(logger, self.text, params)
+                self._log_to(logger, text, params)
             except Exception as e:  # noqa: BLE001 - never let logging kill rank 0 (the other ranks would hang)
                 # e.g. MLflow refuses to change a parameter of a resumed run (MLFlowLogger(run_id=...)).
                 log.warning("could not log the config to %s: %s", type(logger).__name__, str(e).splitlines()[0])

@@ -128,3 +128,17 @@ def test_a_failure_after_start_is_written_on_the_run(tmp_path):
     assert run.info.status == "FAILED"
     assert run.data.tags["rl_lightning.error"] == "disk full"
     assert run.data.tags["mlflow.note.content"] == "Failed: RuntimeError: disk full"
+
+
+def test_resume_dir_for_last_and_for_a_checkpoint_inside_a_run_folder(tmp_path):
+    from rl_lightning.outputs import RUN_FILE, point_latest, resume_dir
+
+    assert resume_dir("last", tmp_path, "grpo") is None  # no earlier run: a fresh folder
+    older, newer = new_run_dir(tmp_path, "grpo"), new_run_dir(tmp_path, "grpo")
+    point_latest(newer)
+    assert resume_dir("last", tmp_path, "grpo") == newer.resolve()
+    (older / RUN_FILE).write_text("{}")
+    (older / "checkpoints").mkdir()
+    assert resume_dir(str(older / "checkpoints" / "last.ckpt"), tmp_path, "grpo") == older.resolve()
+    assert resume_dir(str(newer / "checkpoints" / "last.ckpt"), tmp_path, "grpo") is None  # no run.json there
+    assert resume_dir(str(tmp_path / "elsewhere" / "x.ckpt"), tmp_path, "grpo") is None
