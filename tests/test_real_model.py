@@ -152,7 +152,7 @@ def _history(workdir, key):
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("rl_lightning").experiment_id])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # rl_lightning/<family>
     return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
 
 
@@ -160,7 +160,7 @@ def _history(workdir, key):
 def real_sft_run(real_model_dir, tmp_path_factory):
     """6 SFT steps on the same 16 conversations (one batch: every step sees the same data, so the loss must fall)."""
     workdir = tmp_path_factory.mktemp("real-sft")
-    for name in ("recipes", "rl_lightning", "examples"):
+    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
         (workdir / name).symlink_to(REPO / name)
     _fit(workdir, "recipes/real/sft.yaml", "--data.path", f"{TASK}&train_size=16&test_size=8&format=sft",
          "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.optim.lr", "5e-5", "--model.optim.warmup_steps", "0",
@@ -261,7 +261,7 @@ def _export_generates_worker(rank, export_dir):
 def test_real_export_loads_in_transformers_and_vllm(real_sft_run):
     from safetensors.torch import load_file
 
-    export_dir = real_sft_run / "exports" / "real-sft"
+    export_dir = real_sft_run / "outputs" / "real-sft" / "latest" / "export"
     trained = load_file(export_dir / "model.safetensors")
     original = load_file(real.model_dir() / "model.safetensors")
     assert trained.keys() == original.keys()
@@ -362,5 +362,5 @@ def test_real_grpo_through_the_cli_with_the_vllm_engine(real_model_dir, workdir)
     assert abs(approx_kl[0]) < 1e-6, approx_kl  # engine and trainer agree: the first update starts on-policy
     val = _history(workdir, "val/reward/correct")
     assert len(val) == 2 and all(v in (0.0, 0.25, 0.5, 0.75, 1.0) for v in val), val  # 4 greedy held-out answers
-    trained = load_file(workdir / "exports" / "real-grpo" / "model.safetensors")
+    trained = load_file(workdir / "outputs" / "real-grpo" / "latest" / "export" / "model.safetensors")
     assert not torch.equal(trained["model.norm.weight"], load_file(real_model_dir / "model.safetensors")["model.norm.weight"])
