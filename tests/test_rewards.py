@@ -1,5 +1,6 @@
 """Built-in rewards, and the sandbox containing hostile programs while the trainer process carries on."""
 
+import json
 import os
 import time
 
@@ -69,3 +70,37 @@ def test_sandbox_allows_normal_programs_and_cleans_up():
     result = run_sandboxed("import math\nopen('scratch.txt', 'w').write(input())\nprint(open('scratch.txt').read())",
                            stdin="hello", timeout_s=5)
     assert result.ok and result.stdout == "hello\n" and result.reason == ""
+
+
+def test_code_test_cases_in_the_prime_shape():
+    from rl_lightning.rewards.code import read_test_cases
+
+    expected = [{"input": "3\n", "output": "9\n"}, {"input": "1\n2", "output": "1"}]
+    prime = {"inputs": ["3\n", ["1", "2"]], "outputs": ["9\n", "1"]}  # APPS/TACO give some inputs as lists of lines
+    assert read_test_cases(prime) == expected
+    assert read_test_cases({"test_cases": json.dumps(prime)}) == expected  # PRIME's Eurus-2 rows: a JSON string
+    assert read_test_cases(json.dumps(prime)) == expected
+    assert read_test_cases(expected) == expected
+    with pytest.raises(ValueError, match=r"call-based cases \(fn_name='solve'\) are not supported"):
+        read_test_cases({"inputs": [[1]], "outputs": [1], "fn_name": "solve"})
+    with pytest.raises(ValueError, match="of equal length, got keys"):
+        read_test_cases({"inputs": ["1"], "outputs": []})
+    with pytest.raises(ValueError, match="a string answer must be JSON"):
+        read_test_cases("not json")
+
+
+def test_a_prime_row_scores_with_the_code_reward(tmp_path):
+    """A data row in PRIME's shape goes through the prompt DataModule and the built-in code reward."""
+    from conftest import TINY_MODEL
+
+    from rl_lightning.data import PromptDataModule
+
+    row = {"messages": [{"role": "user", "content": "Read n, print n squared."}],
+           "answer": {"test_cases": json.dumps({"inputs": ["3\n", "4\n", "5\n"], "outputs": ["9\n", "16\n", "24\n"]})}}
+    path = tmp_path / "prime.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    data = PromptDataModule(str(path), tokenizer_name=str(TINY_MODEL), batch_size=1)
+    data.setup("fit")
+    (prompt,) = data.prompts["train"]
+    program = "```python\nn = int(input())\nprint(n * n)\n```"
+    assert code_reward(prompt.messages + [{"role": "assistant", "content": program}], prompt.answer) == pytest.approx(2 / 3)

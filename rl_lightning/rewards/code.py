@@ -1,7 +1,13 @@
-"""Code reward: run the completion's program on stdin/stdout test cases in the sandbox."""
+"""Code reward: run the completion's program on stdin/stdout test cases in the sandbox.
+
+Test cases come as ``[{"input": str, "output": str}, ...]`` or in the PRIME / APPS / TACO shape
+``{"inputs": [...], "outputs": [...]}``, bare or under a ``test_cases`` key, as a dict or as its JSON string (PRIME's
+Eurus-2 rows store ``test_cases`` as a string). Call-based cases (``fn_name``) are not run: the reward says so.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any
@@ -22,23 +28,53 @@ def code_reward(messages: list[dict], answer: Any, timeout_s: float = 5.0, memor
     """Fraction of test cases passed by the last message's program.
 
     Args:
-        answer: ``[{"input": str, "output": str}, ...]``; outputs are compared after stripping trailing whitespace
-            on every line.
+        answer: the test cases in any shape `read_test_cases` reads; outputs are compared after stripping trailing
+            whitespace on every line.
 
     Failures (no code block, crash, timeout, memory, blocked operation) score 0 for that case and are logged with the
     reason; nothing the program does can stop the trainer.
     """
+    cases = read_test_cases(answer)
     code = extract_code(messages[-1]["content"])
-    if code is None or not answer:
+    if code is None or not cases:
         return 0.0
     passed = 0
-    for case in answer:
+    for case in cases:
         result = run_sandboxed(code, case["input"], timeout_s=timeout_s, memory_mb=memory_mb)
         if result.ok and _normalise(result.stdout) == _normalise(case["output"]):
             passed += 1
         elif not result.ok:
             log.info("code reward: test case failed: %s", result.reason)
-    return passed / len(answer)
+    return passed / len(cases)
+
+
+def read_test_cases(answer: Any) -> list[dict[str, str]]:
+    """``[{"input": str, "output": str}, ...]`` from the shapes the module docstring lists (an input or output given
+    as a list of lines is joined with newlines). Raises ValueError naming what is wrong with any other shape."""
+    if isinstance(answer, str):
+        try:
+            answer = json.loads(answer)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"code test cases: a string answer must be JSON ({e})") from None
+    if isinstance(answer, dict) and "test_cases" in answer:
+        return read_test_cases(answer["test_cases"])
+    if isinstance(answer, dict):
+        if answer.get("fn_name"):
+            raise ValueError(f"code test cases: call-based cases (fn_name={answer['fn_name']!r}) are not supported; "
+                             "give stdin/stdout cases")
+        inputs, outputs = answer.get("inputs"), answer.get("outputs")
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+            raise ValueError("code test cases: expected {'inputs': [...], 'outputs': [...]} of equal length, got keys "
+                             f"{sorted(answer)}")
+        answer = [{"input": i, "output": o} for i, o in zip(inputs, outputs, strict=True)]
+    if not isinstance(answer, list) or not all(isinstance(c, dict) and {"input", "output"} <= set(c) for c in answer):
+        raise ValueError("code test cases: expected [{'input': ..., 'output': ...}, ...] or {'inputs': [...], "
+                         f"'outputs': [...]}}, got {type(answer).__name__}")
+    return [{"input": _text(c["input"]), "output": _text(c["output"])} for c in answer]
+
+
+def _text(value: Any) -> str:
+    return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _normalise(text: str) -> str:
