@@ -254,3 +254,35 @@ def test_bad_arguments_are_one_line_config_errors(make, message):
     with pytest.raises(ConfigError) as info:
         make()
     assert str(info.value) == message and "\n" not in str(info.value)
+
+
+def test_rollout_dump_writes_every_trajectory_and_rotates(tmp_path):
+    """Every trajectory of every rollout is a JSONL line equal to the rollout's; files rotate by size and only the
+    newest `keep_files` stay."""
+    from callbacks.rollout_dump import RolloutDump
+
+    class Capture(L.Callback):
+        def __init__(self):
+            self.rewards = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.rewards += [t.reward for t in batch["rollout"].trajectories]
+
+    capture = Capture()
+    dump = RolloutDump(str(tmp_path / "all"))
+    small = RolloutDump(str(tmp_path / "small"), max_file_mb=1e-4, keep_files=2)  # ~100 bytes: a file per rollout
+    L.seed_everything(0)
+    model = ppo_task(ENV, rollout=ROLLOUT, max_rollouts=3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=-1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[capture, dump, small])
+    trainer.fit(model, datamodule=prompts(2))
+    (written,) = sorted((tmp_path / "all").iterdir())
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [r["reward"] for r in rows] == capture.rewards and len(rows) == 3 * 2 * 4
+    assert [r["rollout"] for r in rows] == [1] * 8 + [2] * 8 + [3] * 8
+    assert rows[0]["messages"][-1]["role"] == "assistant" and rows[0]["prompt_row"].endswith("line 1")
+    kept = sorted(p.name for p in (tmp_path / "small").iterdir())
+    assert kept == ["rollouts-rank0-1.jsonl", "rollouts-rank0-2.jsonl"]  # rollout 1's file was rotated out
+    assert json.loads((tmp_path / "small" / kept[-1]).read_text().splitlines()[0])["rollout"] == 3
+    with pytest.raises(ConfigError, match=r"callbacks.rollout_dump.RolloutDump: max_file_mb must be > 0, got 0"):
+        RolloutDump(max_file_mb=0)

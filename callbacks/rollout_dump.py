@@ -1,0 +1,92 @@
+"""Every rollout's trajectories as JSONL files on disk (ColossalChat's ``rollout-save-dir``), rotated by size.
+
+One line per trajectory: ``{"rollout", "step", "rank", "prompt_row", "messages", "answer", "reward",
+"reward_components", "completion_length", "finished", "turns"}`` (``messages`` is the whole conversation: the prompt
+and what was generated, tool turns included; ``prompt_row`` locates the prompt in the data file). Each rank writes
+its own share to ``rollouts-rank<r>-<n>.jsonl`` under `dirpath` (default: the run's output folder, ``outputs/<run>/
+<time>/rollouts``); when a file passes `max_file_mb` the next one starts, and only the newest `keep_files` files of a
+rank are kept (0: all). Validation rollouts are written too with ``"split": "val"`` when `validation` is true.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from rl_lightning.errors import ConfigError
+
+WHERE = "callbacks.rollout_dump.RolloutDump"
+
+
+class RolloutDump(L.Callback):
+    """Write each rollout's trajectories as JSONL (see the module docstring).
+
+    Args:
+        dirpath: the folder; null: ``rollouts/`` in the run's output folder (``rl_lightning.outputs.RunOutputs``),
+            or ``rollouts/`` in the working directory without one.
+        max_file_mb: start a new file once the current one is this large (MiB).
+        keep_files: newest files kept per rank (0: keep every file).
+        validation: also write validation rollouts.
+    """
+
+    def __init__(self, dirpath: str | None = None, max_file_mb: float = 100.0, keep_files: int = 0,
+                 validation: bool = False) -> None:
+        errors = []
+        if max_file_mb <= 0:
+            errors.append(f"max_file_mb must be > 0, got {max_file_mb}")
+        if keep_files < 0:
+            errors.append(f"keep_files must be >= 0 (0: keep all), got {keep_files}")
+        if errors:
+            raise ConfigError(f"{WHERE}: " + "; ".join(errors))
+        self.dirpath = Path(dirpath) if dirpath else None
+        self.max_bytes, self.keep_files, self.validation = int(max_file_mb * (1 << 20)), keep_files, validation
+        self._file: Path | None = None
+        self._number = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            outputs = next((c for c in trainer.callbacks if type(c).__name__ == "RunOutputs"), None)
+            base = outputs.dirpath if outputs is not None and outputs.dirpath is not None else Path(".")
+            self.dirpath = Path(base) / "rollouts"
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        self._rank = trainer.global_rank
+        existing = self._files()
+        self._number = int(existing[-1].stem.rsplit("-", 1)[1]) if existing else 0  # a resumed run appends
+
+    def _files(self) -> list[Path]:
+        return sorted(self.dirpath.glob(f"rollouts-rank{self._rank}-*.jsonl"),
+                      key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if isinstance(batch, dict) and "rollout" in batch:
+            self.write(batch["rollout"], int(getattr(pl_module, "rollouts", 0)), trainer.global_step, "train")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.validation and isinstance(batch, dict) and "rollout" in batch:
+            self.write(batch["rollout"], int(getattr(pl_module, "rollouts", 0)), trainer.global_step, "val")
+
+    def write(self, rollout: Any, number: int, step: int, split: str) -> None:
+        lines = "".join(json.dumps({
+            "rollout": number, "step": step, "rank": self._rank, "split": split, "prompt_row": t.prompt.where,
+            "messages": t.messages, "answer": t.prompt.answer, "reward": t.reward,
+            "reward_components": t.reward_components, "completion_length": t.completion_length,
+            "finished": t.finished, "turns": t.turns}, default=str) + "\n" for t in rollout.trajectories)
+        path = self._current()
+        with path.open("a") as f:
+            f.write(lines)
+
+    def _current(self) -> Path:
+        path = self.dirpath / f"rollouts-rank{self._rank}-{self._number}.jsonl"
+        if path.exists() and path.stat().st_size >= self.max_bytes:
+            self._number += 1
+            path = self.dirpath / f"rollouts-rank{self._rank}-{self._number}.jsonl"
+            if self.keep_files:  # the new file is one of the kept
+                written = self._files()
+                for stale in written[: max(0, len(written) - (self.keep_files - 1))]:
+                    stale.unlink()
+        return path
