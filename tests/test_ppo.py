@@ -155,7 +155,7 @@ def test_bad_environment_and_estimator_fail_at_construction(tmp_path):
     with pytest.raises(ConfigError, match="model.rollout.max_turns=2 needs interact"):
         ppo_task(ENV, rollout={"max_turns": 2})
     with pytest.raises(ConfigError, match="model.advantage_estimator must be one of drgrpo, grpo, rloo, reinforce_pp, "
-                                          "gae, got 'a2c'"):
+                                          "gae, vtrace, retrace, td_lambda, nstep, got 'a2c'"):
         ppo_task(ENV, advantage_estimator="a2c")
     with pytest.raises(ConfigError, match=r"set model.rollout.responses_per_prompt >= 2 \(got 1\)"):
         ppo_task(ENV, rollout={"responses_per_prompt": 1})

@@ -1,4 +1,6 @@
-"""Advantage estimators: GAE with a critic, and critic-free group baselines (Dr. GRPO, GRPO, RLOO, REINFORCE++).
+"""Advantage estimators: GAE with a critic, and critic-free group baselines (Dr. GRPO, GRPO, RLOO, REINFORCE++);
+`estimate_advantages` also dispatches to the critic estimators of `rl_lightning.algorithms.offpolicy` (V-trace,
+Retrace, TD(lambda), n-step).
 
 Shapes: B trajectories, T completion tokens, G completions per prompt (trajectories of a group are contiguous:
 ``rewards.view(-1, G)``). Outcome rewards are per trajectory (B,); token-level tensors are (B, T) with a
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from rl_lightning.algorithms.offpolicy import nstep_returns, retrace, td_lambda_returns, vtrace
 
 
 def gae(
@@ -131,8 +135,10 @@ def outcome_token_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) 
     return token_rewards
 
 
-ESTIMATORS = ("drgrpo", "grpo", "rloo", "reinforce_pp", "gae")
+ESTIMATORS = ("drgrpo", "grpo", "rloo", "reinforce_pp", "gae", "vtrace", "retrace", "td_lambda", "nstep")
 GROUP_ESTIMATORS = ("drgrpo", "grpo", "rloo")
+CRITIC_ESTIMATORS = ("gae", "vtrace", "retrace", "td_lambda", "nstep")  # need the critic's values
+OFF_POLICY_ESTIMATORS = ("vtrace", "retrace")  # need target and behaviour log-probs
 
 
 def estimate_advantages(
@@ -145,6 +151,11 @@ def estimate_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    target_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+    nstep: int = 5,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages (and returns, for the critic) of one rollout, by estimator name.
 
@@ -152,17 +163,22 @@ def estimate_advantages(
       `rloo_advantages`) on every completion token, plus the reward-to-go of `kl_penalty`;
     - ``reinforce_pp``: `reinforce_pp_advantages` of the outcome reward (on the last token) plus `kl_penalty`,
       whitened over every completion token of the rollout (`global_sum` makes that the global rollout);
-    - ``gae``: `gae` of the same token rewards with the critic's `values`.
+    - ``gae``: `gae` of the same token rewards with the critic's `values`;
+    - ``vtrace`` / ``retrace`` / ``td_lambda`` / ``nstep``: `vtrace` (`rho_bar`, `c_bar`, `lam`), `retrace` (`lam`),
+      `td_lambda_returns` (`lam`), `nstep_returns` (`nstep`) of the same token rewards and `values`; the first two
+      weigh by pi / mu = exp(`target_logprobs` - `behaviour_logprobs`).
 
     Args:
         rewards: (B,) outcome rewards, groups of `group_size` contiguous.
         completion_mask: (B, T) 1 on each trajectory's completion tokens, in order (T: completion tokens only, so a
             multi-turn trajectory's tool tokens in between are not there).
         kl_penalty: (B, T) per-token reward -coef x KL_t to the reference (KL as a reward), or None.
-        values: (B, T) critic values V(s_t) (``gae``).
+        values: (B, T) critic values V(s_t) (the critic estimators).
+        target_logprobs, behaviour_logprobs: (B, T) log pi (the policy evaluated) and log mu (the sampler) of the
+            sampled tokens (``vtrace``, ``retrace``).
 
     Returns:
-        advantages (B, T) and returns (B, T) (``gae``; None otherwise), zero where the mask is 0.
+        advantages (B, T) and returns (B, T) (the critic estimators; None otherwise), zero where the mask is 0.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator '{estimator}'; use one of {', '.join(ESTIMATORS)}")
@@ -182,8 +198,18 @@ def estimate_advantages(
     if estimator == "reinforce_pp":
         return reinforce_pp_advantages(token_rewards, mask, gamma, global_sum), None
     if values is None:
-        raise ValueError("the gae estimator needs the critic's values")
-    return gae(token_rewards, values, mask, gamma, lam)
+        raise ValueError(f"the {estimator} estimator needs the critic's values")
+    if estimator == "gae":
+        return gae(token_rewards, values, mask, gamma, lam)
+    if estimator == "td_lambda":
+        return td_lambda_returns(token_rewards, values, mask, gamma, lam)
+    if estimator == "nstep":
+        return nstep_returns(token_rewards, values, mask, nstep, gamma)
+    if target_logprobs is None or behaviour_logprobs is None:
+        raise ValueError(f"the {estimator} estimator needs target and behaviour log-probabilities")
+    if estimator == "vtrace":
+        return vtrace(token_rewards, values, mask, target_logprobs, behaviour_logprobs, gamma, lam, rho_bar, c_bar)
+    return retrace(token_rewards, values, mask, target_logprobs, behaviour_logprobs, gamma, lam)
 
 
 def broadcast_to_tokens(sequence_values: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Policy optimisation from sampled trajectories: the PPO family (Dr. GRPO, GRPO, RLOO, REINFORCE++, GAE with a critic).
+"""Policy optimisation from sampled trajectories: the PPO family (Dr. GRPO, GRPO, RLOO, REINFORCE++; with a critic:
+GAE, V-trace, Retrace, TD(lambda), n-step returns).
 
 Each training batch is one rollout. The task's `RolloutCallback` (built from ``model.rollout``) has sampled
 ``responses_per_prompt`` completions per prompt and scored them; `PPO.training_step` then runs the algorithm in six
@@ -10,9 +11,14 @@ phases:
 2. **score** them without gradients: the sampling policy's log-probabilities (``old_logprobs``, before any update of
    this rollout), the frozen reference's (``ref_logprobs``) and the critic's values. The first minibatch needs no
    extra pass for ``old_logprobs``: nothing has changed the policy before its update, so its training forward's
-   detached log-probabilities are the sampling policy's (with ``update_per_rollout: 1``, the whole pass is saved);
+   detached log-probabilities are the sampling policy's (with ``update_per_rollout: 1``, the whole pass is saved),
+   unless the advantages need them first (KL as a reward, ``vtrace``, ``retrace``);
 3. **advantages** from one pure function, `rl_lightning.algorithms.advantages.estimate_advantages`, on this rank's
-   trajectories, with statistics that must be global (REINFORCE++ whitening) summed over data-parallel ranks;
+   trajectories, with statistics that must be global (REINFORCE++ whitening) summed over data-parallel ranks.
+   ``vtrace`` and ``retrace`` correct for the engine having sampled from a distribution mu other than the
+   trainer's pi at score time: mu = the engine's log-probabilities (``target_engine_logprobs``), pi =
+   ``old_logprobs`` (engine/trainer mismatch, an engine lagging the trainer's weights, reused trajectories). They do
+   not correct the later minibatches' staleness (``update_per_rollout`` > 1): PPO's ratio pi_theta / pi_old does;
 4. **update**: one optimizer step per minibatch on the clipped surrogate (asymmetric ``clip_low``/``clip_high``,
    optional dual clip, truncated importance weights against the engine's log-probabilities), plus ``kl.coef`` x
    KL(policy || reference) (``kl.type: loss``), minus ``entropy_coef`` x entropy, plus the Lagrangian constraint
@@ -48,7 +54,13 @@ import lightning as L
 import torch
 
 from rl_lightning.algorithms import KL_ESTIMATORS
-from rl_lightning.algorithms.advantages import ESTIMATORS, GROUP_ESTIMATORS, estimate_advantages
+from rl_lightning.algorithms.advantages import (
+    CRITIC_ESTIMATORS,
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
+    OFF_POLICY_ESTIMATORS,
+    estimate_advantages,
+)
 from rl_lightning.algorithms.controllers import Controllers
 from rl_lightning.algorithms.kl import KL_CONTROLLERS
 from rl_lightning.algorithms.policy import (
@@ -167,8 +179,10 @@ class PPO(L.LightningModule):
         max_rollouts: length of the run in rollouts (it stops there); sizes the learning-rate schedules. Null: the
             run ends with ``trainer.max_epochs`` epochs of prompts.
         advantage_estimator: ``drgrpo`` (group mean baseline), ``grpo`` (mean and std), ``rloo`` (leave-one-out),
-            ``reinforce_pp`` (REINFORCE++: global batch whitening), ``gae`` (critic + generalised advantage
-            estimation).
+            ``reinforce_pp`` (REINFORCE++: global batch whitening); with a critic: ``gae`` (generalised advantage
+            estimation), ``vtrace`` (V-trace, corrects engine != trainer), ``retrace`` (Retrace(lam), likewise),
+            ``td_lambda`` (lambda-returns), ``nstep`` (n-step bootstrapped returns); see
+            `rl_lightning.algorithms.offpolicy`.
         update_per_rollout: optimizer steps (minibatches) per rollout; must divide the trajectories per rank.
         clip_low: lower ratio clip (1 - clip_low).
         clip_high: upper ratio clip (1 + clip_high); DAPO's clip-higher uses 0.28.
@@ -179,11 +193,14 @@ class PPO(L.LightningModule):
         entropy_coef: entropy bonus weight.
         kl: the KL term and its coefficient controller (``model.kl.*``).
         constraints: Lagrangian entropy floor / KL ceiling (``model.constraints.*``).
-        gamma: discount over completion tokens (``gae``, ``reinforce_pp``).
-        lam: GAE lambda.
-        critic_lr: peak learning rate of the critic (``gae``; the critic follows `optim`'s schedule).
-        value_clip: clip of the value update around the rollout-time value (``gae``); null disables.
-        freeze_steps: rollouts during which only the critic is trained (``gae`` warm-up).
+        gamma: discount over completion tokens (the critic estimators, ``reinforce_pp``).
+        lam: lambda of ``gae``, ``vtrace``, ``retrace``, ``td_lambda``.
+        vtrace_rho_bar: ``vtrace`` clip of the importance weights of the TD errors (rho-bar).
+        vtrace_c_bar: ``vtrace`` clip of the importance weights of the traces (c-bar, 0 < c-bar <= rho-bar).
+        nstep: steps n of ``nstep`` returns (>= 1).
+        critic_lr: peak learning rate of the critic (the critic estimators; it follows `optim`'s schedule).
+        value_clip: clip of the value update around the rollout-time value (critic); null disables.
+        freeze_steps: rollouts during which only the critic is trained (critic warm-up).
         max_length_per_device: token budget of one packed micro-batch.
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
@@ -207,6 +224,9 @@ class PPO(L.LightningModule):
         constraints: ConstraintConfig = ConstraintConfig(),
         gamma: float = 1.0,
         lam: float = 1.0,
+        vtrace_rho_bar: float = 1.0,
+        vtrace_c_bar: float = 1.0,
+        nstep: int = 5,
         critic_lr: float = 1e-5,
         value_clip: float | None = 0.2,
         freeze_steps: int = 0,
@@ -232,6 +252,11 @@ class PPO(L.LightningModule):
                           f">= 1, got {update_per_rollout}, {max_length_per_device}, {max_rollouts}")
         if dual_clip is not None and dual_clip <= 1:
             errors.append(f"model.dual_clip must be > 1 or null, got {dual_clip}")
+        if not 0 < vtrace_c_bar <= vtrace_rho_bar:
+            errors.append(f"model.vtrace_c_bar={vtrace_c_bar} must be > 0 and <= model.vtrace_rho_bar={vtrace_rho_bar} "
+                          "(V-trace's truncation levels; 1.0 each is the paper's)")
+        if nstep < 1:
+            errors.append(f"model.nstep must be >= 1, got {nstep}")
         if errors:
             raise ConfigError("; ".join(errors))
         self.save_hyperparameters(logger=False)
@@ -294,7 +319,7 @@ class PPO(L.LightningModule):
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
         self.model = parallelize_for(self, self.model)
-        if hp.advantage_estimator == "gae":
+        if hp.advantage_estimator in CRITIC_ESTIMATORS:
             if self.critic is None:
                 self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
                                                 gradient_checkpointing=hp.gradient_checkpointing)
@@ -399,12 +424,14 @@ class PPO(L.LightningModule):
     def score(self, minibatches: list[tuple[list[int], list[dict[str, Any]]]]) -> None:
         """Record, on this rank's tokens, the log-probabilities of the policy that sampled (nothing has changed it
         since), the reference's, and the critic's values. The first minibatch's sampling log-probabilities are left
-        to its training forward (`policy_loss`), unless the advantages need them first (KL as a reward)."""
+        to its training forward (`policy_loss`), unless the advantages need them first (KL as a reward, the
+        off-policy estimators)."""
         temperature = self.rollout_config.temperature
         kl_reward = self.kl_config.type == "reward" and self._reference is not None
+        needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS
         for k, (_, micro_batches) in enumerate(minibatches):
             for mb in micro_batches:
-                if k > 0 or kl_reward:
+                if k > 0 or needed_now:
                     mb["old_logprobs"] = target_logprobs(self.model, mb, temperature)[0]
                 if self._reference is not None:
                     mb["ref_logprobs"] = target_logprobs(self._reference, mb, temperature)[0]
@@ -418,17 +445,21 @@ class PPO(L.LightningModule):
         lengths = torch.tensor([t.completion_length for t in trajectories], dtype=torch.long)
         width = max(1, int(lengths.max())) if len(trajectories) else 1
         mask = (torch.arange(width)[None] < lengths[:, None]).float().to(self.device)  # (B, T)
-        kl_penalty = values = None
+        kl_penalty = values = logprobs = engine_logprobs = None
         if self.kl_config.type == "reward" and self._reference is not None:
             estimator = KL_ESTIMATORS[self.kl_config.estimator]
             kl_penalty = self.gather(micro_batches, [-self.controllers.kl_coef * estimator(
                 mb["old_logprobs"], mb["ref_logprobs"]) for mb in micro_batches], mask)
         if self.critic is not None:
             values = self.gather(micro_batches, [mb["old_values"] for mb in micro_batches], mask)
+        if hp.advantage_estimator in OFF_POLICY_ESTIMATORS:  # pi: the trainer at score time; mu: the engine
+            logprobs = self.gather(micro_batches, [mb["old_logprobs"] for mb in micro_batches], mask)
+            engine_logprobs = self.gather(micro_batches, [mb["target_engine_logprobs"] for mb in micro_batches], mask)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
         advantages, returns = estimate_advantages(
             hp.advantage_estimator, rewards, mask, rollout.group_size, kl_penalty, values, hp.gamma, hp.lam,
-            global_sum=lambda x: data_parallel_sum(self.trainer, x))
+            global_sum=lambda x: data_parallel_sum(self.trainer, x), target_logprobs=logprobs,
+            behaviour_logprobs=engine_logprobs, rho_bar=hp.vtrace_rho_bar, c_bar=hp.vtrace_c_bar, nstep=hp.nstep)
         for mb in micro_batches:
             mb["advantages"] = self.scatter(mb, advantages)
             if returns is not None:
