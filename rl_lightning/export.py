@@ -9,6 +9,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from rl_lightning.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -49,17 +51,53 @@ def _ordinary_permissions(dirpath: Path) -> None:
 
 
 class HFExport(L.Callback):
-    """Export the task's model in Hugging Face format when training ends.
+    """Export the task's model in Hugging Face format when training ends, and log it to MLflow (global rank 0).
 
     The module must have ``model`` (a transformers ``PreTrainedModel``) and ``hparams.model_name`` (its tokenizer).
+    Every ``MLFlowLogger`` run gets the export as an MLflow logged model tagged with the run's lineage (recipe, data
+    and environment hashes, git commit: `rl_lightning.lineage`).
 
     Args:
         dirpath: output folder (``save_pretrained`` layout; load it with ``AutoModelForCausalLM.from_pretrained``);
-            default: ``exports/<run name>`` through the CLI, ``exports/model`` otherwise.
+            default: ``export/`` in the run's output folder through the CLI (`rl_lightning.outputs.RunOutputs`),
+            ``exports/model`` otherwise.
+        log_model: log the export as an MLflow model of the run (the run's "Logged models").
+        log_weights: store the weights in MLflow too (a copy of the export: loadable with
+            ``mlflow.transformers.load_model``); false: only config and tokenizer files, pointing at ``dirpath``.
+        registered_model_name: also register the logged model in the MLflow model registry under this name (a new
+            version per run, with the lineage as tags); null: not registered.
     """
 
-    def __init__(self, dirpath: str | None = None) -> None:
-        self.dirpath = dirpath
+    def __init__(self, dirpath: str | None = None, log_model: bool = True, log_weights: bool = True,
+                 registered_model_name: str | None = None) -> None:
+        if registered_model_name is not None and not registered_model_name.strip():
+            raise ConfigError("HFExport.registered_model_name is empty: name the registered model (e.g. my-model) "
+                              "or leave it null")
+        if registered_model_name is not None and not log_model:
+            raise ConfigError(f"HFExport.registered_model_name={registered_model_name!r} needs log_model: true (only a "
+                              "logged model can be registered); set log_model: true or registered_model_name: null")
+        self.dirpath, self.log_model, self.log_weights = dirpath, log_model, log_weights
+        self.registered_model_name = registered_model_name
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        export_hf(pl_module.model, pl_module.hparams.model_name, self.dirpath or "exports/model", trainer.is_global_zero)
+        dirpath = self.dirpath or "exports/model"
+        export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)
+        if trainer.is_global_zero and self.log_model:
+            self._log_to_mlflow(trainer, pl_module, dirpath)
+
+    def _log_to_mlflow(self, trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        from rl_lightning import lineage
+
+        loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
+        tags = lineage.collect(trainer, pl_module) if loggers else {}
+        for logger in loggers:
+            client, run_id = logger.experiment, logger.run_id
+            model = lineage.log_model(client, logger._tracking_uri, run_id, dirpath, tags, self.log_weights)
+            log.info("logged the export as MLflow model %s", model.model_uri)
+            if self.registered_model_name is not None:
+                version = lineage.register(client, self.registered_model_name, model, run_id, tags)
+                client.set_tag(run_id, "rl_lightning.registered_model",
+                               f"{self.registered_model_name}/{version.version}")
+                log.info("registered %s version %s", self.registered_model_name, version.version)

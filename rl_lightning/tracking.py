@@ -8,6 +8,9 @@
   has passed. Lightning creates the MLflow run before any setup hook runs, so a run that fails a start-up check
   (a ``UserError``: bad config or data) and has logged nothing is deleted (MLflow's soft delete: recoverable, hidden
   in the UI) instead of lingering as an empty FAILED run.
+- The run's lineage (recipe, data and environment file with their hashes, git commit, base model:
+  `rl_lightning.lineage`) is set as tags at train start, and an RL task's environment file is uploaded as the
+  artifact ``environment/<file name>``. (The export is logged as a model by ``HFExport``, at train end.)
 - Any other failed run gets the error as its description and an ``rl_lightning.error`` tag.
 """
 
@@ -35,10 +38,11 @@ class MLflowTracking(L.Callback):
     Args:
         system_metrics: sample MLflow's system metrics during the run.
         sampling_interval_s: seconds between system-metric samples.
+        lineage: tag the run with its lineage and upload the environment file (`rl_lightning.lineage`).
     """
 
-    def __init__(self, system_metrics: bool = True, sampling_interval_s: float = 5.0) -> None:
-        self.system_metrics = system_metrics
+    def __init__(self, system_metrics: bool = True, sampling_interval_s: float = 5.0, lineage: bool = True) -> None:
+        self.system_metrics, self.lineage = system_metrics, lineage
         self.sampling_interval_s = sampling_interval_s
         self._monitors: list[Any] = []
 
@@ -49,10 +53,16 @@ class MLflowTracking(L.Callback):
                 logger.log_metrics({k: float(v) for k, v in stats.items()}, step=0)
         if not trainer.is_global_zero:
             return
-        for logger in _mlflow_loggers(trainer):
+        from rl_lightning import lineage
+
+        loggers = _mlflow_loggers(trainer)
+        tags = lineage.collect(trainer, pl_module) if loggers and self.lineage else {}
+        for logger in loggers:
             client, experiment_id = logger.experiment, logger.experiment_id
             if "mlflow.experimentKind" not in client.get_experiment(experiment_id).tags:
                 client.set_experiment_tag(experiment_id, "mlflow.experimentKind", EXPERIMENT_KIND)
+            if self.lineage:
+                lineage.tag_run(client, logger.run_id, tags, lineage.env_path(pl_module))
             if self.system_metrics:
                 self._start_monitor(logger)
 

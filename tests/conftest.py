@@ -50,4 +50,17 @@ def workdir(tmp_path, monkeypatch):
     for name in ("recipes", "rl_lightning", "examples", "callbacks"):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)
+    _forget_mlflow_stores()
     return tmp_path
+
+
+def _forget_mlflow_stores():
+    """MLflow caches its tracking and registry stores by URI string, so the CLI's relative ``sqlite:///mlflow.db``
+    would keep pointing at the first test's folder after a chdir: forget them (private API, tests only)."""
+    from mlflow.tracking._model_registry.registry import ModelRegistryStoreRegistry
+    from mlflow.tracking._tracking_service.registry import TrackingStoreRegistry
+
+    for registry in (TrackingStoreRegistry, ModelRegistryStoreRegistry):
+        for attribute in vars(registry).values():
+            if hasattr(attribute, "cache_clear"):
+                attribute.cache_clear()
