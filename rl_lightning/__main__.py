@@ -1,4 +1,11 @@
-from rl_lightning.cli import main
+import sys
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["tune"]:  # Optuna search (rl_lightning.tune); everything else is the LightningCLI
+        from rl_lightning.tune import main
+
+        main(sys.argv[2:])
+    else:
+        from rl_lightning.cli import main
+
+        main()

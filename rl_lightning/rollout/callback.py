@@ -13,6 +13,7 @@ the task's policy interface only: ``model``, ``tokenizer``, ``model_name`` and `
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ import torch
 
 from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_penalty
 from rl_lightning.errors import ConfigError
-from rl_lightning.parallel.reductions import data_parallel_coords
+from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
+from rl_lightning.rollout.pareto_archive import ParetoArchive
 from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, rollout
 from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
@@ -77,6 +79,12 @@ class RolloutConfig:
             component is logged as ``train/reward/<name>``.
         reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
         reward_ideal: Tchebycheff ideal point per component (default 1.0 each).
+        pareto_archive_size: keep the Pareto front of the rollouts' mean reward components, at most this many
+            (evicting the least hypervolume contributor), log ``train/hypervolume`` and ``train/pareto_size`` and
+            the MLflow table ``pareto_archive.json`` (see `rl_lightning.rollout.pareto_archive`); null: off. Needs
+            >= 2 components in `reward_weights`.
+        pareto_reference: hypervolume reference point per component (default 0.0 each: fixed, so hypervolumes
+            compare across runs); set it below the lowest value a component can take, e.g. for negative rewards.
         val_temperature: validation sampling temperature (0: greedy).
         val_responses_per_prompt: completions per held-out prompt at validation (> 1 needs `val_temperature` > 0);
             their seeds stay the same across validations, so successive scores compare the same draws.
@@ -109,6 +117,8 @@ class RolloutConfig:
     reward_weights: dict[str, float] | None = None
     reward_combination: str = "weighted_sum"
     reward_ideal: dict[str, float] | None = None
+    pareto_archive_size: int | None = None
+    pareto_reference: dict[str, float] | None = None
     val_temperature: float = 0.0
     val_responses_per_prompt: int = 1
 
@@ -124,7 +134,7 @@ class RolloutConfig:
             errors.append(f"max_turns must be >= 1, got {self.max_turns}")
         if self.engine not in ENGINES:
             errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
-        errors += _vllm_errors(self)
+        errors += _vllm_errors(self) + _pareto_errors(self)
         if self.temperature <= 0 or self.max_new_tokens < 1:
             errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
                           f"{self.temperature}, {self.max_new_tokens}")
@@ -160,6 +170,8 @@ class RolloutCallback(L.Callback):
         self.weight_sync: WeightSync | None = None
         self.engine: Any = None
         self.refills = 0
+        self.pareto = None if c.pareto_archive_size is None else ParetoArchive(
+            self.env.component_names, c.pareto_archive_size, c.pareto_reference)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         c = self.config
@@ -241,9 +253,33 @@ class RolloutCallback(L.Callback):
                    "rollout/reward_timeouts": float(self.env.timeouts)}  # since the start
         if self.weight_sync is not None:
             metrics["rollout/weight_sync_s"] = self.weight_sync.seconds  # 0: skipped (no optimizer step)
+        if self.pareto is not None:
+            metrics.update(self._track_pareto(trainer, pl_module, trajectories))
         batch["rollout"] = Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names,
                                    self.env.failures, self.refills, metrics)
         self.engine.sleep()
+
+    def _track_pareto(self, trainer: L.Trainer, pl_module: L.LightningModule, trajectories: list
+                      ) -> dict[str, float]:
+        """Offer this rollout's global component means to the Pareto archive; rank 0 rewrites the MLflow table when
+        it changed. Every rank runs the same all-reduce and so holds the same archive."""
+        names = self.pareto.names
+        per_rank = torch.tensor([float(len(trajectories)), *(sum(t.reward_components[n] for t in trajectories)
+                                                              for n in names)], dtype=torch.float64)
+        count, *sums = data_parallel_sum(trainer, per_rank.to(pl_module.device)).cpu().tolist()
+        if count > 0 and self.pareto.add([s / count for s in sums], pl_module.rollouts + 1, trainer.global_step):
+            if trainer.is_global_zero:
+                from lightning.pytorch.loggers import MLFlowLogger
+
+                self.pareto.log_to([lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)])
+        return self.pareto.metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.pareto is None else {"pareto": self.pareto.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.pareto is not None and "pareto" in state_dict:
+            self.pareto.load_state_dict(state_dict["pareto"])
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -293,6 +329,19 @@ class RolloutCallback(L.Callback):
             params = self.sampling_params(pl_module.rollouts, extra, pl_module.tokenizer.eos_token_id, buffer.rounds)
             trajectories = self._generate(extra, pl_module.tokenizer, params)
         return [t for kept in buffer.take() for t in kept]
+
+
+def _pareto_errors(c: RolloutConfig) -> list[str]:
+    names = sorted(c.reward_weights or {})
+    if c.pareto_archive_size is not None and (c.pareto_archive_size < 1 or len(names) < 2):
+        return [f"pareto_archive_size={c.pareto_archive_size} needs a size >= 1 and >= 2 reward components in "
+                f"reward_weights (got {names}); name the components in model.rollout.reward_weights or set "
+                "pareto_archive_size: null"]
+    if c.pareto_reference is not None and (sorted(c.pareto_reference) != names or not all(
+            math.isfinite(v) for v in c.pareto_reference.values())):
+        return [f"pareto_reference={c.pareto_reference} must give a finite value for each component of "
+                f"reward_weights {names}"]
+    return []
 
 
 def _vllm_errors(c: RolloutConfig) -> list[str]:
