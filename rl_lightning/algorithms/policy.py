@@ -7,6 +7,8 @@ not depend on how a step is split.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -104,3 +106,27 @@ def lagrangian_terms(
     violation = sign * (measured - target)
     multiplier = log_multiplier.exp()
     return multiplier.detach() * violation, -multiplier * violation.detach()
+
+
+def skip_mask(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B,) True for the trajectories to skip: those whose sequence-level importance ratio leaves
+    [1 / threshold, threshold].
+
+    ratio_i = exp(sum_t m_it (logprobs_it - old_logprobs_it) / sum_t m_it)   (the geometric mean of the per-token
+    ratios pi_theta / pi_old, GSPO's sequence ratio); skip_i = |log ratio_i| > log(threshold). A trajectory without
+    completion tokens is never skipped (it carries no loss anyway).
+
+    ColossalChat's GRPO ``PolicyLoss`` (``coati/distributed/loss.py``, ``skip_threshold=20``) skips a whole
+    micro-batch when the mean of its per-token ratios exceeds the threshold; here each trajectory is judged on its
+    own, in both directions, so one stale trajectory does not silence the rest. GSPO: Zheng et al. 2025,
+    https://arxiv.org/abs/2507.18071, eq. 7.
+
+    Args:
+        log_ratio_sums: (B,) per-trajectory sums of (logprobs - old_logprobs) over completion tokens (detached).
+        token_counts: (B,) completion tokens per trajectory.
+        threshold: > 1.
+    """
+    if threshold <= 1.0:
+        raise ValueError(f"skip threshold must be > 1, got {threshold}")
+    mean_log_ratio = log_ratio_sums / token_counts.clamp(min=1)
+    return (mean_log_ratio.abs() > math.log(threshold)) & (token_counts > 0)

@@ -80,7 +80,10 @@ class PromptDataModule(L.LightningDataModule):
         path: training prompts (local JSON/JSONL/CSV/Parquet/Arrow, ``save_to_disk`` folder or Hugging Face name);
             rows ``{"messages": [...], "answer": ...}``.
         tokenizer_name: tokenizer (linked from ``model.model_name`` by the CLI).
-        val_path: optional held-out prompts, scored with greedy decoding at validation.
+        val_path: optional held-out prompts, scored at validation (``val/reward``).
+        val_paths: several named held-out sets instead, ``{name: path}``: each is scored at validation
+            (``val/<name>/reward``, ...) and ``val/reward`` is the mean over all their trajectories; not with
+            `val_path`.
         split: split for Hugging Face datasets and ``DatasetDict`` folders.
         max_prompt_length: prompts with more tokens are dropped and counted (``data/train_dropped``).
         apply_chat_template: render with the chat template and generation prompt; False concatenates contents.
@@ -93,6 +96,7 @@ class PromptDataModule(L.LightningDataModule):
         path: str,
         tokenizer_name: str | None = None,
         val_path: str | None = None,
+        val_paths: dict[str, str] | None = None,
         split: str = "train",
         max_prompt_length: int = 512,
         apply_chat_template: bool = True,
@@ -105,13 +109,15 @@ class PromptDataModule(L.LightningDataModule):
             errors.append(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if batch_size < 1:
             errors.append(f"data.batch_size must be >= 1, got {batch_size}")
+        errors += _val_paths_errors(val_path, val_paths)
         if errors:
             raise ConfigError("; ".join(errors))
         self.save_hyperparameters(logger=False)
         self.tokenizer = load_tokenizer_for_data(tokenizer_name)
         self.prompts: dict[str, list[Prompt]] = {}
         self.stats: dict[str, int] = {}
-        if val_path is None:
+        self.val_names: list[str] = list(val_paths or {})  # the named held-out sets, in dataloader order
+        if val_path is None and not val_paths:
             self.val_dataloader = None  # type: ignore[method-assign]
 
     def _load(self, rows: Rows, name: str) -> list[Prompt]:
@@ -137,6 +143,13 @@ class PromptDataModule(L.LightningDataModule):
         for name, path in (("train", hp.path), ("val", hp.val_path)):
             if path and name not in self.prompts:
                 self.prompts[name] = self._load(load_rows(path, hp.split), name)
+        for name, path in (hp.val_paths or {}).items():
+            if f"val/{name}" not in self.prompts:
+                try:
+                    rows = load_rows(path, hp.split)
+                except DataError as e:
+                    raise DataError(f"data.val_paths.{name}: {e}") from None
+                self.prompts[f"val/{name}"] = self._load(rows, f"val_{name}")
         check_enough_rows(len(self.prompts["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
@@ -155,5 +168,22 @@ class PromptDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", self.hparams.shuffle)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        if self.val_names:  # one dataloader per named set: Lightning passes its index to validation_step
+            return [self._loader(f"val/{name}", False) for name in self.val_names]
         return self._loader("val", False)
+
+
+def _val_paths_errors(val_path: str | None, val_paths: dict[str, str] | None) -> list[str]:
+    if val_paths is None:
+        return []
+    if val_path is not None:
+        return [f"data.val_path={val_path!r} and data.val_paths are exclusive: set data.val_path to null (a recipe may "
+                "set it), naming that set in val_paths to keep it"]
+    if not val_paths:
+        return ["data.val_paths is empty: give {name: path} pairs, or null"]
+    bad = [n for n in val_paths if not n or "/" in n or n in ("reward", "completion_length")]
+    if bad:
+        return [f"data.val_paths names {bad} must be non-empty, without '/', and not 'reward' or 'completion_length' "
+                "(they become metric names val/<name>/...)"]
+    return []

@@ -89,8 +89,8 @@ class RolloutConfig:
         val_responses_per_prompt: completions per held-out prompt at validation (> 1 needs `val_temperature` > 0);
             their seeds stay the same across validations, so successive scores compare the same draws.
 
-    Validation (``data.val_path``) scores `val_responses_per_prompt` completions per held-out prompt (``val/reward``,
-    the mean); with ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
+    Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
+    completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
     """
 
     env_path: str

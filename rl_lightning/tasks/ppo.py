@@ -46,9 +46,10 @@ is refused because it counts optimizer steps of both optimizers.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -66,6 +67,7 @@ from rl_lightning.algorithms.kl import KL_CONTROLLERS
 from rl_lightning.algorithms.policy import (
     clipped_policy_loss,
     clipped_value_loss,
+    skip_mask,
     token_mean,
     truncated_importance_weights,
 )
@@ -73,6 +75,13 @@ from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
+from rl_lightning.memory import (
+    budget_errors,
+    free_after_oom,
+    initial_budget,
+    oom_backoff_supported,
+    smaller_budget,
+)
 from rl_lightning.models import load_causal_lm, load_reward_model, load_tokenizer, model_inputs, target_logprobs
 from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, typed
 from rl_lightning.parallel.parallelize import parallelize_for
@@ -88,6 +97,8 @@ from rl_lightning.parallel.reductions import (
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
+
+log = logging.getLogger(__name__)
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
 KL_TYPES = ("loss", "reward")
@@ -190,6 +201,9 @@ class PPO(L.LightningModule):
         aggregation: ``token_mean`` (DAPO), ``sequence_mean`` (GRPO) or ``token_sum`` (Dr. GRPO's constant
             normaliser); see the module docstring.
         tis_cap: cap of the truncated importance weights pi_old / pi_engine (null disables the correction).
+        skip_threshold: skip (zero loss weight, normaliser unchanged) every trajectory whose sequence-level ratio
+            pi_theta / pi_old, exp(its token mean of logprobs - old_logprobs), is above this or below its inverse;
+            ``train/skipped`` logs the skipped fraction of trajectories (> 1; null: off).
         entropy_coef: entropy bonus weight.
         kl: the KL term and its coefficient controller (``model.kl.*``).
         constraints: Lagrangian entropy floor / KL ceiling (``model.constraints.*``).
@@ -201,7 +215,10 @@ class PPO(L.LightningModule):
         critic_lr: peak learning rate of the critic (the critic estimators; it follows `optim`'s schedule).
         value_clip: clip of the value update around the rollout-time value (critic); null disables.
         freeze_steps: rollouts during which only the critic is trained (critic warm-up).
-        max_length_per_device: token budget of one packed micro-batch.
+        max_length_per_device: token budget of one packed micro-batch, or ``auto`` (start from 65536 tokens and let
+            the out-of-memory back-off find what fits). In a single process a micro-batch that runs out of memory
+            halves the budget, is re-packed and redone (``train/oom_retries``, ``train/max_length_per_device``);
+            see `rl_lightning.memory`.
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
         attn_implementation: ``rl_varlen`` or a transformers implementation.
@@ -219,6 +236,7 @@ class PPO(L.LightningModule):
         dual_clip: float | None = None,
         aggregation: str = "token_mean",
         tis_cap: float | None = None,
+        skip_threshold: float | None = None,
         entropy_coef: float = 0.0,
         kl: KLConfig = KLConfig(),
         constraints: ConstraintConfig = ConstraintConfig(),
@@ -230,7 +248,7 @@ class PPO(L.LightningModule):
         critic_lr: float = 1e-5,
         value_clip: float | None = 0.2,
         freeze_steps: int = 0,
-        max_length_per_device: int = 8192,
+        max_length_per_device: int | Literal["auto"] = 8192,
         optim: OptimConfig = OptimConfig(lr=1e-6, lr_schedule="constant"),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
@@ -247,11 +265,14 @@ class PPO(L.LightningModule):
                           f"model.rollout.responses_per_prompt >= 2 (got {rollout.responses_per_prompt})")
         if aggregation not in AGGREGATIONS:
             errors.append(f"model.aggregation must be one of {', '.join(AGGREGATIONS)}, got '{aggregation}'")
-        if update_per_rollout < 1 or max_length_per_device < 1 or (max_rollouts is not None and max_rollouts < 1):
-            errors.append(f"model.update_per_rollout, model.max_length_per_device and model.max_rollouts must be "
-                          f">= 1, got {update_per_rollout}, {max_length_per_device}, {max_rollouts}")
+        if update_per_rollout < 1 or (max_rollouts is not None and max_rollouts < 1):
+            errors.append(f"model.update_per_rollout and model.max_rollouts must be >= 1, got {update_per_rollout}, "
+                          f"{max_rollouts}")
+        errors += budget_errors(max_length_per_device)
         if dual_clip is not None and dual_clip <= 1:
             errors.append(f"model.dual_clip must be > 1 or null, got {dual_clip}")
+        if skip_threshold is not None and skip_threshold <= 1:
+            errors.append(f"model.skip_threshold must be > 1 or null, got {skip_threshold}")
         if not 0 < vtrace_c_bar <= vtrace_rho_bar:
             errors.append(f"model.vtrace_c_bar={vtrace_c_bar} must be > 0 and <= model.vtrace_rho_bar={vtrace_rho_bar} "
                           "(V-trace's truncation levels; 1.0 each is the paper's)")
@@ -269,12 +290,13 @@ class PPO(L.LightningModule):
         self.critic: Any = None
         self._reference: Any = None  # not a submodule: frozen, out of the optimizer and checkpoints
         self.rollouts = 0  # completed rollouts
+        self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
         self.controllers = Controllers(
             kl.controller, kl.coef, kl.target, kl.horizon, kl.rate, tuple(kl.pid), kl.final_coef,
             kl.total_rollouts or max_rollouts or 1, constraints.entropy_min, constraints.kl_max,
             constraints.multiplier_lr, constraints.multiplier_init)
         self.rollout_callback = RolloutCallback(rollout)
-        self._val_sums: torch.Tensor | None = None
+        self._val_sums: dict[int, torch.Tensor] | None = None  # per validation dataloader
         self._val_names: list[str] = []
         self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
 
@@ -302,8 +324,11 @@ class PPO(L.LightningModule):
         data, rollout = trainer.datamodule.hparams, self.rollout_config
         train_prompts = getattr(trainer.datamodule, "prompts", {}).get("train") or []
         longest = max((len(p.prompt_ids) for p in train_prompts), default=0) + rollout.max_completion_tokens
-        if rollout.max_turns == 1 and longest > hp.max_length_per_device:
-            errors.append(f"model.max_length_per_device={hp.max_length_per_device} cannot hold the longest trajectory, "
+        if hp.max_length_per_device == "auto" and not oom_backoff_supported(trainer.world_size):
+            errors.append(f"model.max_length_per_device=auto needs the out-of-memory back-off, which runs in a single "
+                          f"process only (world size {trainer.world_size}): set an integer budget")
+        if rollout.max_turns == 1 and longest > self.max_length_per_device:
+            errors.append(f"model.max_length_per_device={self.max_length_per_device} cannot hold the longest trajectory, "
                           f"{longest} tokens (the longest training prompt + model.rollout.max_new_tokens): raise it to "
                           f"at least {longest}")
         per_rank = data.batch_size * rollout.responses_per_prompt
@@ -358,10 +383,13 @@ class PPO(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rollouts"] = self.rollouts
         checkpoint["controllers"] = self.controllers.state_dict()
+        checkpoint["max_length_per_device"] = self.max_length_per_device
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.rollouts = checkpoint.get("rollouts", 0)
         self.controllers.load_state_dict(checkpoint.get("controllers", {}))
+        self.max_length_per_device = min(self.max_length_per_device,  # a budget that ran out of memory stays down
+                                         checkpoint.get("max_length_per_device", self.max_length_per_device))
 
     # ---------------------------------------------------------------------------------------------------- the step
 
@@ -375,6 +403,8 @@ class PPO(L.LightningModule):
         totals = shard_sum_dict(self.trainer, sums)  # measured on this rank's tokens: over data x context ranks
         means = {k: v / totals["tokens"].clamp(min=1) for k, v in totals.items()}
         trajectories = int(data_parallel_sum(self.trainer, torch.tensor(float(len(rollout.trajectories)))))
+        if "skipped" in totals:  # a count of skipped trajectories, not a per-token sum
+            means["skipped"] = totals["skipped"] / max(1, trajectories)
         logged.update(self.controllers.update(  # 5. KL coefficient, Lagrange multipliers
             {k: float(means[k]) for k in ("kl", "entropy") if k in means}, trajectories,
             move_multipliers=self.rollouts >= self.hparams.freeze_steps))
@@ -395,7 +425,7 @@ class PPO(L.LightningModule):
         return [(part, self._micro_batches(trajectories, part)) for part in parts]
 
     def _micro_batches(self, trajectories: list[Trajectory], part: list[int]) -> list[dict[str, Any]]:
-        budget = self.hparams.max_length_per_device
+        budget = self.max_length_per_device
         units = []
         for i in part:
             t = trajectories[i]
@@ -498,27 +528,75 @@ class PPO(L.LightningModule):
         schedules = self.lr_schedulers()
         actor_schedule = schedules[0] if isinstance(schedules, list) else schedules
         logged: dict[str, Any] = {"train/lr": actor_schedule.get_last_lr()[0]}  # this rollout's first actor step
+        packed_at, retries = self.max_length_per_device, 0  # `pack` ran at this budget
         for part, micro_batches in minibatches:
             tokens, policy_count = self.loss_counts(rollout.trajectories, part)
-            size = grad_average_size(self.trainer)
-            for mb in micro_batches:
-                metric_sums = {}
-                if train_actor:
-                    loss, metric_sums = self.policy_loss(mb, policy_count / size)
-                    self.manual_backward(loss)
-                if self.critic is not None:
-                    value_loss, value_sums = self.value_loss(mb, tokens / size)
-                    self.manual_backward(value_loss)
-                    metric_sums.update(value_sums)
-                metric_sums["tokens"] = mb["target_mask"].sum().float()
-                for k, v in metric_sums.items():
-                    sums[k] = sums.get(k, 0) + v.detach()
+            while True:  # out of memory: the minibatch is re-packed smaller and redone (single process only)
+                if self.max_length_per_device < packed_at:
+                    micro_batches = self._repack(rollout.trajectories, part, micro_batches)
+                    packed_at = self.max_length_per_device
+                try:
+                    part_sums = self._backward(micro_batches, tokens, policy_count, train_actor)
+                    break
+                except torch.OutOfMemoryError:
+                    if not oom_backoff_supported(self.trainer.world_size):
+                        raise
+                # out of the handler, so the failed attempt's frames (activations) are released
+                retries += 1
+                self._back_off(rollout.trajectories, part)
+            for k, v in part_sums.items():
+                sums[k] = sums.get(k, 0) + v
             if train_actor:
                 logged["train/grad_norm"] = optimizer_step(self, self.optim.max_grad_norm,
                                                            None if self.critic is None else 0, self.model)
             if self.critic is not None:
                 logged["train/critic_grad_norm"] = optimizer_step(self, self.optim.max_grad_norm, 1, self.critic)
+        logged.update({"train/oom_retries": float(retries), "train/max_length_per_device": float(packed_at)})
         return sums, logged
+
+    def _backward(self, micro_batches: list[dict[str, Any]], tokens: torch.Tensor, policy_count: torch.Tensor,
+                  train_actor: bool) -> dict[str, torch.Tensor]:
+        """Forward and backward of one minibatch's micro-batches (gradients accumulate); returns its metric sums."""
+        size = grad_average_size(self.trainer)
+        sums: dict[str, torch.Tensor] = {}
+        for mb in micro_batches:
+            metric_sums = {}
+            if train_actor:
+                loss, metric_sums = self.policy_loss(mb, policy_count / size)
+                self.manual_backward(loss)
+            if self.critic is not None:
+                value_loss, value_sums = self.value_loss(mb, tokens / size)
+                self.manual_backward(value_loss)
+                metric_sums.update(value_sums)
+            metric_sums["tokens"] = mb["target_mask"].sum().float()
+            for k, v in metric_sums.items():
+                sums[k] = sums.get(k, 0) + v.detach()
+        return sums
+
+    def _back_off(self, trajectories: list[Trajectory], part: list[int]) -> None:
+        """After an out-of-memory error in minibatch `part`: drop the gradients of its failed attempt (the optimizer
+        has not stepped on it) and halve the budget for the rest of the run, down to its longest trajectory."""
+        free_after_oom((self.model, self.critic), self.device)
+        longest = max((len(trajectories[i].input_ids) for i in part), default=1)
+        budget = smaller_budget(self.max_length_per_device, longest)
+        log.warning(f"out of memory at model.max_length_per_device={self.max_length_per_device}: retrying the "
+                    f"minibatch with {budget} tokens per micro-batch, kept for the rest of the run")
+        self.max_length_per_device = budget
+
+    def _repack(self, trajectories: list[Trajectory], part: list[int], micro_batches: list[dict[str, Any]]
+                ) -> list[dict[str, Any]]:
+        """`part` packed again under the current budget, with the per-token values `score` and `assign_advantages`
+        wrote into its micro-batches carried over through each token's trajectory and slot (0 off the targets, as
+        computed). The first minibatch's ``old_logprobs``, if only partly recorded, come again from its forward."""
+        fresh = self._micro_batches(trajectories, part)
+        width = max((t.completion_length for t in trajectories), default=1)
+        mask = torch.ones(len(trajectories), max(1, width), device=self.device)  # (B, T); only its shape is used
+        for key in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"):
+            if all(key in mb for mb in micro_batches):
+                per_trajectory = self.gather(micro_batches, [mb[key] for mb in micro_batches], mask)  # (B, T)
+                for mb in fresh:
+                    mb[key] = self.scatter(mb, per_trajectory)
+        return fresh
 
     def loss_counts(self, trajectories: list[Trajectory], part: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Global counts of one minibatch, from whole trajectories (context-parallel shards hold parts of each):
@@ -555,11 +633,23 @@ class PPO(L.LightningModule):
         metrics.update({k: v.detach() for k, v in measured.items()})
         metrics["approx_kl"] = torch.exp(-log_ratio) - 1 + log_ratio
         metrics["engine_logprob_diff"] = (mb["old_logprobs"] - mb["target_engine_logprobs"]).abs()
+        if hp.skip_threshold is not None:  # skipped trajectories keep their share of the normaliser: weight 0
+            loss, metrics["skipped"] = self._skip(loss, log_ratio, mask, mb)
         if hp.aggregation == "sequence_mean":  # each completion's token mean, summed over completions
             total = (sequence_sums(loss, mask, mb) / sequence_sums(mask, mask, mb).clamp(min=1)).sum() / normaliser
         else:
             total = token_mean(loss, mask, normaliser)
         return total, {k: (v * mask).sum() for k, v in metrics.items()}
+
+    def _skip(self, loss: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, mb: dict[str, Any]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`skip_mask` on this micro-batch's sequences: the (1, N) loss with skipped trajectories' tokens zeroed, and
+        per token 1 / (its trajectory's completion tokens) where skipped, so its sum counts skipped trajectories."""
+        counts = sequence_sums(mask, mask, mb)  # (S,) whole trajectories, over context-parallel shards
+        skipped = skip_mask(sequence_sums(log_ratio, mask, mb), counts, self.hparams.skip_threshold).float()
+        index = mb["seq_index"].clamp(min=0)  # (1, N); padding (-1) is off the mask
+        per_token = (skipped / counts.clamp(min=1))[index]
+        return loss * (1 - skipped[index]), per_token
 
     def _values(self, micro_batch: dict[str, Any]) -> torch.Tensor:
         """(B, T) critic value of the state at each position (before its target token is generated)."""
@@ -601,23 +691,39 @@ class PPO(L.LightningModule):
 
     # ---------------------------------------------------------------------------------------------- validation
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Held-out prompts (sampled by the rollout callback at `rollout.val_temperature`): accumulate reward sums."""
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Held-out prompts (sampled by the rollout callback at `rollout.val_temperature`): accumulate reward sums
+        per held-out set (``data.val_paths``: one dataloader each)."""
         rollout: Rollout = batch["rollout"]
         trajectories, self._val_names = rollout.trajectories, rollout.reward_names
         record = torch.tensor([sum(t.reward for t in trajectories), sum(t.completion_length for t in trajectories),
                                len(trajectories), *(sum(t.reward_components[c] for t in trajectories)
                                                     for c in self._val_names)], dtype=torch.float64)
-        self._val_sums = record if self._val_sums is None else self._val_sums + record
+        if self._val_sums is None:
+            self._val_sums = {}
+        self._val_sums[dataloader_idx] = self._val_sums.get(dataloader_idx, 0) + record
 
     def on_validation_epoch_end(self) -> None:
+        """Log ``val/reward``, ``val/completion_length`` and ``val/reward/<component>``: means over every held-out
+        trajectory (of all sets together: a set weighs by its trajectories); with named sets also
+        ``val/<name>/...``, the same means over that set's trajectories."""
         sums, self._val_sums = self._val_sums, None
         if sums is None:
             return
-        totals = data_parallel_sum(self.trainer, sums.to(self.device))
-        reward, length, *components = totals[[0, 1, *range(3, len(totals))]] / totals[2].clamp(min=1)
-        metrics = {"val/reward": reward, "val/completion_length": length,
-                   **{f"val/reward/{c}": v for c, v in zip(self._val_names, components, strict=True)}}
+        # "": the single data.val_path; dataloaders given without the prompts DataModule are named by their index
+        set_names = getattr(self.trainer.datamodule, "val_names", None) or (
+            [""] if max(sums) == 0 else [str(i) for i in range(max(sums) + 1)])
+        width = len(next(iter(sums.values())))
+        per_set = torch.zeros(len(set_names), width, dtype=torch.float64)  # (S, 3 + components), all ranks alike
+        for i, record in sums.items():
+            per_set[i] = record
+        per_set = data_parallel_sum(self.trainer, per_set.to(self.device))
+        metrics = {}
+        for prefix, totals in [("val/", per_set.sum(0))] + [
+                (f"val/{name}/", per_set[i]) for i, name in enumerate(set_names) if name]:
+            reward, length, *components = totals[[0, 1, *range(3, len(totals))]] / totals[2].clamp(min=1)
+            metrics.update({f"{prefix}reward": reward, f"{prefix}completion_length": length,
+                            **{f"{prefix}reward/{c}": v for c, v in zip(self._val_names, components, strict=True)}})
         self.validation_metrics = {k: float(v) for k, v in metrics.items()}  # the terminal's, sanity check included
         if self.trainer.sanity_checking:  # Lightning drops sanity-check logs; keep the untrained policy's score
             for logger in self.trainer.loggers:
