@@ -18,6 +18,20 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# completion-length parity: rewards vary within groups, so advantages (and per-set means) are non-zero
+PARITY_ENV = '''
+def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+'''
+
+
+@pytest.fixture(scope="session")
+def parity_env(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "parity.py"
+    path.write_text(PARITY_ENV)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from rl_lightning.models import load_tokenizer

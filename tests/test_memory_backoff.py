@@ -11,20 +11,13 @@ import pytest
 import torch
 from conftest import assert_close
 from helpers import ppo_task
-from test_ppo import ENV, PARITY_ENV, _ppo
+from test_ppo import ENV, _ppo
 
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory import AUTO_BUDGET, smaller_budget
 from rl_lightning.tasks import PPO
 
 torch.OutOfMemoryError("constructible without CUDA")  # what the simulation raises, as CUDA's allocator does
-
-
-@pytest.fixture(scope="module")
-def parity_env(tmp_path_factory):
-    path = tmp_path_factory.mktemp("env") / "parity.py"
-    path.write_text(PARITY_ENV)  # rewards vary within groups: non-zero advantages, so the parameters move
-    return str(path)
 
 
 class SimulatedMemory(L.Callback):

@@ -18,19 +18,6 @@ from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.tasks import PPO
 
 ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
-PARITY_ENV = '''
-def reward_fn(messages, answer):
-    return float(len(messages[-1]["content"]) % 2)
-'''
-
-
-@pytest.fixture(scope="module")
-def parity_env(tmp_path_factory):
-    path = tmp_path_factory.mktemp("env") / "parity.py"
-    path.write_text(PARITY_ENV)  # completion-length parity: rewards vary within groups, so advantages are non-zero
-    return str(path)
-
-
 def _ppo(env=ENV, rollouts=1, batch_size=2, callbacks=(), **task_kwargs):
     L.seed_everything(0)
     model = ppo_task(env, max_rollouts=rollouts, **task_kwargs)

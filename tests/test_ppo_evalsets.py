@@ -11,19 +11,6 @@ from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.progress import RunProgress
 
 ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
-PARITY_ENV = '''
-def reward_fn(messages, answer):
-    return float(len(messages[-1]["content"]) % 2)
-'''
-
-
-@pytest.fixture(scope="module")
-def parity_env(tmp_path_factory):
-    path = tmp_path_factory.mktemp("env") / "parity.py"
-    path.write_text(PARITY_ENV)  # completion-length parity: rewards vary, so do advantages and per-set means
-    return str(path)
-
-
 class ValCapture(L.Callback):
     def __init__(self):
         self.trajectories = {}

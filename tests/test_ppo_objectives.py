@@ -5,10 +5,9 @@ multi-component rewards' logging, and the greedy held-out validation reward."""
 import lightning as L
 import pytest
 import torch
-from conftest import DEMO_DATA, TINY_MODEL
+from conftest import DEMO_DATA, PARITY_ENV, TINY_MODEL
 from helpers import Metrics, fit, ppo_task, prompts
 from lightning.pytorch.loggers import Logger
-from test_ppo import PARITY_ENV
 
 from rl_lightning.algorithms import KL_ESTIMATORS, group_advantages
 from rl_lightning.models import load_causal_lm
