@@ -83,7 +83,11 @@ class HFExport(L.Callback):
         dirpath = self.dirpath or "exports/model"
         export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)
         if trainer.is_global_zero and self.log_model:
-            self._log_to_mlflow(trainer, pl_module, dirpath)
+            try:
+                self._log_to_mlflow(trainer, pl_module, dirpath)
+            except Exception as e:  # noqa: BLE001 - the trained model is on disk: a tracking failure must not fail the run
+                log.error("could not log the export %s to MLflow (%s: %s); it is on disk, log or register it by hand",
+                          dirpath, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
     def _log_to_mlflow(self, trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str) -> None:
         from lightning.pytorch.loggers import MLFlowLogger
