@@ -1,4 +1,5 @@
-"""Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers."""
+"""Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers; a LoRA
+model (`rl_lightning.lora`) is exported merged, plus its PEFT adapter folder in ``adapter/``."""
 
 from __future__ import annotations
 
@@ -25,17 +26,42 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool = True) -> None:
-    """Write ``save_pretrained`` of `model` (gathered) and of the tokenizer `tokenizer_name` to `dirpath`."""
+    """Write ``save_pretrained`` of `model` (gathered) and of the tokenizer `tokenizer_name` to `dirpath`. A PEFT
+    (LoRA) model is written merged (base + adapters, the same layout as a full model) and its adapters to
+    ``dirpath/adapter`` (``peft.PeftModel.from_pretrained(base, dirpath/adapter)``)."""
+    from rl_lightning.lora import is_peft
     from rl_lightning.models import load_tokenizer
 
     state = full_state_dict(model)
     if is_global_zero:
-        model.save_pretrained(dirpath, state_dict=state)
+        if is_peft(model):
+            export_lora(model, state, Path(dirpath))
+        else:
+            model.save_pretrained(dirpath, state_dict=state)
         load_tokenizer(tokenizer_name).save_pretrained(dirpath)
         _ordinary_permissions(Path(dirpath))
         log.info("exported Hugging Face model to %s", dirpath)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank leaves (and tears down the process group) while rank 0 writes
+
+
+def export_lora(model: Any, state: dict[str, torch.Tensor], dirpath: Path) -> None:
+    """Write a PEFT model's adapter folder (``dirpath/adapter``) and its merged weights (``dirpath``) from its
+    gathered state dict `state`. A CPU copy is rebuilt on the meta device and given `state`'s tensors, so the
+    training model (sharded or not) is left as it is."""
+    from peft import get_peft_model
+
+    from rl_lightning.lora import base_model
+
+    inner, name = base_model(model), model.active_adapter
+    with torch.device("meta"):
+        copy = get_peft_model(type(inner)(inner.config), model.peft_config[name], adapter_name=name)
+    # clones: on a CPU run `state` shares the training weights, which merging would change in place
+    copy.load_state_dict({name: tensor.clone() for name, tensor in state.items()}, assign=True)
+    copy.get_base_model().tie_weights()  # assign=True leaves tied embeddings as two tensors
+    copy.save_pretrained(dirpath / "adapter")
+    _ordinary_permissions(dirpath / "adapter")
+    copy.merge_and_unload().save_pretrained(dirpath)
 
 
 def _ordinary_permissions(dirpath: Path) -> None:

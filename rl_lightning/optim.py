@@ -91,7 +91,15 @@ def typed(cls: type, value: Any) -> Any:
 def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int, lr: float | None = None
                     ) -> tuple[torch.optim.AdamW, dict[str, Any]]:
     """AdamW over `model`'s trainable parameters and its schedule over `total_steps` optimizer steps (stepped once
-    per optimizer step, see `optimizer_step`); `lr` overrides the peak learning rate."""
+    per optimizer step, see `optimizer_step`); `lr` overrides the peak learning rate. Logs the trainable parameter
+    count (with LoRA: the adapters only, see `rl_lightning.lora`)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from rl_lightning.lora import parameter_counts
+
+    trainable, total = parameter_counts(model)
+    rank_zero_info(f"{type(model).__name__}: {trainable:,} trainable parameters of {total:,} "
+                   f"({100 * trainable / max(1, total):.3g}%)")
     optimizer = adamw(model, optim.lr if lr is None else lr, optim.weight_decay, tuple(optim.betas), optim.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.lr_schedule, optim.min_lr_ratio)

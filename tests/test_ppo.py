@@ -41,7 +41,7 @@ def test_the_trainer_recomputes_log_probs_at_the_rollout_temperature(parity_env)
     sampled tokens equal the trainer's old log-probabilities, so TIS weights are 1 and the first update is on-policy.
     (Before, the task had its own `temperature`, and a recipe setting only the callback's got 1.0 here.)"""
     metrics = Metrics()
-    _ppo(parity_env, rollouts=2, callbacks=[metrics], rollout={"temperature": 0.6}, tis_cap=2.0)
+    _ppo(parity_env, rollouts=2, callbacks=[metrics], rollout={"temperature": 0.6}, correction={"high": 2.0})
     for h in metrics.history:
         assert h["train/engine_logprob_diff"] < 1e-5, metrics.history
     assert metrics.history[0]["train/clipped"] == 0.0 and metrics.history[0]["train/approx_kl"] < 1e-7
@@ -68,7 +68,7 @@ def test_the_first_minibatch_takes_its_old_log_probs_from_its_training_forward(p
     (none with one update per rollout). They equal the engine's (reused or recomputed), and the second minibatch is
     off-policy."""
     counter, metrics = ForwardCounter(), Metrics()
-    _ppo(parity_env, batch_size=4, callbacks=[counter, metrics], update_per_rollout=updates, tis_cap=2.0,
+    _ppo(parity_env, batch_size=4, callbacks=[counter, metrics], update_per_rollout=updates, correction={"high": 2.0},
          optim={"lr": 1e-2})
     steps = metrics.history[0]["train/micro_batches"]  # one per minibatch here
     assert steps == updates and counter.counts == {True: updates, False: updates - 1}

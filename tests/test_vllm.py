@@ -377,7 +377,7 @@ model:
     model_name: {model}
     max_rollouts: 3
     update_per_rollout: 1
-    tis_cap: 2.0
+    correction: {{level: token, mode: truncate, high: 2.0}}
     optim: {{lr: 1.0e-3}}
     rollout: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1,
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}

@@ -55,6 +55,74 @@ def clipped_policy_loss(
     return loss, metrics
 
 
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    sequence_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GSPO-token loss: the PPO clipped surrogate on the sequence-level importance ratio.
+
+    s_i    = exp(mean_t (logprobs_it - old_logprobs_it))     (geometric mean of the token ratios, GSPO eq. 7)
+    s_it   = sg(s_i) * pi_theta(y_it) / sg(pi_theta(y_it))   (value s_i, gradient s_i * grad logprobs_it)
+    loss_t = -min(s_it * A_it, clip(s_it, 1 - clip_low, 1 + clip_high) * A_it)
+
+    A whole sequence is clipped or not (its tokens share s_i). With the advantage constant over a sequence and its
+    token mean (``sequence_mean`` aggregation), the per-sequence gradient is -A_i * grad s_i inside the clip range
+    and 0 outside: GSPO's sequence objective. Works on packed tensors: the caller supplies each token's
+    sequence log ratio. The paper's clip range is tiny (3e-4 left, 4e-4 right, in its experiments) because s_i is a
+    per-token geometric mean; PPO's 0.2 hardly ever clips it.
+
+    Paper: GSPO, Zheng et al. 2025, https://arxiv.org/abs/2507.18071 (GSPO and its GSPO-token variant).
+
+    Args:
+        logprobs: (B, T) current policy log-probabilities (with grad).
+        sequence_log_ratio: (B, T) each token's sequence mean of (logprobs - old_logprobs) (detached here).
+        advantages: (B, T).
+
+    Returns:
+        (B, T) per-token losses and the per-token float indicator ``clipped``.
+    """
+    ratio = torch.exp(sequence_log_ratio.detach() + logprobs - logprobs.detach())  # value s_i, grad s_i * dlogp
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), {"clipped": (clipped > unclipped).float()}
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token CISPO loss: REINFORCE weighted by the clipped, stop-gradient importance ratio.
+
+    r_t    = exp(logprobs_t - old_logprobs_t)
+    loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logprobs_t
+    gradient = -sg(clip(r_t)) * A_t * grad logprobs_t: every token keeps a gradient (PPO's clip zeroes the
+    clipped tokens' gradient), only its weight is bounded.
+
+    MiniMax-M1 sets no lower bound (clip_low >= 1 here) and tunes only the upper one; ScaleRL uses an upper
+    bound of 5 (clip_high = 4); TRL's ``epsilon_high`` for ``cispo`` is that bound itself, not 1 + it.
+
+    Paper: CISPO, MiniMax-M1, MiniMax 2025, https://arxiv.org/abs/2506.13585; ScaleRL, Khatri et al. 2025,
+    https://arxiv.org/abs/2510.13786.
+
+    Args:
+        logprobs: (B, T) current policy log-probabilities (with grad).
+        old_logprobs: (B, T) log-probabilities of the policy that sampled (detached).
+        advantages: (B, T).
+
+    Returns:
+        (B, T) per-token losses and the per-token float indicator ``clipped`` (the weight was clipped).
+    """
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logprobs, {"clipped": (weight != ratio).float()}
+
+
 def truncated_importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float
                                  ) -> torch.Tensor:
     """(B, T) detached weights min(pi_old / pi_engine, cap) correcting for the inference engine's sampling

@@ -63,14 +63,25 @@ class PromptBatches(IterableDataset):
         return -(-len(self.prompts) // rows) if self.keep_last else len(self.prompts) // rows
 
     def __iter__(self):
-        order = torch.arange(len(self.prompts))
-        if self.shuffle:
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.epoch_fn()
-            order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
-        rows = self.per_rank * self.dp_size
+        order = self._order(self.epoch_fn())
         for step in range(self.start_fn(), len(self)):
-            mine = order[step * rows + self.dp_rank * self.per_rank : step * rows + (self.dp_rank + 1) * self.per_rank]
-            yield [self.prompts[i] for i in mine.tolist()]
+            yield self._share(order, step)
+
+    def share(self, epoch: int, step: int) -> list[Prompt]:
+        """This rank's prompts of batch `step` of `epoch`: what iterating yields there (the asynchronous rollout
+        callback reads the next batch ahead with it, without touching the dataloader)."""
+        return self._share(self._order(epoch), step)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.prompts))
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + epoch
+        return torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
+
+    def _share(self, order: torch.Tensor, step: int) -> list[Prompt]:
+        rows = self.per_rank * self.dp_size
+        mine = order[step * rows + self.dp_rank * self.per_rank : step * rows + (self.dp_rank + 1) * self.per_rank]
+        return [self.prompts[i] for i in mine.tolist()]
 
 
 class PromptDataModule(L.LightningDataModule):

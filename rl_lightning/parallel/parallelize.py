@@ -16,7 +16,10 @@ TP_PLAN = {
 
 
 def decoder_layers(model: Any) -> Any:
-    layers = getattr(model.base_model, "layers", None)
+    """The decoder blocks of a transformers model, or of the one inside a PEFT (LoRA) wrapper."""
+    from rl_lightning.lora import base_model
+
+    layers = getattr(base_model(model).base_model, "layers", None)
     if layers is None:
         raise ConfigError(f"{type(model).__name__} has no `base_model.layers`; ParallelStrategy supports Llama/Qwen2-style "
                           "decoders")
@@ -48,8 +51,12 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
     FSDP2 to `model` in place; returns it. Idempotent."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from rl_lightning.lora import base_model, check_lora_strategy, is_peft
+
     if isinstance(model, FSDPModule):
         return model
+    if is_peft(model):
+        check_lora_strategy(strategy)
     if strategy.tp_size > 1:
         apply_tensor_parallel(model, strategy.tp_mesh)
     if trainable and strategy.activation_checkpointing:
@@ -58,11 +65,12 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
               "offload_policy": strategy.offload_policy(), "reshard_after_forward": strategy.reshard_after_forward}
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
-    if hasattr(model, "score"):
+    inner = base_model(model)  # a PEFT model shards the same modules: frozen base and adapters in one unit each
+    if hasattr(inner, "score"):
         # Reward models call the backbone and the scalar head separately (per-token scores for packed rows), so each
         # must be its own FSDP unit: the root's hooks only gather the root's parameters around model(...).
-        fully_shard(model.base_model, **kwargs)
-        fully_shard(model.score, **kwargs)
+        fully_shard(inner.base_model, **kwargs)
+        fully_shard(inner.score, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -25,15 +25,18 @@ import torch
 from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_penalty
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum
+from rl_lightning.rewards.reward_model import RewardModelConfig
+from rl_lightning.rollout.async_rollout import ThreadGenerator, async_errors, read_ahead
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.pareto_archive import ParetoArchive
 from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, rollout
 from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
-from rl_lightning.rollout.weights import WeightSync
+from rl_lightning.rollout.weights import WeightSync, named_weights
 
 ENGINES = ("hf", "vllm")
+WEIGHT_SYNCS = ("auto", "full", "adapter")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class RolloutConfig:
         gpu_memory_utilization: ``vllm`` on GPU: share of GPU memory the engine takes while awake (it sleeps while
             the trainer trains).
         weight_bucket_mb: ``vllm``: weights are gathered from their shards and sent in buckets of this many MiB.
+        weight_sync: ``vllm``: what reaches the engine after each optimizer step: ``full`` (every weight; a LoRA
+            policy's merged ``W + scaling * B @ A``), ``adapter`` (a LoRA policy only: the base weights once, then
+            only the adapter, which vLLM applies itself) or ``auto`` (``adapter`` on GPU for a LoRA policy whose
+            adapter vLLM can serve, else ``full``: on CPU vLLM's LoRA kernels slow generation more than the
+            smaller sync saves).
         on_error: reward_fn failures (exceptions, non-finite values, timeouts): ``raise`` (stop, naming the prompt
             row) or ``zero`` (score 0 and count).
         reward_workers: processes scoring trajectories in parallel, each importing `env_path` (default: the CPUs
@@ -88,6 +96,13 @@ class RolloutConfig:
         val_temperature: validation sampling temperature (0: greedy).
         val_responses_per_prompt: completions per held-out prompt at validation (> 1 needs `val_temperature` > 0);
             their seeds stay the same across validations, so successive scores compare the same draws.
+        reward_model: a reward model scoring every trajectory as one more reward component (served: ``url``; or an
+            RM folder in the trainer process: ``path``), see `rl_lightning.rewards.reward_model.RewardModelConfig`.
+        async_steps: 0: synchronous rollouts (each sampled by the policy it trains); 1: one-step-off-policy, rollout
+            k+1 is generated (and scored) in the background while the trainer updates on rollout k, by the policy
+            one update older (``vllm`` with ``engine_tp_size: 1``; the engine stays awake, so on GPU it keeps its
+            memory while the trainer trains; pair it with the task's mismatch correction, ``model.correction``; see
+            `rl_lightning.rollout.async_rollout`).
 
     Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
     completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the untrained policy's value is logged at step 0.
@@ -106,6 +121,7 @@ class RolloutConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
     weight_bucket_mb: int = 512
+    weight_sync: str = "auto"
     on_error: str = "raise"
     reward_workers: int | None = None
     reward_timeout_s: float | None = 60.0
@@ -121,8 +137,12 @@ class RolloutConfig:
     pareto_reference: dict[str, float] | None = None
     val_temperature: float = 0.0
     val_responses_per_prompt: int = 1
+    reward_model: RewardModelConfig | None = None
+    async_steps: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.reward_model, dict):  # from a checkpoint's hyperparameters
+            object.__setattr__(self, "reward_model", RewardModelConfig(**self.reward_model))
         errors = []
         if self.val_temperature < 0 or self.val_responses_per_prompt < 1 or (self.val_temperature == 0 and
                                                                              self.val_responses_per_prompt > 1):
@@ -134,7 +154,7 @@ class RolloutConfig:
             errors.append(f"max_turns must be >= 1, got {self.max_turns}")
         if self.engine not in ENGINES:
             errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
-        errors += _vllm_errors(self) + _pareto_errors(self)
+        errors += _vllm_errors(self) + _pareto_errors(self) + async_errors(self)
         if self.temperature <= 0 or self.max_new_tokens < 1:
             errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
                           f"{self.temperature}, {self.max_new_tokens}")
@@ -164,12 +184,14 @@ class RolloutCallback(L.Callback):
     def __init__(self, config: RolloutConfig) -> None:
         self.config = c = config
         self.env = load_environment(c.env_path, c.on_error, weights=c.reward_weights, combination=c.reward_combination,
-                                    ideal=c.reward_ideal)
+                                    ideal=c.reward_ideal, reward_model=c.reward_model)
         if c.max_turns > 1 and self.env.interact is None:
             raise ConfigError(f"model.rollout.max_turns={c.max_turns} needs interact(messages) in {c.env_path}")
         self.weight_sync: WeightSync | None = None
+        self.adapter_sync = False  # set with the vLLM engine: LoRA adapter-only weight sync
         self.engine: Any = None
         self.refills = 0
+        self.generator = ThreadGenerator() if c.async_steps else None  # one-step-off-policy rollouts
         self.pareto = None if c.pareto_archive_size is None else ParetoArchive(
             self.env.component_names, c.pareto_archive_size, c.pareto_reference)
 
@@ -182,6 +204,8 @@ class RolloutCallback(L.Callback):
                               f"(max_turns={c.max_turns}) yet; use engine: vllm or one process")
         if self.env.scorer is None:
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices)
+        if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
+            self.env.reward_model.start(pl_module.device)
         if c.engine == "hf":
             from rl_lightning.rollout.hf import HFEngine
 
@@ -189,9 +213,12 @@ class RolloutCallback(L.Callback):
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             self.engine = self._vllm_engine(trainer, pl_module)
-        self.weight_sync = WeightSync(c.weight_bucket_mb << 20)  # a fresh fit always pushes its weights first
+        # a fresh fit always pushes its weights first (in adapter mode: the adapter; the engine keeps the base)
+        self.weight_sync = WeightSync(c.weight_bucket_mb << 20, adapter=self.adapter_sync)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.generator is not None:  # an in-flight rollout is dropped (it still uses the reward workers)
+            self.generator.close()
         if self.env.scorer is not None:  # the reward workers
             self.env.scorer.close()
             self.env.scorer = None
@@ -200,13 +227,16 @@ class RolloutCallback(L.Callback):
         self.teardown(trainer, pl_module, "fit")
 
     def _vllm_engine(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
-        from rl_lightning.rollout.vllm import VLLMEngine, check_engine
+        from rl_lightning.rollout.vllm import VLLMEngine, adapter_sync_rank, check_engine
 
         c = self.config
         device_type = trainer.strategy.root_device.type
         check_engine(pl_module.model.config, c.engine_tp_size, trainer.world_size, device_type)
+        named_weights(pl_module.model)  # fails now on a weight no engine could hold (a LoRA-trained tied head)
+        lora_rank = adapter_sync_rank(pl_module.model, c.weight_sync, device_type)
+        self.adapter_sync = lora_rank is not None
         return VLLMEngine(pl_module.model_name, c.engine_tp_size, self._max_model_len(trainer, pl_module),
-                          device_type, c.gpu_memory_utilization, c.kv_cache_memory_bytes,
+                          device_type, c.gpu_memory_utilization, c.kv_cache_memory_bytes, lora_rank=lora_rank,
                           rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size)
 
     def _max_model_len(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
@@ -241,23 +271,56 @@ class RolloutCallback(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
                              ) -> None:
+        if self.generator is not None:
+            self._async_rollout(trainer, pl_module, batch, batch_idx)
+            return
         self._prepare_engine(trainer, pl_module)
+        trajectories, metrics = self._sample(trainer, pl_module, batch["prompts"], pl_module.rollouts)
+        batch["rollout"] = self._finish(trainer, pl_module, trajectories, metrics)
+        self.engine.sleep()
+
+    def _sample(self, trainer: L.Trainer, pl_module: L.LightningModule, prompts: list, index: int
+                ) -> tuple[list, dict[str, float]]:
+        """Rollout `index` of `prompts`, scored (and refilled): no collective, so it may run in the background."""
         start, self.env.reward_seconds = time.perf_counter(), 0.0
         tokenizer = pl_module.tokenizer
-        params = self.sampling_params(pl_module.rollouts, batch["prompts"], tokenizer.eos_token_id)
-        trajectories = self._generate(batch["prompts"], tokenizer, params)
+        params = self.sampling_params(index, prompts, tokenizer.eos_token_id)
+        trajectories = self._generate(prompts, tokenizer, params)
         if self.config.filter_range is not None:
-            trajectories = self._refill(trainer, pl_module, batch["prompts"], trajectories)
-        metrics = {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
-                   "rollout/reward_s": self.env.reward_seconds,  # scoring alone
-                   "rollout/reward_timeouts": float(self.env.timeouts)}  # since the start
+            trajectories = self._refill(trainer, pl_module, prompts, trajectories, index)
+        return trajectories, {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
+                              "rollout/reward_s": self.env.reward_seconds,  # scoring alone
+                              "rollout/reward_timeouts": float(self.env.timeouts)}  # since the start
+
+    def _async_rollout(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int) -> None:
+        """Take rollout k (generated during step k-1), push the current weights, submit rollout k+1; see
+        `rl_lightning.rollout.async_rollout`. The engine stays awake: the background generation runs during training."""
+        index, prompts = pl_module.rollouts, batch["prompts"]
+        finished = self.generator.take((index, *(p.index for p in prompts)))
+        self._prepare_engine(trainer, pl_module)  # version `index`: no generation uses the engine now
+        if finished is None:  # nothing read ahead (a fit's or an epoch's first batch): sampled now, up to date
+            trajectories, metrics = self._sample(trainer, pl_module, prompts, index)
+            version, waited = index, 0.0
+        else:
+            (trajectories, metrics), version, waited = finished.value, finished.version, finished.wait_s
+        metrics.update({"rollout/staleness": float(index - version),  # policy updates between sampling and training
+                        "rollout/wait_s": waited})  # the trainer's wait for the background rollout
+        # the counters in the Rollout are read before the next rollout's generation can move them
+        batch["rollout"] = self._finish(trainer, pl_module, trajectories, metrics)
+        ahead = read_ahead(trainer, pl_module, batch_idx)
+        if ahead is not None:
+            self.generator.submit((index + 1, *(p.index for p in ahead)), index,
+                                  lambda: self._sample(trainer, pl_module, ahead, index + 1))
+
+    def _finish(self, trainer: L.Trainer, pl_module: L.LightningModule, trajectories: list,
+                metrics: dict[str, float]) -> Rollout:
         if self.weight_sync is not None:
             metrics["rollout/weight_sync_s"] = self.weight_sync.seconds  # 0: skipped (no optimizer step)
+            metrics["rollout/weight_sync_mb"] = self.weight_sync.stats.bytes / 2**20  # adapter sync: the adapter's
         if self.pareto is not None:
             metrics.update(self._track_pareto(trainer, pl_module, trajectories))
-        batch["rollout"] = Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names,
-                                   self.env.failures, self.refills, metrics)
-        self.engine.sleep()
+        return Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names, self.env.failures,
+                       self.refills, metrics)
 
     def _track_pareto(self, trainer: L.Trainer, pl_module: L.LightningModule, trajectories: list
                       ) -> dict[str, float]:
@@ -285,6 +348,8 @@ class RolloutCallback(L.Callback):
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         """Held-out prompts: `val_responses_per_prompt` completions each (multi-turn as in training), scored."""
         c = self.config
+        if self.generator is not None:  # the background rollout (kept for the next training batch) uses the engine
+            self.generator.idle()
         self._prepare_engine(trainer, pl_module)
         sampled = c.val_temperature > 0
         params = SamplingParams(n=c.val_responses_per_prompt, temperature=c.val_temperature,
@@ -310,14 +375,15 @@ class RolloutCallback(L.Callback):
                     t.completion_mask = [0] * len(t.completion_mask)
         return trajectories
 
-    def _refill(self, trainer: L.Trainer, pl_module: L.LightningModule, prompts: list, trajectories: list) -> list:
+    def _refill(self, trainer: L.Trainer, pl_module: L.LightningModule, prompts: list, trajectories: list,
+                index: int) -> list:
         """DAPO dynamic sampling: keep informative groups, top up with freshly drawn prompts (a seeded stream per
         data-parallel rank and rollout) until the batch is full or the rounds run out; refill rounds are counted."""
         c = self.config
         group = c.responses_per_prompt
         buffer = GroupRefill(target=len(prompts), max_rounds=c.max_refill_rounds)
         pool = trainer.datamodule.prompts["train"]
-        rng = random.Random((c.seed or 0) + 104_729 * pl_module.rollouts + data_parallel_coords(trainer)[0])
+        rng = random.Random((c.seed or 0) + 104_729 * index + data_parallel_coords(trainer)[0])
         while True:
             groups = [trajectories[i : i + group] for i in range(0, len(trajectories), group)]
             rewards = torch.tensor([t.reward for t in trajectories])
@@ -326,13 +392,15 @@ class RolloutCallback(L.Callback):
                 break
             self.refills += 1
             extra = rng.sample(pool, k=min(len(pool), len(prompts)))
-            params = self.sampling_params(pl_module.rollouts, extra, pl_module.tokenizer.eos_token_id, buffer.rounds)
+            params = self.sampling_params(index, extra, pl_module.tokenizer.eos_token_id, buffer.rounds)
             trajectories = self._generate(extra, pl_module.tokenizer, params)
         return [t for kept in buffer.take() for t in kept]
 
 
 def _pareto_errors(c: RolloutConfig) -> list[str]:
     names = sorted(c.reward_weights or {})
+    if names and c.reward_model is not None:  # the reward model is one more component of the combination
+        names = sorted({*names, c.reward_model.name})
     if c.pareto_archive_size is not None and (c.pareto_archive_size < 1 or len(names) < 2):
         return [f"pareto_archive_size={c.pareto_archive_size} needs a size >= 1 and >= 2 reward components in "
                 f"reward_weights (got {names}); name the components in model.rollout.reward_weights or set "
@@ -353,6 +421,9 @@ def _vllm_errors(c: RolloutConfig) -> list[str]:
         errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {c.kv_cache_memory_bytes}")
     if not 0 < c.gpu_memory_utilization <= 1:
         errors.append(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+    if c.weight_sync not in WEIGHT_SYNCS or (c.weight_sync == "adapter" and c.engine != "vllm"):
+        errors.append(f"weight_sync must be one of {', '.join(WEIGHT_SYNCS)} (adapter needs engine: vllm), got "
+                      f"'{c.weight_sync}' with engine '{c.engine}'")
     if c.engine == "vllm" and not vllm_available():
         errors.append(f"engine=vllm needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
     if c.engine == "vllm" and c.engine_tp_size > 1 and (c.max_turns > 1 or c.filter_range is not None):

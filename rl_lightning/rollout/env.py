@@ -8,6 +8,10 @@ count it — never a silent NaN in the loss.
 Several rewards: ``reward_fn`` may return a dict of named components (``{"correct": 1.0, "format": 0.5}``); the
 configured ``reward_weights`` (one weight per component, the same names) combine them by weighted sum or weighted
 Tchebycheff scalarisation (`rl_lightning.algorithms.reward_combination`), and each component is kept for logging.
+
+A reward model (``model.rollout.reward_model``, `rl_lightning.rewards.reward_model`) adds one more component: each
+rollout's conversations are scored by it once, batched, in the trainer process after ``reward_fn``; its score joins
+the weighted combination of ``reward_fn``'s components, or is added (times its weight) to a scalar ``reward_fn``.
 """
 
 from __future__ import annotations
@@ -49,14 +53,23 @@ class Environment:
     weights: dict[str, float] | None = None
     combination: str = "weighted_sum"
     ideal: dict[str, float] | None = None
+    reward_model: Any = None  # the scorer `reward_model_config` builds (`RewardModelClient`/`LocalRewardModel`)
+    reward_model_config: Any = None
 
     @property
     def component_names(self) -> list[str]:
+        """Every logged component: ``reward_fn``'s and the reward model's."""
+        extra = [] if self.reward_model_config is None else [self.reward_model_config.name]
+        return sorted([*self._fn_names, *extra])
+
+    @property
+    def _fn_names(self) -> list[str]:
         return sorted(self.weights or {})
 
     def score(self, messages: list[dict], answer: Any, where: str) -> tuple[float, dict[str, float]]:
         """The reward of one trajectory and its named components ({} for a single reward), computed in this process
-        without a time limit; `where` names the prompt row for errors."""
+        without a time limit (``reward_fn`` only: the reward model scores in `score_all`); `where` names the prompt
+        row for errors."""
         try:
             value = self.reward_fn(messages, answer)
         except ConfigError:
@@ -74,6 +87,8 @@ class Environment:
         else:
             values = self.scorer.map([(messages, answer) for messages, answer, _ in calls])
             scores = [self.judge(value, where) for value, (_, _, where) in zip(values, calls, strict=True)]
+        if self.reward_model is not None:
+            scores = self._add_reward_model(calls, scores)
         self.reward_seconds += time.perf_counter() - start
         return scores
 
@@ -99,11 +114,34 @@ class Environment:
                                 f"{'make it faster or raise reward_timeout_s' if failure.timed_out else 'fix it'}, "
                                 "or set model.rollout.on_error: zero to score such trajectories 0") from None
             self.failures += 1
-            return 0.0, dict.fromkeys(self.component_names, 0.0)
+            return 0.0, dict.fromkeys(self._fn_names, 0.0)
         return reward, components
 
+    def _add_reward_model(self, calls: list[tuple[list[dict], Any, str]], scores: list[tuple[float, dict[str, float]]]
+                          ) -> list[tuple[float, dict[str, float]]]:
+        """Score every conversation with the reward model (one batched call) and fold its score into each reward:
+        one more component of the weighted combination, or added times its weight to a scalar ``reward_fn``."""
+        from rl_lightning.rewards.reward_model import RewardModelError
+
+        config = self.reward_model_config
+        values = self.reward_model.score_each([messages for messages, _, _ in calls])
+        combined = []
+        for (reward, components), value in zip(scores, values, strict=True):
+            if isinstance(value, RewardModelError):
+                self.timeouts += value.timed_out
+                if config.on_error == "raise":
+                    raise value
+                self.failures, value = self.failures + 1, 0.0
+            components = {**components, config.name: float(value)}
+            if self._fn_names:
+                reward = self._combine(components)
+            else:
+                reward += config.weight * float(value)
+            combined.append((reward, components))
+        return combined
+
     def _components(self, value: Any) -> dict[str, float]:
-        names = self.component_names
+        names = self._fn_names
         if not isinstance(value, Mapping):
             if names:
                 raise _WrongComponents(f"returned {type(value).__name__} {value!r}, but reward_weights names "
@@ -119,9 +157,11 @@ class Environment:
         return components
 
     def _combine(self, components: dict[str, float]) -> float:
-        names = self.component_names
+        names = sorted(components)
+        all_weights = {**(self.weights or {}), **({} if self.reward_model_config is None else {
+            self.reward_model_config.name: self.reward_model_config.weight})}
         values = torch.tensor([[components[n] for n in names]], dtype=torch.float64)
-        weights = torch.tensor([self.weights[n] for n in names], dtype=torch.float64)
+        weights = torch.tensor([all_weights[n] for n in names], dtype=torch.float64)
         if self.combination == "weighted_sum":
             return float(weighted_sum(values, weights)[0])
         ideal = torch.tensor([(self.ideal or {}).get(n, 1.0) for n in names], dtype=torch.float64)
@@ -142,18 +182,26 @@ def _what(failure: RewardFailure) -> str:
 
 def load_environment(env_path: str, on_error: str = "raise", key: str = "env_path",
                      weights: dict[str, float] | None = None, combination: str = "weighted_sum",
-                     ideal: dict[str, float] | None = None) -> Environment:
+                     ideal: dict[str, float] | None = None, reward_model: Any = None) -> Environment:
     """Import `env_path` and check it defines ``reward_fn(messages, answer)`` (and ``interact(messages)`` if any);
-    `weights`/`combination`/`ideal` configure multi-component rewards (see `Environment`)."""
+    `weights`/`combination`/`ideal` configure multi-component rewards (see `Environment`), `reward_model` (a
+    `rl_lightning.rewards.reward_model.RewardModelConfig`) adds a reward-model component (its scorer is built here and
+    started with `Environment.reward_model.start(device)`)."""
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got '{on_error}'")
     if combination not in COMBINATIONS:
         raise ConfigError(f"reward_combination must be one of {', '.join(COMBINATIONS)}, got '{combination}'")
     if weights is not None and (not weights or any(not math.isfinite(w) or w < 0 for w in weights.values())):
         raise ConfigError(f"reward_weights must map each component name to a finite weight >= 0, got {weights}")
-    if ideal is not None and sorted(ideal) != sorted(weights or {}):
-        raise ConfigError(f"reward_ideal must name the same components as reward_weights {sorted(weights or {})}, "
-                          f"got {sorted(ideal)}")
+    names = sorted(weights or {})
+    if reward_model is not None and reward_model.name in names:
+        raise ConfigError(f"model.rollout.reward_model.name={reward_model.name!r} is also a component of "
+                          f"reward_weights {names}: rename one")
+    if reward_model is not None and weights is not None:
+        names = sorted([*names, reward_model.name])
+    if ideal is not None and sorted(ideal) != names:
+        raise ConfigError(f"reward_ideal must name the same components as reward_weights {names} (with the reward "
+                          f"model's, if any), got {sorted(ideal)}")
     path = Path(env_path)
     if not path.is_file():
         raise ConfigError(f"{key} '{env_path}' does not exist (resolved to {path.resolve()})")
@@ -175,7 +223,8 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
             raise ConfigError(f"{key} '{env_path}': interact must be a function interact(messages) -> list of messages")
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
     return Environment(reward_fn, interact, str(path), on_error, weights=weights, combination=combination,
-                       ideal=ideal)
+                       ideal=ideal, reward_model=None if reward_model is None else reward_model.build(),
+                       reward_model_config=reward_model)
 
 
 def _uses_code_sandbox(module: Any) -> bool:

@@ -11,6 +11,13 @@ Weights: the engine starts from dummy weights (``load_format="dummy"``); the tra
 ``reload_weights``, which re-runs each layer's post-load processing. Loading straight into the model
 (``model.load_weights``) breaks on CPU, where linear weights are repacked after loading.
 
+LoRA (``lora_rank`` set): the engine is built with vLLM's LoRA support (one adapter slot); the base weights are
+pushed once with ``update_weights`` and each step only the adapter goes in, through `update_adapter`: the factors are
+written in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``) to a per-process folder under
+``/dev/shm`` (memory, when available), and `generate` passes a ``LoRARequest`` with a fresh id per version, which
+vLLM loads at the next step (vLLM 0.32 has no public in-memory route). Every rank writes its own copy (ranks on other
+nodes share no filesystem; an adapter is small); the previous version's folder is deleted, the last one at shutdown.
+
 Memory: on CUDA the engine sleeps (level 2: weights and KV cache released) while the trainer trains; a step is
 wake(weights) -> push weights -> wake(KV cache) + reset the prefix cache -> generate -> sleep. vLLM's CPU backend has
 no sleep mode: there sleep/wake are no-ops (logged once), and the KV cache has an explicit size
@@ -29,8 +36,12 @@ torch.distributed's default process group, which is the trainer's: keep the engi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,6 +79,57 @@ def vllm_available() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):
         return False
+
+
+# Ranks vLLM 0.32 accepts as max_lora_rank (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ConfigError(f"model.lora.r={rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); use a "
+                      "smaller rank or model.rollout.weight_sync: full")
+
+
+def adapter_blockers(config: dict[str, Any]) -> list[str]:
+    """Why vLLM cannot serve a PEFT LoRA adapter with this ``adapter_config.json`` content (empty: it can)."""
+    targets = config.get("target_modules") or []
+    checks = [(config.get("peft_type", "LORA") != "LORA", f"peft_type={config.get('peft_type')} (only LORA)"),
+              (config.get("use_dora"), "use_dora=true"),
+              (config.get("bias", "none") != "none" or config.get("lora_bias"), "adapter biases (bias, lora_bias)"),
+              (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}"),
+              (isinstance(targets, str) or {"embed_tokens", "lm_head"} & {t.rsplit(".", 1)[-1] for t in targets},
+               f"target_modules={targets!r} (only the decoder layers' linear projections, as a list)")]
+    return [message for failed, message in checks if failed]
+
+
+def adapter_sync_rank(model: torch.nn.Module, weight_sync: str, device_type: str = "cuda") -> int | None:
+    """The LoRA rank to build the engine for when ``model.rollout.weight_sync`` (`weight_sync`) resolves to adapter-only
+    sync for `model`, else None (full sync). ``adapter`` with a plain model or an adapter vLLM cannot serve is a
+    `ConfigError`; ``auto`` falls back to full sync then, and on CPU, where vLLM 0.32's LoRA kernels made generation
+    2.3x slower than merged weights (SmolLM2-135M, rank 16: benchmarks/lora_sync.py), more than the sync saves."""
+    from rl_lightning.rollout.weights import adapter_config, is_peft
+
+    if weight_sync == "full" or (weight_sync == "auto" and device_type == "cpu"):
+        return None
+    if not is_peft(model):
+        if weight_sync == "adapter":
+            raise ConfigError("model.rollout.weight_sync=adapter needs a LoRA policy (a PEFT model: set model.lora), "
+                              "got a plain model; use weight_sync: full or auto")
+        return None
+    config = adapter_config(model)
+    rank = max([config["r"], *(config.get("rank_pattern") or {}).values()])
+    blockers = adapter_blockers(config) + ([f"r={rank} > {VLLM_LORA_RANKS[-1]}"] if rank > VLLM_LORA_RANKS[-1] else [])
+    if blockers:
+        if weight_sync == "adapter":
+            raise ConfigError(f"model.rollout.weight_sync=adapter: vLLM cannot serve this LoRA adapter "
+                              f"({'; '.join(blockers)}); use weight_sync: full (merged weights)")
+        log.info("LoRA adapter not servable by vLLM (%s): full (merged) weight sync", "; ".join(blockers))
+        return None
+    return rank
 
 
 def head_dim(config: Any) -> int:
@@ -131,6 +193,8 @@ class VLLMEngine:
         kv_cache_memory_bytes: KV-cache size; required on CPU (where the other knob would mean host RAM), overrides
             `gpu_memory_utilization` on CUDA when set.
         dtype: engine dtype (default: float32 on CPU, the checkpoint's on CUDA).
+        lora_rank: build the engine with LoRA support for adapters up to this rank (adapter-only weight sync:
+            `update_adapter`); on CUDA the engine then sleeps at level 1 (base weights kept in host memory).
         rank: this process's global rank (default: from torch.distributed, else 0).
         local_rank: this process's rank on its node (default: `rank`).
         world_size: processes in the job (default: from torch.distributed, else 1).
@@ -146,6 +210,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.3,
         kv_cache_memory_bytes: int | None = None,
         dtype: str | None = None,
+        lora_rank: int | None = None,
         rank: int | None = None,
         local_rank: int | None = None,
         world_size: int | None = None,
@@ -184,6 +249,12 @@ class VLLMEngine:
             kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
             if kv_cache_memory_bytes:
                 kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if lora_rank is not None:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
+        self.lora_request: Any = None
+        self.adapter_root = _adapter_root(self.rank) if lora_rank is not None else None
+        self._remove_adapters = (weakref.finalize(self, shutil.rmtree, self.adapter_root, True)
+                                 if self.adapter_root is not None else None)
         self.llm = vllm.LLM(**{**kwargs, **llm_kwargs})
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self.needs_weights = True  # dummy weights until the first push
@@ -200,6 +271,10 @@ class VLLMEngine:
                 self._logged_no_sleep = True
             return
         if self._asleep:
+            return
+        if self.adapter_root is not None:  # LoRA: the base weights are pushed once, keep them (in host memory)
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
             return
         self.llm.sleep(level=2)
         self._asleep, self.needs_weights = {"weights", "kv_cache"}, True
@@ -229,11 +304,34 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()  # cached prefixes hold activations of the old weights
         self.needs_weights = False
 
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]) -> None:
+        """Serve the LoRA adapter `named_tensors` (PEFT names, e.g. ``base_model.model.<module>.lora_A.weight``) with
+        PEFT config `config` from the next `generate` on (on top of the base weights from `update_weights`)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter_root is None:
+            raise RuntimeError("VLLMEngine.update_adapter needs an engine built with lora_rank")
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        folder = os.path.join(self.adapter_root, f"v{version}")
+        os.makedirs(folder)
+        save_file({name: t.contiguous() for name, t in named_tensors}, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        if self.lora_request is not None:  # vLLM reads a version's folder when the version is first used
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        # a fresh id per version: vLLM (re)loads it at the next step and keys prefix-cache blocks by it
+        self.lora_request = LoRARequest(f"policy-v{version}", version, folder)
+        if "kv_cache" not in self._asleep:
+            self.llm.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine. vLLM's teardown destroys torch.distributed's default process group too (the trainer's),
         so call it only once the process is done with collectives; the same teardown runs at interpreter exit (or
         when the engine is garbage-collected) otherwise."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self._remove_adapters is not None:
+            self._remove_adapters()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions per prompt; the prompts of the whole inference group are generated together."""
@@ -246,7 +344,7 @@ class VLLMEngine:
             for index, prompt in enumerate(rank_prompts):
                 inputs += [{"prompt_token_ids": list(prompt)}] * copies
                 sampling += [_sampling_params(rank_params, index)] * copies
-        outputs = self.llm.generate(inputs, sampling, use_tqdm=False) if inputs else []
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=False, lora_request=self.lora_request) if inputs else []
         start = sum(counts[: self.tp_rank])
         mine = outputs[start : start + counts[self.tp_rank]]
         completions = [_completion(o, params.stop_token_ids) for request in mine for o in request.outputs]
@@ -283,6 +381,13 @@ def _contiguous_subgroup(size: int) -> Any:
     groups = [list(range(start, start + size)) for start in range(0, world, size)]
     mine, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
     return mine
+
+
+def _adapter_root(rank: int) -> str:
+    """A fresh folder for this process's adapter versions: in memory (/dev/shm) when writable, else the temp dir."""
+    shm = "/dev/shm"
+    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=f"rl_lightning-lora-rank{rank}-", dir=parent)
 
 
 def _free_port() -> int:

@@ -16,6 +16,7 @@ import torch
 
 from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
+from rl_lightning.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models import load_causal_lm, target_logprobs
 from rl_lightning.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
@@ -45,6 +46,9 @@ class DPO(L.LightningModule):
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
+        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.lora.LoRAConfig`);
+            the reference is then the policy with its adapters disabled (no second model; `ref_model_name` and
+            `reference_offload` must be left unset). Null: full fine-tuning.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class DPO(L.LightningModule):
         optim: OptimConfig = OptimConfig(lr=5e-7),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
         errors = []
@@ -68,11 +73,16 @@ class DPO(L.LightningModule):
             errors.append(f"model.beta must be > 0, got {beta}")
         if not 0.0 <= label_smoothing < 0.5:
             errors.append(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        if lora is not None and (reference_offload or ref_model_name not in (None, model_name)):
+            errors.append(f"model.lora: the reference is the policy with its adapters disabled, so "
+                          f"model.ref_model_name ({ref_model_name}) and model.reference_offload ({reference_offload}) "
+                          "must be left unset")
         if errors:
             raise ConfigError("; ".join(errors))
-        self.optim = typed(OptimConfig, optim)
+        self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
         self.save_hyperparameters(logger=False)
         self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
+        self.hparams.lora = None if self.lora is None else asdict(self.lora)
         self.automatic_optimization = False
         self.model: Any = None
         # Not a registered submodule: frozen weights stay out of the optimizer and checkpoints, and their device is
@@ -85,7 +95,11 @@ class DPO(L.LightningModule):
         if self.model is None:
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
+            if self.lora is not None:
+                self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
+        if self.lora is not None and not hp.reference_free:
+            object.__setattr__(self, "_reference", AdaptersDisabled(self.model))
         if self._reference is None and not hp.reference_free:
             if hp.reference_offload and isinstance(self.trainer.strategy, ParallelStrategy):
                 raise ConfigError("model.reference_offload moves a whole model between devices; under ParallelStrategy "

@@ -19,8 +19,9 @@ phases:
    trainer's pi at score time: mu = the engine's log-probabilities (``target_engine_logprobs``), pi =
    ``old_logprobs`` (engine/trainer mismatch, an engine lagging the trainer's weights, reused trajectories). They do
    not correct the later minibatches' staleness (``update_per_rollout`` > 1): PPO's ratio pi_theta / pi_old does;
-4. **update**: one optimizer step per minibatch on the clipped surrogate (asymmetric ``clip_low``/``clip_high``,
-   optional dual clip, truncated importance weights against the engine's log-probabilities), plus ``kl.coef`` x
+4. **update**: one optimizer step per minibatch on the surrogate (``policy_loss``: PPO's clipped surrogate with
+   asymmetric ``clip_low``/``clip_high`` and optional dual clip, GSPO-token or CISPO; ``correction``: importance
+   weights against the engine's log-probabilities, truncated or masked, per token or sequence), plus ``kl.coef`` x
    KL(policy || reference) (``kl.type: loss``), minus ``entropy_coef`` x entropy, plus the Lagrangian constraint
    terms, aggregated as ``aggregation`` says; the critic takes its own step on the clipped value loss;
 5. **controllers**: the KL coefficient and the Lagrange multipliers move once, from the rollout's global per-token
@@ -63,18 +64,27 @@ from rl_lightning.algorithms.advantages import (
     estimate_advantages,
 )
 from rl_lightning.algorithms.controllers import Controllers
+from rl_lightning.algorithms.correction import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    mismatch_kl,
+    mismatch_weights,
+    sequence_log_ratios,
+)
 from rl_lightning.algorithms.kl import KL_CONTROLLERS
 from rl_lightning.algorithms.policy import (
+    cispo_policy_loss,
     clipped_policy_loss,
     clipped_value_loss,
+    gspo_policy_loss,
     skip_mask,
     token_mean,
-    truncated_importance_weights,
 )
 from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
+from rl_lightning.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.memory import (
     budget_errors,
     free_after_oom,
@@ -102,6 +112,7 @@ log = logging.getLogger(__name__)
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
 KL_TYPES = ("loss", "reward")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,39 @@ class ConstraintConfig:
             raise ConfigError("; ".join(errors))
 
 
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Rollout/trainer mismatch correction: ``model.correction.*`` (see `rl_lightning.algorithms.correction`). The
+    per-token policy loss is multiplied by a detached weight from r = pi_old / pi_engine, the trainer's over the
+    engine's probability of each sampled token.
+
+    Args:
+        level: ``token`` (each token its own r_t), ``sequence`` (prod_t r_t, the exact sequence weight) or
+            ``geometric`` (exp(mean_t log r_t), length-normalised).
+        mode: ``truncate`` (TIS: w = clamp(r, low, high)) or ``mask`` (MIS: w = r inside [low, high], 0 outside;
+            at token level, IcePop).
+        low: lower bound (null: none). IcePop and OpenRLHF use 0.5 with mode ``mask``.
+        high: upper bound (> low). TIS (Yao et al.) uses 2; TRL 3 (sequence mask); IcePop and OpenRLHF 5.
+    """
+
+    level: str = "token"
+    mode: str = "truncate"
+    low: float | None = None
+    high: float = 2.0
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.level not in CORRECTION_LEVELS:
+            errors.append(f"model.correction.level must be one of {', '.join(CORRECTION_LEVELS)}, got '{self.level}'")
+        if self.mode not in CORRECTION_MODES:
+            errors.append(f"model.correction.mode must be one of {', '.join(CORRECTION_MODES)}, got '{self.mode}'")
+        if not self.high > (self.low or 0.0) >= 0:
+            errors.append(f"model.correction.low={self.low} and model.correction.high={self.high} must satisfy "
+                          "0 <= low < high (low null: no lower bound)")
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+
 class PPO(L.LightningModule):
     """PPO-family policy optimisation.
 
@@ -195,12 +239,24 @@ class PPO(L.LightningModule):
             ``td_lambda`` (lambda-returns), ``nstep`` (n-step bootstrapped returns); see
             `rl_lightning.algorithms.offpolicy`.
         update_per_rollout: optimizer steps (minibatches) per rollout; must divide the trajectories per rank.
-        clip_low: lower ratio clip (1 - clip_low).
-        clip_high: upper ratio clip (1 + clip_high); DAPO's clip-higher uses 0.28.
+        policy_loss: ``ppo`` (the clipped surrogate on token ratios), ``gspo`` (the clipped surrogate on each
+            sequence's ratio, the geometric mean of its token ratios: whole sequences clip; GSPO-token, see
+            `rl_lightning.algorithms.policy.gspo_policy_loss`; the paper aggregates with ``sequence_mean``) or
+            ``cispo`` (REINFORCE weighted by the clipped, stop-gradient token ratio: clipped tokens keep their
+            gradient). `clip_low`/`clip_high` bound the ratio at [1 - clip_low, 1 + clip_high] in each.
+        clip_low: lower ratio clip (1 - clip_low). ``gspo``: the paper's is 3e-4 (a sequence's geometric-mean
+            ratio moves far less than a token's); ``cispo``: MiniMax-M1 sets no lower bound (clip_low >= 1).
+        clip_high: upper ratio clip (1 + clip_high); DAPO's clip-higher uses 0.28; ``gspo``'s paper 4e-4;
+            ``cispo``: ScaleRL's bound of 5 is clip_high 4.
         dual_clip: bound on the loss for negative advantages (c > 1), or null.
         aggregation: ``token_mean`` (DAPO), ``sequence_mean`` (GRPO) or ``token_sum`` (Dr. GRPO's constant
             normaliser); see the module docstring.
-        tis_cap: cap of the truncated importance weights pi_old / pi_engine (null disables the correction).
+        correction: rollout/trainer mismatch correction (``model.correction.*``, see `CorrectionConfig`): importance
+            weights pi_old / pi_engine per token or sequence, truncated (TIS) or masked (MIS, IcePop). Null
+            (default): none, as in verl, OpenRLHF, NeMo-RL and slime (opt-in there; TRL alone defaults to a
+            sequence mask with bound 3). ``train/mismatch_kl`` (k3 estimate of KL(engine || trainer) per token) and
+            ``train/engine_logprob_diff`` are logged either way; with a correction, ``train/mismatch_masked`` (the
+            fraction of tokens, or of trajectories at sequence levels, masked; 0 under ``truncate``).
         skip_threshold: skip (zero loss weight, normaliser unchanged) every trajectory whose sequence-level ratio
             pi_theta / pi_old, exp(its token mean of logprobs - old_logprobs), is above this or below its inverse;
             ``train/skipped`` logs the skipped fraction of trajectories (> 1; null: off).
@@ -222,6 +278,9 @@ class PPO(L.LightningModule):
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
         attn_implementation: ``rl_varlen`` or a transformers implementation.
+        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.lora.LoRAConfig`);
+            the reference is then the policy with its adapters disabled (no second model is loaded). A critic
+            stays a full model, fully trained. Null: full fine-tuning.
     """
 
     def __init__(
@@ -235,7 +294,8 @@ class PPO(L.LightningModule):
         clip_high: float = 0.2,
         dual_clip: float | None = None,
         aggregation: str = "token_mean",
-        tis_cap: float | None = None,
+        policy_loss: str = "ppo",
+        correction: CorrectionConfig | None = None,
         skip_threshold: float | None = None,
         entropy_coef: float = 0.0,
         kl: KLConfig = KLConfig(),
@@ -252,10 +312,12 @@ class PPO(L.LightningModule):
         optim: OptimConfig = OptimConfig(lr=1e-6, lr_schedule="constant"),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
         rollout, kl = typed(RolloutConfig, rollout), typed(KLConfig, kl)
         constraints, optim = typed(ConstraintConfig, constraints), typed(OptimConfig, optim)
+        correction = typed(CorrectionConfig, correction)
         errors = []
         if advantage_estimator not in ESTIMATORS:
             errors.append(f"model.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got "
@@ -271,6 +333,13 @@ class PPO(L.LightningModule):
         errors += budget_errors(max_length_per_device)
         if dual_clip is not None and dual_clip <= 1:
             errors.append(f"model.dual_clip must be > 1 or null, got {dual_clip}")
+        if policy_loss not in POLICY_LOSSES:
+            errors.append(f"model.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got '{policy_loss}'")
+        elif dual_clip is not None and policy_loss != "ppo":
+            errors.append(f"model.dual_clip={dual_clip} applies to model.policy_loss=ppo only (got {policy_loss}): "
+                          "set model.dual_clip=null")
+        if not (clip_low >= 0 and clip_high >= 0):
+            errors.append(f"model.clip_low and model.clip_high must be >= 0, got {clip_low}, {clip_high}")
         if skip_threshold is not None and skip_threshold <= 1:
             errors.append(f"model.skip_threshold must be > 1 or null, got {skip_threshold}")
         if not 0 < vtrace_c_bar <= vtrace_rho_bar:
@@ -284,6 +353,7 @@ class PPO(L.LightningModule):
         # checkpoints keep plain data: the argument groups as dicts (turned back into dataclasses above on loading)
         self.hparams.update({k: asdict(v) for k, v in self.hparams.items() if is_dataclass(v)})
         self.rollout_config, self.kl_config, self.optim = rollout, kl, optim
+        self.correction: CorrectionConfig | None = correction
         self.automatic_optimization = False
         self.tokenizer = load_tokenizer(model_name)
         self.model: Any = None
@@ -343,12 +413,16 @@ class PPO(L.LightningModule):
         if self.model is None:
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
+            if hp.lora is not None:
+                self.model = apply_lora(self.model, lora_config(hp.lora))
         self.model = parallelize_for(self, self.model)
         if hp.advantage_estimator in CRITIC_ESTIMATORS:
             if self.critic is None:
                 self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
                                                 gradient_checkpointing=hp.gradient_checkpointing)
             self.critic = parallelize_for(self, self.critic)
+        if hp.lora is not None and self.needs_reference:  # the base model: the policy with its adapters disabled
+            object.__setattr__(self, "_reference", AdaptersDisabled(self.model))
         if self._reference is None and self.needs_reference:
             reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
             object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
@@ -403,8 +477,12 @@ class PPO(L.LightningModule):
         totals = shard_sum_dict(self.trainer, sums)  # measured on this rank's tokens: over data x context ranks
         means = {k: v / totals["tokens"].clamp(min=1) for k, v in totals.items()}
         trajectories = int(data_parallel_sum(self.trainer, torch.tensor(float(len(rollout.trajectories)))))
-        if "skipped" in totals:  # a count of skipped trajectories, not a per-token sum
-            means["skipped"] = totals["skipped"] / max(1, trajectories)
+        per_trajectory = ["skipped"]  # counts of trajectories, not per-token sums
+        if self.correction is not None and self.correction.level != "token":
+            per_trajectory.append("mismatch_masked")
+        for k in per_trajectory:
+            if k in totals:
+                means[k] = totals[k] / max(1, trajectories)
         logged.update(self.controllers.update(  # 5. KL coefficient, Lagrange multipliers
             {k: float(means[k]) for k in ("kl", "entropy") if k in means}, trajectories,
             move_multipliers=self.rollouts >= self.hparams.freeze_steps))
@@ -618,21 +696,22 @@ class PPO(L.LightningModule):
         if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
             mb["old_logprobs"] = logprobs.detach()
         mask = mb["target_mask"].float()
-        loss, metrics = clipped_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], hp.clip_low,
-                                            hp.clip_high, hp.dual_clip)
-        if hp.tis_cap is not None:
-            loss = loss * truncated_importance_weights(mb["old_logprobs"], mb["target_engine_logprobs"], hp.tis_cap)
-        metrics["policy_loss"] = loss.detach()  # the clipped surrogate per token, before KL and entropy terms
+        log_ratio = (logprobs - mb["old_logprobs"]).detach()
+        loss, metrics = self._surrogate(logprobs, log_ratio, mask, mb)
+        if self.correction is not None:  # rollout/trainer mismatch: detached weights from pi_old / pi_engine
+            weights, metrics["mismatch_masked"] = self._mismatch_weights(mask, mb)
+            loss = loss * weights
+        metrics["policy_loss"] = loss.detach()  # the surrogate per token, before KL and entropy terms
         measured = {"entropy": entropy}
         if self._reference is not None:
             measured["kl"] = KL_ESTIMATORS[self.kl_config.estimator](logprobs, mb["ref_logprobs"])
             if self.kl_config.type == "loss":
                 loss = loss + self.controllers.kl_coef * measured["kl"]
         loss = loss - hp.entropy_coef * measured["entropy"] + self.controllers.penalty(measured)
-        log_ratio = (logprobs - mb["old_logprobs"]).detach()
         metrics.update({k: v.detach() for k, v in measured.items()})
         metrics["approx_kl"] = torch.exp(-log_ratio) - 1 + log_ratio
         metrics["engine_logprob_diff"] = (mb["old_logprobs"] - mb["target_engine_logprobs"]).abs()
+        metrics["mismatch_kl"] = mismatch_kl(mb["old_logprobs"], mb["target_engine_logprobs"])
         if hp.skip_threshold is not None:  # skipped trajectories keep their share of the normaliser: weight 0
             loss, metrics["skipped"] = self._skip(loss, log_ratio, mask, mb)
         if hp.aggregation == "sequence_mean":  # each completion's token mean, summed over completions
@@ -640,6 +719,32 @@ class PPO(L.LightningModule):
         else:
             total = token_mean(loss, mask, normaliser)
         return total, {k: (v * mask).sum() for k, v in metrics.items()}
+
+    def _surrogate(self, logprobs: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, mb: dict[str, Any]
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The (1, N) per-token surrogate of ``policy_loss`` and its metrics."""
+        hp = self.hparams
+        if hp.policy_loss == "gspo":  # each token gets its sequence's mean log ratio (over context-parallel shards)
+            means = sequence_sums(log_ratio, mask, mb) / sequence_sums(mask, mask, mb).clamp(min=1)  # (S,)
+            return gspo_policy_loss(logprobs, means[mb["seq_index"].clamp(min=0)], mb["advantages"], hp.clip_low,
+                                    hp.clip_high)
+        if hp.policy_loss == "cispo":
+            return cispo_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], hp.clip_low, hp.clip_high)
+        return clipped_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], hp.clip_low, hp.clip_high,
+                                   hp.dual_clip)
+
+    def _mismatch_weights(self, mask: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, N) correction weights and masked indicators of this micro-batch's tokens. At the sequence levels the
+        indicator is 1 / (its trajectory's completion tokens) where masked, so its sum counts masked trajectories."""
+        c = self.correction
+        log_ratio = (mb["old_logprobs"] - mb["target_engine_logprobs"]).float()  # log pi_old / pi_engine
+        if c.level == "token":
+            return mismatch_weights(log_ratio, c.mode, c.low, c.high)
+        counts = sequence_sums(mask, mask, mb)  # (S,) whole trajectories, over context-parallel shards
+        sequence_ratio = sequence_log_ratios(sequence_sums(log_ratio, mask, mb), counts, c.level)
+        weights, masked = mismatch_weights(sequence_ratio, c.mode, c.low, c.high)  # (S,)
+        index = mb["seq_index"].clamp(min=0)  # (1, N); padding (-1) is off the mask
+        return weights[index], (masked / counts.clamp(min=1))[index]
 
     def _skip(self, loss: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, mb: dict[str, Any]
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from rl_lightning.algorithms import bradley_terry_loss
+from rl_lightning.lora import LoRAConfig, apply_lora, base_model, lora_config
 from rl_lightning.models import load_reward_model, model_inputs
 from rl_lightning.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
@@ -24,6 +25,7 @@ from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairw
 
 def sequence_rewards(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
     """(S,) scalar reward of each sequence of the micro-batch, read at its last token."""
+    model = base_model(model)  # inside a PEFT wrapper: the adapters are in its layers, the head a trained copy
     hidden = model.base_model(**model_inputs(micro_batch)).last_hidden_state  # (B, T, H)
     scores = model.score(hidden).squeeze(-1).float()  # (B, T)
     return sequence_sums(scores, micro_batch["last_mask"], micro_batch)
@@ -39,6 +41,8 @@ class RewardModel(L.LightningModule):
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
+        lora: train low-rank adapters on the frozen backbone, and the scalar head in full (``model.lora.*``, see
+            `rl_lightning.lora.LoRAConfig`); null: full fine-tuning.
     """
 
     def __init__(
@@ -47,11 +51,13 @@ class RewardModel(L.LightningModule):
         optim: OptimConfig = OptimConfig(lr=5e-6),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
-        self.optim = typed(OptimConfig, optim)
+        self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
         self.save_hyperparameters(logger=False)
         self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
+        self.hparams.lora = None if self.lora is None else asdict(self.lora)
         self.automatic_optimization = False
         self.model: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
@@ -61,6 +67,8 @@ class RewardModel(L.LightningModule):
             hp = self.hparams
             self.model = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
                                            gradient_checkpointing=hp.gradient_checkpointing)
+            if self.lora is not None:  # PEFT trains the sequence-classification head in full (modules_to_save)
+                self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
 
     def configure_optimizers(self) -> Any:

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from rl_lightning.algorithms import sft_loss
+from rl_lightning.lora import LoRAConfig, apply_lora, lora_config
 from rl_lightning.models import load_causal_lm, target_logprobs
 from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
@@ -38,6 +39,8 @@ class SFT(L.LightningModule):
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
+        lora: train low-rank adapters on the frozen model instead of every weight (``model.lora.*``, see
+            `rl_lightning.lora.LoRAConfig`); null: full fine-tuning.
     """
 
     def __init__(
@@ -46,11 +49,13 @@ class SFT(L.LightningModule):
         optim: OptimConfig = OptimConfig(lr=1e-5),
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
-        self.optim = typed(OptimConfig, optim)
+        self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
         self.save_hyperparameters(logger=False)
         self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
+        self.hparams.lora = None if self.lora is None else asdict(self.lora)
         self.automatic_optimization = False
         self.model: Any = None
         self._val_sums: list[torch.Tensor] = []
@@ -60,6 +65,8 @@ class SFT(L.LightningModule):
             hp = self.hparams
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
                                         gradient_checkpointing=hp.gradient_checkpointing)
+            if self.lora is not None:
+                self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
 
     def configure_optimizers(self) -> Any:

@@ -1,0 +1,139 @@
+"""One-step-off-policy (asynchronous) rollouts: rollout k+1 is generated while the trainer updates on rollout k.
+
+With ``model.rollout.async_steps: 1`` the rollout callback, at the start of training batch k:
+
+1. takes rollout k, generated in the background during step k-1 by the policy of version k-1 (the policy after k-1
+   rollouts' updates); the first rollout of a fit and of each epoch has nothing generated ahead and is sampled there
+   and then, by the current policy;
+2. pushes the current policy (version k) into the engine, in the training thread, while no generation uses it;
+3. submits rollout k+1 (the next batch's prompts, read ahead with `rl_lightning.data.prompts.PromptBatches.share`)
+   unless it would never be trained (``model.max_rollouts`` reached, or the epoch's last batch);
+4. hands rollout k to the trainer.
+
+Every read-ahead rollout is thus trained on by a policy one update newer than the one that sampled it
+(``rollout/staleness`` 1). Its trajectories carry the sampling policy's log-probabilities (the engine's), which the
+task's mismatch correction weighs against; the trainer's ``old_logprobs`` are recomputed by the current policy, as in
+decoupled PPO (Hilton et al. 2021, https://arxiv.org/abs/2110.00641).
+
+A rollout submitted is keyed by its rollout index and prompt rows; one taken under a different key (a batch the
+trainer skipped, a resumed run) is discarded and the batch sampled synchronously. The in-flight rollout is not saved
+in checkpoints: a resumed run samples its first rollout synchronously, with the resumed weights.
+
+Generators (the `Generator` protocol): `ThreadGenerator`, one thread in the training process that drives the engine
+and the reward workers. With the in-process vLLM engine this is the colocated mode: the engine's forward and the
+trainer's kernels share the process (both release the GIL in their kernels, not in their Python). With
+`rl_lightning.rollout.engine_process.EngineProcess` as the engine the same thread only waits on a pipe while a
+separate engine process generates (disaggregated; weights broadcast over a process group of its own); that engine is
+not selectable from the config yet. A generator keeping several rollouts in flight (``async_steps`` > 1) or feeding
+engines shared by several trainer ranks would implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rl_lightning.errors import ConfigError
+
+
+@dataclass
+class Finished:
+    """A background rollout taken by the trainer: what `work` returned, the policy version that generated it, how
+    long the trainer waited for it and how long generating it took."""
+
+    value: Any
+    version: int
+    wait_s: float
+    generate_s: float
+
+
+class Generator(Protocol):
+    def submit(self, key: Hashable, version: int, work: Callable[[], Any]) -> None:
+        """Start generating (`work`) in the background with the engine's current weights, policy `version`."""
+
+    def take(self, key: Hashable) -> Finished | None:
+        """Wait for the pending rollout and return it if it was submitted under `key`, else drop it (None)."""
+
+    def idle(self) -> None:
+        """Wait until no generation uses the engine (before a weight push or a validation rollout)."""
+
+    def close(self) -> None:
+        """Wait for and drop any pending rollout; release the generator's resources."""
+
+
+def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    return work(), time.perf_counter() - start
+
+
+class ThreadGenerator:
+    """Colocated generation: at most one rollout at a time on a background thread of the training process."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: tuple[Hashable, int, Future] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def submit(self, key: Hashable, version: int, work: Callable[[], Any]) -> None:
+        if self._pending is not None:
+            raise RuntimeError("ThreadGenerator.submit: a rollout is still pending; take it first")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="rl_lightning-rollout")
+        self._pending = (key, version, self._executor.submit(_timed, work))
+
+    def take(self, key: Hashable) -> Finished | None:
+        if self._pending is None:
+            return None
+        submitted, version, future = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        value, seconds = future.result()  # a failed generation raises here, in the training thread
+        waited = time.perf_counter() - start
+        return Finished(value, version, waited, seconds) if submitted == key else None
+
+    def idle(self) -> None:
+        if self._pending is not None:
+            wait_for([self._pending[2]])
+
+    def close(self) -> None:
+        self.idle()  # the generation may still use the engine and the reward workers
+        self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def async_errors(config: Any) -> list[str]:
+    """What a `RolloutConfig` cannot do with ``async_steps`` (messages without the ``model.rollout.`` prefix)."""
+    c = config
+    if c.async_steps not in (0, 1):
+        return [f"async_steps must be 0 (synchronous) or 1 (one-step-off-policy), got {c.async_steps}; more steps "
+                "off policy are not supported yet"]
+    if c.async_steps and (c.engine != "vllm" or c.engine_tp_size > 1):
+        # the background thread must issue no collective: the HF engine generates with the (sharded) policy being
+        # trained, and the ranks of a tensor-parallel engine pool their prompts with all_gather_object
+        return [f"async_steps=1 needs engine: vllm with engine_tp_size: 1 (got engine '{c.engine}', engine_tp_size "
+                f"{c.engine_tp_size}); set them, or async_steps: 0"]
+    return []
+
+
+def read_ahead(trainer: Any, pl_module: Any, batch_idx: int) -> list | None:
+    """This rank's prompts of the training batch after `batch_idx`, or None when that batch would not be trained
+    (``model.max_rollouts`` reached) or belongs to the next epoch (the read-ahead does not cross epochs). Read from
+    the prompt dataset (`rl_lightning.data.prompts.PromptBatches.share`), not from Lightning's prefetching fetcher."""
+    share = getattr(getattr(trainer.train_dataloader, "dataset", None), "share", None)
+    if share is None:
+        raise ConfigError("model.rollout.async_steps=1 reads the next batch of prompts ahead, which needs the prompts "
+                          "of rl_lightning.data.PromptDataModule; use it, or set async_steps: 0")
+    max_rollouts = getattr(pl_module, "hparams", {}).get("max_rollouts")
+    if batch_idx + 1 >= trainer.num_training_batches or (max_rollouts is not None and
+                                                          pl_module.rollouts + 1 >= max_rollouts):
+        return None
+    return share(trainer.current_epoch, batch_idx + 1)
