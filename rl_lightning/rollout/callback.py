@@ -35,7 +35,8 @@ from rl_lightning.rollout.trajectory import Rollout, rollout
 from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
 from rl_lightning.rollout.weights import WeightSync, named_weights
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "vllm_process")
+VLLM_ENGINES = ("vllm", "vllm_process")
 WEIGHT_SYNCS = ("auto", "full", "adapter")
 
 
@@ -53,7 +54,9 @@ class RolloutConfig:
         max_new_tokens: tokens generated per turn.
         engine: ``hf`` (transformers generate on the policy itself: simple, slow) or ``vllm`` (a vLLM engine colocated
             in the training processes, fed the policy's weights after every optimizer step; see
-            `rl_lightning.rollout.vllm`).
+            `rl_lightning.rollout.vllm`) or ``vllm_process`` (vLLM in a process of its own, not a trainer rank, fed
+            full weights over a gloo group of its own: disaggregated generation, one training process for now; see
+            `rl_lightning.rollout.engine_process`).
         engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
             must divide the number of processes; consecutive ranks share an engine).
         max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
@@ -206,6 +209,9 @@ class RolloutCallback(L.Callback):
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices)
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(pl_module.device)
+        if c.engine == "vllm_process" and trainer.world_size > 1:
+            raise ConfigError(f"model.rollout.engine=vllm_process serves one training process for now (got "
+                              f"{trainer.world_size}): use engine: vllm (one colocated engine per rank)")
         if c.engine == "hf":
             from rl_lightning.rollout.hf import HFEngine
 
@@ -233,6 +239,14 @@ class RolloutCallback(L.Callback):
         device_type = trainer.strategy.root_device.type
         check_engine(pl_module.model.config, c.engine_tp_size, trainer.world_size, device_type)
         named_weights(pl_module.model)  # fails now on a weight no engine could hold (a LoRA-trained tied head)
+        if c.engine == "vllm_process":  # full weights over its own group (adapter sync is refused at start-up)
+            from rl_lightning.rollout.engine_process import EngineProcess
+
+            self.adapter_sync = False
+            return EngineProcess(model_path=pl_module.model_name, tensor_parallel_size=c.engine_tp_size,
+                                 max_model_len=self._max_model_len(trainer, pl_module), device_type=device_type,
+                                 gpu_memory_utilization=c.gpu_memory_utilization,
+                                 kv_cache_memory_bytes=c.kv_cache_memory_bytes)
         lora_rank = adapter_sync_rank(pl_module.model, c.weight_sync, device_type)
         self.adapter_sync = lora_rank is not None
         return VLLMEngine(pl_module.model_name, c.engine_tp_size, self._max_model_len(trainer, pl_module),
@@ -421,11 +435,13 @@ def _vllm_errors(c: RolloutConfig) -> list[str]:
         errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {c.kv_cache_memory_bytes}")
     if not 0 < c.gpu_memory_utilization <= 1:
         errors.append(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
-    if c.weight_sync not in WEIGHT_SYNCS or (c.weight_sync == "adapter" and c.engine != "vllm"):
+    if c.weight_sync not in WEIGHT_SYNCS or (c.weight_sync == "adapter" and c.engine != "vllm"):  # not the process
         errors.append(f"weight_sync must be one of {', '.join(WEIGHT_SYNCS)} (adapter needs engine: vllm), got "
                       f"'{c.weight_sync}' with engine '{c.engine}'")
-    if c.engine == "vllm" and not vllm_available():
-        errors.append(f"engine=vllm needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
+    if c.engine == "vllm_process" and c.engine_tp_size > 1:
+        errors.append(f"engine=vllm_process runs one engine of engine_tp_size 1 for now, got {c.engine_tp_size}")
+    if c.engine in VLLM_ENGINES and not vllm_available():
+        errors.append(f"engine={c.engine} needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
     if c.engine == "vllm" and c.engine_tp_size > 1 and (c.max_turns > 1 or c.filter_range is not None):
         # the ranks of an engine generate together, but these loops decide per rank how often to generate
         errors.append(f"engine_tp_size={c.engine_tp_size} does not support multi-turn rollouts "

@@ -7,8 +7,10 @@ travel over a pipe; weights are broadcast from the trainer process over a two-me
 trainer's rank 0 and engine GPUs). The trainer waiting on the pipe holds no GIL, so with the asynchronous rollouts
 of `rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
 
-Status: a standalone engine, tested on CPU against the trainer's log-probabilities; not yet selectable from the
-rollout config (one process, one engine; several trainer ranks would need a broadcast from the gathered weights).
+Selected with ``model.rollout.engine: vllm_process`` (one training process and one engine for now: several trainer
+ranks would broadcast from the gathered weights, and adapter-only sync is not wired through the pipe). Tested on CPU:
+log-probabilities equal the trainer's, and an asynchronous run samples the same tokens as with the colocated engine.
+The weights of one push are staged in host memory before the broadcast (one extra copy of the model on the host).
 """
 
 from __future__ import annotations
