@@ -134,9 +134,16 @@ def first_line(message: str) -> str:
 
 
 def suggest(word: str, candidates: Sequence[str]) -> str | None:
-    """The candidate closest to ``word`` (difflib ratio >= 0.6), or None."""
-    matches = difflib.get_close_matches(word, list(dict.fromkeys(candidates)), n=1, cutoff=0.6)
-    return matches[0] if matches else None
+    """The candidate closest to ``word``, or None: among those whose difflib ratio to `word` is >= 0.6, the best
+    mean of that ratio and the ratio of the last dotted parts (a typo is usually in the key's last part: ``model.lrr``
+    means ``model.optim.lr`` more likely than ``model.lora``)."""
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    leaf = word.rpartition(".")[2]
+    scored = [(ratio(word, c), c) for c in dict.fromkeys(candidates)]
+    scored = [((full + ratio(leaf, c.rpartition(".")[2])) / 2, c) for full, c in scored if full >= 0.6]
+    return max(scored, key=lambda sc: sc[0])[1] if scored else None
 
 
 def parser_keys(parser: argparse.ArgumentParser) -> list[str]:
