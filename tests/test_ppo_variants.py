@@ -139,8 +139,9 @@ def test_bad_settings_fail_at_construction(kwargs, match):
     [(["--model.policy_loss", "gspo", "--model.clip_low", "3e-4", "--model.clip_high", "4e-4",
        "--model.aggregation", "sequence_mean"], CorrectionConfig("geometric", "mask", 0.5, 2.0)),
      (["--model.policy_loss", "cispo", "--model.clip_low", "1.0", "--model.clip_high", "4.0"],
-      CorrectionConfig("token", "mask", 0.5, 2.0))],
-    ids=["gspo-geometric-mask", "cispo-icepop"],
+      CorrectionConfig("token", "mask", 0.5, 2.0)),
+     (["--model.policy_loss", "ppo"], CorrectionConfig("sequence", "mask", 0.5, 2.0))],
+    ids=["gspo-geometric-mask", "cispo-icepop", "ppo-sequence-mis"],
 )
 def test_variants_from_the_cli(variant, correction, mismatched, parity_env, workdir, capsys, monkeypatch):
     """The PPO recipe with a variant, a masking correction and the HF engine (critic-free, two rollouts): it runs,
