@@ -187,7 +187,7 @@ def test_unsupported_cpu_head_dim(vllm_installed):
 
 
 def test_bad_engine_settings_fail_at_construction(vllm_installed):
-    with pytest.raises(ConfigError, match="engine must be one of hf, vllm, got 'sglang'"):
+    with pytest.raises(ConfigError, match="engine must be one of hf, vllm, vllm_process, got 'sglang'"):
         RolloutConfig(ENV, engine="sglang")
     with pytest.raises(ConfigError, match=r"engine_tp_size=2 does not support multi-turn rollouts \(max_turns=1\) or "
                                           r"dynamic sampling \(filter_range=\(0.0, 1.0\)\) yet"):
