@@ -123,14 +123,6 @@ def cispo_policy_loss(
     return -weight * advantages * logprobs, {"clipped": (weight != ratio).float()}
 
 
-def truncated_importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float
-                                 ) -> torch.Tensor:
-    """(B, T) detached weights min(pi_old / pi_engine, cap) correcting for the inference engine's sampling
-    distribution differing from the trainer's (truncated importance sampling, Yao et al. 2025,
-    https://fengyao.notion.site/off-policy-rl)."""
-    return torch.exp(old_logprobs - engine_logprobs).clamp(max=cap).detach()
-
-
 def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.Tensor) -> torch.Tensor:
     """Sum over every masked token / `num_tokens`: with the global token count, DAPO's token-level mean (long and
     short completions weigh by their length); with completions x the generation budget, Dr. GRPO's constant."""

@@ -35,7 +35,6 @@ from rl_lightning.algorithms.policy import (
     entropy_from_logits,
     lagrangian_terms,
     token_mean,
-    truncated_importance_weights,
 )
 from rl_lightning.algorithms.reward_combination import tchebycheff, weighted_sum
 
@@ -330,12 +329,6 @@ def test_token_mean_aggregation():
     values, mask = t([1, 2, 3], [4, 9, 9]), t([1, 1, 1], [1, 0, 0])
     assert token_mean(values, mask, 4).item() == 2.5
     assert token_mean(values, mask, 8).item() == 1.25
-
-
-def test_truncated_importance_weights():
-    """pi_old / pi_engine = e^(ln 3) = 3 capped at 2; e^(ln .5) = .5 kept."""
-    weights = truncated_importance_weights(t(math.log(3), math.log(0.5)), t(0.0, 0.0), cap=2.0)
-    assert_close(weights, t(2.0, 0.5), atol=1e-12)
 
 
 def test_clipped_value_loss():
