@@ -52,7 +52,7 @@ class StepTimer(L.Callback):
 
 def run(args: argparse.Namespace, env_path: str, async_steps: int, engine=None) -> tuple[dict, object]:
     from rl_lightning.data import PromptDataModule
-    from rl_lightning.optim import OptimConfig
+    from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.rollout.engine_process import EngineProcess
     from rl_lightning.tasks import PPO

@@ -22,7 +22,7 @@ import torch
 
 from rl_lightning.data.loading import load_rows
 from rl_lightning.data.prompts import Prompt, encode_prompt
-from rl_lightning.models import load_tokenizer
+from rl_lightning.models.loading import load_tokenizer
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.hf import HFEngine

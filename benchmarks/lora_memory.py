@@ -29,8 +29,8 @@ def measure(model: str, lora: bool, root: str) -> dict:
     import lightning as L
 
     from rl_lightning.data import SFTDataModule
-    from rl_lightning.lora import LoRAConfig, parameter_counts
-    from rl_lightning.optim import OptimConfig
+    from rl_lightning.models.lora import LoRAConfig, parameter_counts
+    from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT
 
     L.seed_everything(0)

@@ -38,7 +38,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def lora_policy(model_dir: str, rank: int):
     from peft import LoraConfig, get_peft_model
 
-    from rl_lightning.models import load_causal_lm
+    from rl_lightning.models.loading import load_causal_lm
 
     torch.manual_seed(0)
     model = get_peft_model(load_causal_lm(model_dir), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
@@ -69,7 +69,7 @@ def greedy_logprob_diff(engine, model, prompt: list[int]) -> float:
 def measure(rank_id: int, model_dir: str, mode: str, args: argparse.Namespace, out: str) -> None:
     """One process: engine + policy, a warm-up push, then `repeats` timed pushes (results as JSON to `out`)."""
     from rl_lightning.data.prompts import encode_prompt
-    from rl_lightning.models import load_tokenizer
+    from rl_lightning.models.loading import load_tokenizer
     from rl_lightning.rollout.engine import SamplingParams
     from rl_lightning.rollout.vllm import VLLMEngine
     from rl_lightning.rollout.weights import WeightSync

@@ -20,7 +20,7 @@ import lightning as L
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.data.steps import layout_stats
-from rl_lightning.optim import OptimConfig
+from rl_lightning.models.optim import OptimConfig
 from rl_lightning.tasks import DPO, SFT
 
 ASSETS = Path(__file__).resolve().parents[1] / "rl_lightning" / "assets"

@@ -51,7 +51,7 @@ def evaluate(model_dir: str, args: argparse.Namespace) -> dict[str, float]:
 
     from rl_lightning.data.loading import load_rows
     from rl_lightning.data.prompts import Prompt, encode_prompt
-    from rl_lightning.models import load_causal_lm, load_tokenizer
+    from rl_lightning.models.loading import load_causal_lm, load_tokenizer
     from rl_lightning.rollout.engine import SamplingParams
     from rl_lightning.rollout.env import load_environment
     from rl_lightning.rollout.trajectory import rollout
@@ -112,7 +112,7 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     # and checkpoints switched off below)
     trainer["logger"] = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {
         "experiment_name": "rl_lightning", "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
-    trainer["callbacks"] = [{"class_path": "rl_lightning.export.HFExport",
+    trainer["callbacks"] = [{"class_path": "rl_lightning.tracking.export.HFExport",
                              "init_args": {"dirpath": str(workdir / "export")}}]
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     start = time.perf_counter()
@@ -143,7 +143,7 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
 
     from rl_lightning.assets.real import resolve_model
     from rl_lightning.data.loading import load_rows
-    from rl_lightning.models import load_tokenizer
+    from rl_lightning.models.loading import load_tokenizer
     from rl_lightning.rewards.reasoning_gym import score
 
     torch.set_num_threads(args.threads)

@@ -85,7 +85,7 @@ def timed(fn, *args):
 
 
 def compare_engines(args: argparse.Namespace) -> None:
-    from rl_lightning.models import load_causal_lm, load_tokenizer
+    from rl_lightning.models.loading import load_causal_lm, load_tokenizer
     from rl_lightning.rollout.engine import SamplingParams
     from rl_lightning.rollout.hf import HFEngine
     from rl_lightning.rollout.vllm import VLLMEngine

@@ -89,7 +89,7 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
     import lightning as L
 
     from rl_lightning.data import PreferenceDataModule, PromptDataModule, SFTDataModule
-    from rl_lightning.optim import OptimConfig
+    from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import DPO, PPO, SFT
 

@@ -25,7 +25,7 @@ class RolloutDump(L.Callback):
     """Write each rollout's trajectories as JSONL (see the module docstring).
 
     Args:
-        dirpath: the folder; null: ``rollouts/`` in the run's output folder (``rl_lightning.outputs.RunOutputs``),
+        dirpath: the folder; null: ``rollouts/`` in the run's output folder (``rl_lightning.cli.outputs.RunOutputs``),
             or ``rollouts/`` in the working directory without one.
         max_file_mb: start a new file once the current one is this large (MiB).
         keep_files: newest files kept per rank (0: keep every file).

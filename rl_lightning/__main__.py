@@ -1,11 +1,11 @@
 import sys
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["tune"]:  # Optuna search (rl_lightning.tune); everything else is the LightningCLI
-        from rl_lightning.tune import main
+    if sys.argv[1:2] == ["tune"]:  # Optuna search (rl_lightning.cli.tune); everything else is the LightningCLI
+        from rl_lightning.cli.tune import main
 
         main(sys.argv[2:])
     else:
-        from rl_lightning.cli import main
+        from rl_lightning.cli.main import main
 
         main()

@@ -34,7 +34,7 @@ def parity_env(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from rl_lightning.models import load_tokenizer
+    from rl_lightning.models.loading import load_tokenizer
 
     return load_tokenizer(str(TINY_MODEL))
 

@@ -89,10 +89,10 @@ def free_memory(device: torch.device) -> None:
 
 def build_model(shape: dict, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     """A random-init causal LM of `shape` with ``rl_varlen`` attention, set up for training as
-    `rl_lightning.models.load_causal_lm` sets up a loaded one (no KV cache, train mode); equal seeds, equal weights."""
+    `rl_lightning.models.loading.load_causal_lm` sets up a loaded one (no KV cache, train mode); equal seeds, equal weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_lightning.attention import NAME, register_varlen_attention
+    from rl_lightning.models.attention import NAME, register_varlen_attention
 
     register_varlen_attention()
     torch.manual_seed(seed)
@@ -135,8 +135,8 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, to
                ) -> tuple[float, float]:
     """`rl_lightning.tasks.SFT.training_step` for one micro-batch, without Lightning: (loss, pre-clip grad norm)."""
     from rl_lightning.algorithms import sft_loss
-    from rl_lightning.models import target_logprobs
-    from rl_lightning.optim import clip_grad_norm
+    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.optim import clip_grad_norm
 
     loss, metrics = sft_loss(target_logprobs(model, batch)[0], batch["target_mask"], num_tokens)
     loss.backward()
@@ -171,7 +171,7 @@ def peak_flops(device: torch.device) -> float | None:
 @torch.no_grad()
 def packing_gap(model: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float, int]:
     """|packed - per-sequence| log-probability of every target token: (mean, max, count)."""
-    from rl_lightning.models import target_logprobs
+    from rl_lightning.models.loading import target_logprobs
 
     packed = target_logprobs(model, batch)[0][0]  # (N,)
     bounds = batch["cu_seqlens"].tolist()
@@ -185,7 +185,7 @@ def sft_run(shape: dict, ac: bool, batch: dict[str, torch.Tensor], lengths: list
             steps: tuple[int, int]) -> dict[str, Any]:
     """Train one configuration: step times (after the warm-up), losses, grad norms, FLOPs per step, peak GiB, and
     the packing gap on the initial weights."""
-    from rl_lightning.optim import adamw
+    from rl_lightning.models.optim import adamw
 
     model = build_model(shape, device)
     flops = step_flops(model, lengths, int((batch["target_mask"] > 0).any(0).sum()))
@@ -264,7 +264,7 @@ def fsdp(args: argparse.Namespace) -> None:
     roundings) is the budget. It misses lost fp32 masters (bf16 weights drop most updates at this lr: that run
     barely learns, its loss stays close), so the loss drops must match too: without masters 0.19-0.34 of the fp32
     drop at lr 1e-5-3e-5, mixed precision 0.999 (2-layer model on CPU)."""
-    from rl_lightning.optim import adamw
+    from rl_lightning.models.optim import adamw
 
     device = setup(args.dry)
     shape, tokens = (DRY_SHAPES["qwen3-0.6b"], 1024) if args.dry else (QWEN3_0_6B, 4096)
@@ -348,7 +348,7 @@ def random_checkpoint(shape: dict, folder: str, device: torch.device) -> str:
 
 def grpo(args: argparse.Namespace) -> None:
     from rl_lightning.data import PromptDataModule
-    from rl_lightning.optim import OptimConfig
+    from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import PPO
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def load_tokenizer_for_data(name: str | None) -> Any:
     if name is None:
         raise ConfigError("data.tokenizer_name is not set (the CLI links it from model.model_name)")
-    from rl_lightning.models import load_tokenizer
+    from rl_lightning.models.loading import load_tokenizer
 
     return load_tokenizer(name)
 
@@ -71,7 +71,7 @@ class StepDataModule(L.LightningDataModule):
 
     def count(self, name: str, rows: int, truncated: int, dropped: int, source: str, what: str) -> None:
         """Record (and warn about) rows, truncations and drops: ``data/<name>_*`` metrics, which the CLI's
-        ``rl_lightning.tracking.MLflowTracking`` logs at train start."""
+        ``rl_lightning.tracking.mlflow_run.MLflowTracking`` logs at train start."""
         self.stats.update({f"data/{name}_rows": rows, f"data/{name}_truncated": truncated,
                            f"data/{name}_dropped": dropped})
         if truncated or dropped:

@@ -17,7 +17,7 @@ TP_PLAN = {
 
 def decoder_layers(model: Any) -> Any:
     """The decoder blocks of a transformers model, or of the one inside a PEFT (LoRA) wrapper."""
-    from rl_lightning.lora import base_model
+    from rl_lightning.models.lora import base_model
 
     layers = getattr(base_model(model).base_model, "layers", None)
     if layers is None:
@@ -51,7 +51,7 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
     FSDP2 to `model` in place; returns it. Idempotent."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from rl_lightning.lora import base_model, check_lora_strategy, is_peft
+    from rl_lightning.models.lora import base_model, check_lora_strategy, is_peft
 
     if isinstance(model, FSDPModule):
         return model

@@ -12,13 +12,13 @@ Attention is a P2P ring. With ring-flash-attn and flash-attn importable on CUDA 
 - Forward: each rank keeps its local K/V and passes it round the ring (``batch_isend_irecv`` to rank r + 1, from
   rank r - 1, sub-group ranks translated with ``get_global_rank``). At step i it attends its queries to the block
   of rank ``j = (r - i) mod cp``, the next block already in flight, and merges the partial (out, lse) pairs exactly
-  (`rl_lightning.attention.merge_partials`, fp32). Zigzag makes every step one unmasked or plainly causal call
+  (`rl_lightning.models.kernels.merge_partials`, fp32). Zigzag makes every step one unmasked or plainly causal call
   (`step_kind`): j = r is causal in local order; j < r: all local queries see only j's early chunk of each
   sequence; j > r: only the local late chunk of each sequence sees both of j's chunks, and the early one sees none.
 - Backward (`_RingAttention`, which saves only local q, k, v, out, lse: O(N / cp) memory): a second ring pass in
   which the K/V blocks travel again, each followed by its fp32 dK/dV accumulator, which after cp hops lands back
   on its owner; dQ stays local. Each step is flash's backward from the final out and lse.
-- Block kernels (`rl_lightning.attention.block_forward`): torch's aten flash kernels on CUDA fp16/bf16, exact fp32
+- Block kernels (`rl_lightning.models.kernels.block_forward`): torch's aten flash kernels on CUDA fp16/bf16, exact fp32
   maths elsewhere (the CPU/gloo path the tests prove equal to full attention).
 
 The ring loop works on a stack of ranks: one (this rank) in training, all of them in `ring_attention_emulated`,
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rl_lightning.attention import block_backward, block_forward, merge_partials
+from rl_lightning.models.kernels import block_backward, block_forward, merge_partials
 
 
 @dataclass

@@ -150,7 +150,7 @@ class RewardModelClient:
         elif self.model not in served:
             raise ConfigError(f"{self.key}.model={self.model!r} is not served by {self.url} (it serves {served}): "
                               "set it to one of those")
-        from rl_lightning.models import load_tokenizer
+        from rl_lightning.models.loading import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_name or self.model)
 
@@ -237,7 +237,7 @@ class LocalRewardModel:
         if self.model is None:
             from transformers import AutoModelForSequenceClassification
 
-            from rl_lightning.models import load_tokenizer, resolve_model
+            from rl_lightning.models.loading import load_tokenizer, resolve_model
 
             self.model = AutoModelForSequenceClassification.from_pretrained(resolve_model(self.path)).eval()
             self.model.requires_grad_(False)

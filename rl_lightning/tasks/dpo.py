@@ -16,9 +16,9 @@ import torch
 
 from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
-from rl_lightning.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
-from rl_lightning.models import load_causal_lm, target_logprobs
-from rl_lightning.optim import OptimConfig, configure_adamw, run_length, typed
+from rl_lightning.models.loading import load_causal_lm, target_logprobs
+from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
@@ -46,7 +46,7 @@ class DPO(L.LightningModule):
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
-        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.lora.LoRAConfig`);
+        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
             the reference is then the policy with its adapters disabled (no second model; `ref_model_name` and
             `reference_offload` must be left unset). Null: full fine-tuning.
     """

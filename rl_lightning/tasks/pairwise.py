@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rl_lightning.optim import optimizer_step
+from rl_lightning.models.optim import optimizer_step
 from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size
 
 

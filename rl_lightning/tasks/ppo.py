@@ -84,16 +84,16 @@ from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
-from rl_lightning.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
-from rl_lightning.memory import (
+from rl_lightning.models.loading import load_causal_lm, load_reward_model, load_tokenizer, model_inputs, target_logprobs
+from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.memory import (
     budget_errors,
     free_after_oom,
     initial_budget,
     oom_backoff_supported,
     smaller_budget,
 )
-from rl_lightning.models import load_causal_lm, load_reward_model, load_tokenizer, model_inputs, target_logprobs
-from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, typed
+from rl_lightning.models.optim import OptimConfig, configure_adamw, optimizer_step, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
     data_parallel_max,
@@ -274,11 +274,11 @@ class PPO(L.LightningModule):
         max_length_per_device: token budget of one packed micro-batch, or ``auto`` (start from 65536 tokens and let
             the out-of-memory back-off find what fits). In a single process a micro-batch that runs out of memory
             halves the budget, is re-packed and redone (``train/oom_retries``, ``train/max_length_per_device``);
-            see `rl_lightning.memory`.
+            see `rl_lightning.models.memory`.
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
         attn_implementation: ``rl_varlen`` or a transformers implementation.
-        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.lora.LoRAConfig`);
+        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
             the reference is then the policy with its adapters disabled (no second model is loaded). A critic
             stays a full model, fully trained. Null: full fine-tuning.
     """

@@ -15,9 +15,9 @@ import lightning as L
 import torch
 
 from rl_lightning.algorithms import bradley_terry_loss
-from rl_lightning.lora import LoRAConfig, apply_lora, base_model, lora_config
-from rl_lightning.models import load_reward_model, model_inputs
-from rl_lightning.optim import OptimConfig, configure_adamw, run_length, typed
+from rl_lightning.models.loading import load_reward_model, model_inputs
+from rl_lightning.models.lora import LoRAConfig, apply_lora, base_model, lora_config
+from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
@@ -42,7 +42,7 @@ class RewardModel(L.LightningModule):
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
         lora: train low-rank adapters on the frozen backbone, and the scalar head in full (``model.lora.*``, see
-            `rl_lightning.lora.LoRAConfig`); null: full fine-tuning.
+            `rl_lightning.models.lora.LoRAConfig`); null: full fine-tuning.
     """
 
     def __init__(

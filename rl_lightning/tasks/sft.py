@@ -17,9 +17,9 @@ import lightning as L
 import torch
 
 from rl_lightning.algorithms import sft_loss
-from rl_lightning.lora import LoRAConfig, apply_lora, lora_config
-from rl_lightning.models import load_causal_lm, target_logprobs
-from rl_lightning.optim import OptimConfig, configure_adamw, optimizer_step, run_length, typed
+from rl_lightning.models.loading import load_causal_lm, target_logprobs
+from rl_lightning.models.lora import LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.optim import OptimConfig, configure_adamw, optimizer_step, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
     data_parallel_sum,
@@ -40,7 +40,7 @@ class SFT(L.LightningModule):
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
         lora: train low-rank adapters on the frozen model instead of every weight (``model.lora.*``, see
-            `rl_lightning.lora.LoRAConfig`); null: full fine-tuning.
+            `rl_lightning.models.lora.LoRAConfig`); null: full fine-tuning.
     """
 
     def __init__(

@@ -1,0 +1,9 @@
+"""The command line: what a user runs and sees.
+
+- `main`: ``python -m rl_lightning fit|validate|test --config ...``, the LightningCLI subclass and its defaults;
+- `config_errors`: bad configs as one line naming the key, the value and the fix;
+- `progress`: the terminal progress line; `outputs`: each run's own output folder;
+- `tune` and `search_space`: ``python -m rl_lightning tune``, the Optuna search over recipe keys.
+
+The top of the import order: may import every other package of ours; nothing of ours imports it.
+"""

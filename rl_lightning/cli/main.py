@@ -1,0 +1,315 @@
+"""``python -m rl_lightning fit --config recipes/<task>.yaml``: the LightningCLI entry point.
+
+The recipe picks the task (``model: {class_path: rl_lightning.tasks.SFT, ...}``, or just ``SFT``) and its DataModule;
+every knob is a typed ``__init__`` argument, so ``--help``, ``--model.help SFT`` and ``--print_config`` document the
+whole surface; a typo or a bad value is one line on stderr (`rl_lightning.cli.config_errors`). The working directory is put
+on ``sys.path`` so recipes can name the user's own callbacks and environments by dotted path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+
+from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_line_error
+from rl_lightning.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 characters
+
+# What every recipe would otherwise repeat. A recipe's `trainer.logger` replaces the logger; `trainer.callbacks` in
+# a recipe or an overlay ADDS to these (an entry of a class already listed replaces that one, in place).
+TRAINER_DEFAULTS = {
+    "trainer.logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                       "init_args": {"experiment_name": "rl_lightning", "tracking_uri": "sqlite:///mlflow.db"}},
+    "trainer.callbacks": [
+        {"class_path": "rl_lightning.cli.progress.RunProgress"},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
+        {"class_path": "rl_lightning.tracking.export.HFExport"},
+        {"class_path": "rl_lightning.cli.outputs.RunOutputs"},
+        {"class_path": "rl_lightning.tracking.mlflow_run.MLflowTracking"},
+    ],
+    "trainer.log_every_n_steps": 1,
+    "trainer.enable_model_summary": False,
+}
+
+
+# MLflow experiment per task family (`rl_lightning/<family>`) unless the user names one: SFT losses and GRPO rewards
+# do not belong in one table of runs.
+EXPERIMENTS = {"SFT": "sft", "RewardModel": "reward-model", "DPO": "dpo", "PPO": "rl"}
+
+
+def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into ``{"model.lr": "1e-05", ...}``, dropping jsonargparse's ``init_args`` level."""
+    if hasattr(config, "as_dict"):
+        config = config.as_dict()
+    flat: dict[str, str] = {}
+    if isinstance(config, dict):
+        for key, value in config.items():
+            name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
+            flat.update(flatten_config(value, name))
+    elif isinstance(config, list | tuple):  # paths as written (`[recipes/grpo.yaml]`), not `[Path_fsr(...)]`
+        flat[prefix] = "[" + ", ".join(str(v) for v in config) + "]"
+    else:
+        flat[prefix] = str(config)
+    return flat
+
+
+class ConfigLogger(SaveConfigCallback):
+    """Write the resolved config as ``config.yaml`` into the run's output folder at setup, and log it to every logger
+    at train start (after the start-up checks): MLflow gets params (one per key) and ``config.yaml`` as an artifact.
+
+    Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
+    (Lightning issue #19441); this writes ``config.yaml`` into the log_dir of loggers that have one.
+    """
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from rl_lightning.cli.outputs import RunOutputs
+
+        text = self.parser.dump(self.config, skip_none=False)
+        for callback in trainer.callbacks:  # RunOutputs.setup has run: it comes before this callback
+            if isinstance(callback, RunOutputs) and callback.dirpath is not None:
+                (callback.dirpath / self.config_filename).write_text(text)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        text, params = self.parser.dump(self.config, skip_none=False), flatten_config(self.config)
+        for logger in trainer.loggers:
+            try:
+                self._log_to(logger, text, params)
+            except Exception as e:  # noqa: BLE001 - never let logging kill rank 0 (the other ranks would hang)
+                # e.g. MLflow refuses to change a parameter of a resumed run (MLFlowLogger(run_id=...)).
+                log.warning("could not log the config to %s: %s", type(logger).__name__, str(e).splitlines()[0])
+
+    def _log_to(self, logger: Any, text: str, params: dict[str, str]) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        if isinstance(logger, MLFlowLogger):
+            from mlflow.entities import Param
+
+            items = [Param(k, v[:MLFLOW_PARAM_LIMIT]) for k, v in sorted(params.items())]
+            for start in range(0, len(items), 100):
+                logger.experiment.log_batch(logger.run_id, params=items[start : start + 100])
+            logger.experiment.log_text(logger.run_id, text, self.config_filename)
+            return
+        logger.log_hyperparams(params)
+        # Not trainer.log_dir: it broadcasts, and this hook runs on rank 0 only (a multi-process deadlock).
+        log_dir = getattr(logger, "log_dir", None)
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, self.config_filename), "w") as f:
+                f.write(text)
+
+
+class RLArgumentParser(LightningArgumentParser):
+    """A parser whose command-line errors are one line on stderr with exit status 2, instead of usage + message."""
+
+    argv: Sequence[str] = ()  # the command line (set by RLLightningCLI.parse_arguments): tells where a bad key was set
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or jsonargparse_debug():  # a nested parser raises: its caller reports
+            super().error(message, ex)
+        try:
+            line = one_line_error(message, self, self.argv)
+        except Exception:  # noqa: BLE001 - a bug in the rewording must not hide the user's error
+            line = first_line(message)
+        self.exit(2, f"rl_lightning: error: {line}\n")
+
+
+class RLLightningCLI(LightningCLI):
+    """LightningCLI with task/data selection by class path, linked tokenizer, shared trainer defaults (MLflow logger,
+    progress bar, last checkpoint, Hugging Face export) and one-line errors.
+
+    A run is named after its recipe (``recipes/grpo.yaml`` -> ``grpo``) unless ``trainer.logger.init_args.run_name``
+    says otherwise; its checkpoints, export and config go to its own folder ``outputs/<run>/<time>/``
+    (`rl_lightning.cli.outputs`), ``--ckpt_path last`` resumes ``outputs/<run>/latest`` (same folder, same MLflow run),
+    and the MLflow experiment is ``rl_lightning/<task family>`` unless ``experiment_name`` is set anywhere.
+    """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # Imported, the tasks and DataModules resolve by short name (`--model SFT`, `--data.help SFTDataModule`,
+        # `class_path: SFT`) and --help lists them as known subclasses.
+        import rl_lightning.data
+        import rl_lightning.tasks
+
+        _callbacks_add_in_config_files()
+        if not issubclass(self.parser_class, RLArgumentParser):
+            self.parser_class = RLArgumentParser
+        data = [name for name in rl_lightning.data.__all__ if name.endswith("DataModule")]
+        kwargs.setdefault("epilog", f"Tasks (--model): {', '.join(rl_lightning.tasks.__all__)}. DataModules (--data): "
+                                    f"{', '.join(data)}. Their options: --model.help SFT, --data.help SFTDataModule.")
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
+        parser.set_defaults(TRAINER_DEFAULTS)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # the recipe's path, which the parsed namespace does not keep under a subcommand
+        raw = [str(a) for a in (sys.argv[1:] if args is None else args)] if isinstance(args, list | None) else []
+        self.raw_args, self.config_files = raw, []
+        for i, arg in enumerate(raw):
+            if arg == "--config" and i + 1 < len(raw):
+                self.config_files.append(raw[i + 1])
+            elif arg.startswith("--config="):
+                self.config_files.append(arg.split("=", 1)[1])
+        self.recipe = self.config_files[-1] if self.config_files else None
+        for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
+            each.argv = raw
+        super().parse_arguments(parser, args)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is None:
+            return
+        trainer.callbacks = merge_callbacks(trainer.get("callbacks") or [], trainer.get("enable_progress_bar"),
+                                            trainer.get("enable_checkpointing"))
+        sources = config.get("config") or []
+        recipe = str(sources[-1]) if sources else self.recipe
+        logger = trainer.get("logger")
+        if recipe is None or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
+            return
+        if logger.init_args.get("run_name") is None:
+            logger.init_args.run_name = run_name(recipe)
+        family = EXPERIMENTS.get(str(config.get("model", {}).get("class_path", "")).rsplit(".", 1)[-1])
+        if family and not self.mentions("experiment_name"):
+            logger.init_args.experiment_name = f"rl_lightning/{family}"
+        self.place_outputs(trainer, logger, config.get("ckpt_path"))
+
+    def mentions(self, key: str) -> bool:
+        """Whether the command line or a config file names `key` (the user chose it: leave it as written)."""
+        texts = list(self.raw_args)
+        for path in self.config_files:
+            with contextlib.suppress(OSError):
+                texts.append(open(path).read())
+        return any(key in text for text in texts)
+
+    @staticmethod
+    def place_outputs(trainer: Any, logger: Any, ckpt_path: str | None) -> None:
+        """Name the run's output folder after the run; when resuming (``--ckpt_path last`` or a checkpoint inside a
+        run folder) reuse that folder, its checkpoint/export paths and its MLflow run."""
+        from rl_lightning.cli.outputs import read_run_file, resume_dir
+
+        outputs = [c for c in trainer.callbacks if str(c.get("class_path", "")).endswith(".RunOutputs")]
+        for callback in outputs:
+            if callback.init_args.get("name") is None:
+                callback.init_args.name = logger.init_args.run_name
+        if not outputs or ckpt_path is None:
+            return
+        (callback,) = outputs[-1:]
+        resumed = resume_dir(ckpt_path, callback.init_args.get("root") or "outputs", callback.init_args.name)
+        if resumed is None:
+            return
+        callback.init_args.dirpath = callback.init_args.get("dirpath") or str(resumed)
+        for other in trainer.callbacks:
+            path = str(other.get("class_path", ""))
+            if path.endswith(".ModelCheckpoint") and other.init_args.get("dirpath") is None:
+                other.init_args.dirpath = str(resumed / "checkpoints")
+            elif path.endswith(".HFExport") and other.init_args.get("dirpath") is None:
+                other.init_args.dirpath = str(resumed / "export")
+        if logger.init_args.get("run_id") is None:
+            logger.init_args.run_id = read_run_file(resumed).get("mlflow_run_id")
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
+
+
+def run_name(config_path: str) -> str:
+    """A run's default name from its recipe: the path below ``recipes/`` without the extension, ``/`` -> ``-``
+    (``recipes/real/grpo.yaml`` -> ``real-grpo``); other files: their stem."""
+    parts = os.path.normpath(os.path.splitext(config_path)[0]).split(os.sep)
+    if "recipes" in parts[:-1]:
+        parts = parts[len(parts) - 1 - parts[::-1].index("recipes") + 1 :]
+        return "-".join(parts)
+    return parts[-1]
+
+
+def merge_callbacks(callbacks: list[Any], progress_bar: bool | None, checkpointing: bool | None) -> list[Any]:
+    """The defaults followed by the configs' callbacks, an entry of a class already listed replacing that one in
+    place; one progress bar (the last listed: a user's own replaces `RunProgress`); none of the progress bar or the
+    checkpoint when ``enable_progress_bar`` / ``enable_checkpointing`` is false."""
+    merged: dict[str, Any] = {}
+    for callback in callbacks:
+        path = str(callback.get("class_path", ""))
+        if path.endswith(("ProgressBar", ".RunProgress")):
+            merged = {k: v for k, v in merged.items() if not k.endswith(("ProgressBar", ".RunProgress"))}
+        merged[path] = callback
+    return [c for path, c in merged.items()
+            if not (progress_bar is False and path.endswith(("ProgressBar", ".RunProgress")))
+            and not (checkpointing is False and path.endswith(".ModelCheckpoint"))]
+
+
+def _callbacks_add_in_config_files() -> None:
+    """Make ``trainer: {callbacks: [...]}`` in any config file append (jsonargparse's ``callbacks+``) instead of
+    replacing the list: an overlay that adds a callback keeps the recipe's and the defaults' (checkpoint, export, the
+    rollout's). ``--trainer.callbacks '[...]'`` on the command line still replaces the whole list."""
+    from jsonargparse import get_loader, set_loader
+    from jsonargparse._loaders_dumpers import get_loader_exceptions
+    from jsonargparse._optionals import get_omegaconf_loader  # the stock "omegaconf+" loader, wrapped below
+
+    try:
+        if getattr(get_loader("omegaconf+"), "adds_callbacks", False):
+            return
+    except KeyError:  # jsonargparse sets its omegaconf loaders up lazily
+        pass
+    base = get_omegaconf_loader("omegaconf+")
+
+    def load(value: str) -> Any:
+        loaded = base(value)
+        trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
+        if isinstance(trainer, dict) and "callbacks" in trainer:
+            trainer["callbacks+"] = trainer.pop("callbacks")
+        return loaded
+
+    load.adds_callbacks = True
+    set_loader("omegaconf+", load, get_loader_exceptions("yaml"))
+
+
+def main(args: list[str] | None = None) -> None:
+    from rl_lightning.cli.progress import quiet
+
+    # Recipes may name user code (callbacks, environments) by dotted path relative to where the job is launched.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    quiet(int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_PROCID") or 0))
+    try:
+        RLLightningCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_callback=ConfigLogger,
+            save_config_kwargs={"save_to_log_dir": False},
+            auto_configure_optimizers=False,  # every task steps its own optimizers: no --optimizer/--lr_scheduler
+            parser_kwargs={"parser_mode": "omegaconf+"},
+            seed_everything_default=42,
+            args=args,
+        )
+    except Exception as e:
+        user_error = find_user_error(e)
+        if user_error is None:
+            raise
+        print(f"rl_lightning: error: {user_error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def find_user_error(exc: BaseException | None) -> UserError | None:
+    """The `UserError` behind `exc`, if any (jsonargparse wraps errors raised while instantiating classes)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, UserError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -1,0 +1,140 @@
+"""Loading Hugging Face models and tokenizers (local folders or hub names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rl_lightning.assets.real import resolve_model
+from rl_lightning.errors import ConfigError
+from rl_lightning.models.attention import NAME as VARLEN_ATTENTION
+from rl_lightning.models.attention import register_varlen_attention
+
+
+def check_local_path(name: str) -> None:
+    """A `name` written as a path (``/``, ``./``, ``../``, ``~`` or more than one ``/``: never a hub id) must be an
+    existing folder; otherwise transformers would report it as a malformed hub id ("Repo id must be in the form")."""
+    looks_local = name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or "\\" in name
+    path = Path(name).expanduser()
+    if looks_local and not path.is_dir():
+        what = "is a file, not a model folder" if path.exists() else "does not exist"
+        raise ConfigError(f"model.model_name '{name}': the local folder {what} (resolved to {path.resolve()}); "
+                          "check the path, or give a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def load_tokenizer(name: str) -> Any:
+    """Load a tokenizer (a folder, hub name, ``asset:<name>`` or ``.gguf`` file, see `rl_lightning.assets.real`); a
+    missing pad token falls back to EOS (needed for padded batches)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(name)
+    check_local_path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ConfigError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, attn_implementation: str,
+                       gradient_checkpointing: bool, **kwargs: Any) -> Any:
+    path = resolve_model(name)
+    check_local_path(path)
+    if attn_implementation == VARLEN_ATTENTION:
+        register_varlen_attention()
+    try:
+        model = auto_class.from_pretrained(
+            path, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation, **kwargs
+        )
+    except OSError as e:
+        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+    # Training never reads a KV cache; with one, packed sequences would also attend to each other (reference §4.2).
+    model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def load_causal_lm(
+    name: str,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "rl_varlen",
+    gradient_checkpointing: bool = False,
+) -> Any:
+    """Load a causal LM for training.
+
+    Args:
+        name: local folder or hub name.
+        dtype: parameter dtype; defaults to ``torch.get_default_dtype()``, which Lightning sets from the trainer's
+            precision inside ``configure_model`` (``bf16-true`` gives bf16 weights, ``bf16-mixed`` fp32 masters).
+        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed rows, any device; see
+            `rl_lightning.models.attention`) or a transformers name (``sdpa``, ``eager``, ``flash_attention_2``).
+        gradient_checkpointing: recompute block activations in the backward pass.
+    """
+    from transformers import AutoModelForCausalLM
+
+    return _load_for_training(AutoModelForCausalLM, name, dtype, attn_implementation, gradient_checkpointing)
+
+
+def load_reward_model(
+    name: str,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "rl_varlen",
+    gradient_checkpointing: bool = False,
+) -> Any:
+    """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone); the
+    arguments are `load_causal_lm`'s.
+
+    Loading a plain causal LM adds a freshly initialised head (transformers logs which weights are new). The pad
+    token id is set in the config because transformers pools at the last non-pad token at inference.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    model = _load_for_training(AutoModelForSequenceClassification, name, dtype, attn_implementation,
+                               gradient_checkpointing, num_labels=1)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = load_tokenizer(name).pad_token_id
+    return model
+
+
+def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for a transformers forward on a micro-batch. Packed micro-batches pass no attention mask
+    (``rl_varlen`` attention isolates the sequences by their position-id resets, or runs ring attention given
+    ``cp_layout``)."""
+    inputs = {"input_ids": micro_batch["input_ids"], "position_ids": micro_batch["position_ids"], "use_cache": False}
+    if "attention_mask" in micro_batch:
+        inputs["attention_mask"] = micro_batch["attention_mask"]
+    if "cp_layout" in micro_batch:
+        inputs["cp_layout"] = micro_batch["cp_layout"]
+    return inputs
+
+
+def target_logprobs(model: Any, micro_batch: dict[str, Any], temperature: float = 1.0,
+                    entropy: Literal["value", "grad"] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log-probability of each ``target_ids`` token at `temperature` and, with `entropy`, the (B, T) entropy of
+    the next-token distribution (at temperature 1; ``value``: detached, ``grad``: differentiable); both 0 at
+    positions where no row has a target.
+
+    The language-model head runs only at those positions (``logits_to_keep`` with the target columns): in RL the
+    prompt tokens, and in SFT the masked ones, are often most of a micro-batch, and with a 150k-token vocabulary the
+    head's (tokens x vocab) logits cost more time and memory than a decoder block. Without ``target_mask`` every
+    position is a target."""
+    from rl_lightning.algorithms import token_logprobs
+    from rl_lightning.algorithms.policy import entropy_from_logits
+
+    targets = micro_batch["target_ids"]
+    mask = micro_batch.get("target_mask")
+    keep = torch.arange(targets.shape[1], device=targets.device) if mask is None else (mask > 0).any(0).nonzero()[:, 0]
+    if len(keep) == 0:  # a filler micro-batch: one position, so the backward still reaches every parameter
+        keep = keep.new_zeros(1)
+    logits = model(**model_inputs(micro_batch), logits_to_keep=keep).logits  # (B, K, V)
+    zeros = torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+    logprobs = zeros.index_copy(1, keep, token_logprobs(logits, targets[:, keep], temperature))
+    if entropy is None:
+        return logprobs, None
+    return logprobs, zeros.index_copy(1, keep, entropy_from_logits(logits if entropy == "grad" else logits.detach()))

@@ -1,0 +1,162 @@
+"""Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.optim.*``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_lightning.errors import ConfigError
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based).
+
+    Linear warmup from ``1/warmup_steps`` to 1 over `warmup_steps`, then decay to `min_lr_ratio` at `total_steps`:
+    cosine ``m + (1 - m) * (1 + cos(pi * p)) / 2`` or linear ``1 - (1 - m) * p`` with ``p`` the decay progress.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - min_lr_ratio) * progress
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a warmup + decay learning-rate schedule, and gradient clipping: ``model.optim.*`` of every task.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup length in optimizer steps.
+        lr_schedule: after warmup: ``cosine`` or ``linear`` decay to `min_lr_ratio` x `lr` at the end of the run, or
+            ``constant``.
+        min_lr_ratio: final learning rate as a fraction of `lr` (cosine and linear).
+        max_grad_norm: clip the global gradient L2 norm to this value; <= 0 disables clipping (the norm is still
+            logged).
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.lr <= 0:
+            errors.append(f"model.optim.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            errors.append(f"model.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule not in SCHEDULES:
+            errors.append(f"model.optim.lr_schedule must be one of {', '.join(SCHEDULES)}, got '{self.lr_schedule}'")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            errors.append(f"model.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+
+def adamw(
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW:
+    """AdamW with no weight decay on biases and norm weights (1-D parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def typed(cls: type, value: Any) -> Any:
+    """An argument group as its dataclass: the CLI passes instances, ``load_from_checkpoint`` the plain dicts a
+    checkpoint keeps."""
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int, lr: float | None = None
+                    ) -> tuple[torch.optim.AdamW, dict[str, Any]]:
+    """AdamW over `model`'s trainable parameters and its schedule over `total_steps` optimizer steps (stepped once
+    per optimizer step, see `optimizer_step`); `lr` overrides the peak learning rate. Logs the trainable parameter
+    count (with LoRA: the adapters only, see `rl_lightning.models.lora`)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from rl_lightning.models.lora import parameter_counts
+
+    trainable, total = parameter_counts(model)
+    rank_zero_info(f"{type(model).__name__}: {trainable:,} trainable parameters of {total:,} "
+                   f"({100 * trainable / max(1, total):.3g}%)")
+    optimizer = adamw(model, optim.lr if lr is None else lr, optim.weight_decay, tuple(optim.betas), optim.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.lr_schedule, optim.min_lr_ratio)
+    )
+    return optimizer, {"scheduler": schedule, "interval": "step"}
+
+
+def run_length(trainer: Any, optim: OptimConfig) -> int:
+    """Optimizer steps of a run with one optimizer step per training batch (SFT, RM, DPO), which a decaying schedule
+    spans; a run bounded by neither ``trainer.max_steps`` nor ``trainer.max_epochs`` only allows a constant one."""
+    total = trainer.estimated_stepping_batches
+    if math.isinf(total):
+        if optim.lr_schedule == "constant":
+            return 0
+        raise ConfigError(f"model.optim.lr_schedule={optim.lr_schedule} decays over the run, but the run is unbounded "
+                          "(trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps or "
+                          "trainer.max_epochs, or model.optim.lr_schedule: constant")
+    return int(total)
+
+
+def optimizer_step(module: Any, max_grad_norm: float, index: int | None = None,
+                   model: torch.nn.Module | None = None) -> torch.Tensor:
+    """Clip, step and zero one optimizer of a manually optimised LightningModule and advance its scheduler; returns
+    the pre-clip grad norm. `index` picks among several optimizers (None: the only one); `model` limits clipping to
+    its parameters."""
+    optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
+    if index is not None:
+        optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
+    grad_norm = clip_grad_norm((model or module).parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr_scheduler.step()
+    return grad_norm
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of `max_norm` (no clipping when <= 0); returns the norm before clipping.
+
+    Works when gradients live on different device meshes or placements (TP-sharded linears next to FSDP-only norms),
+    which ``torch.nn.utils.clip_grad_norm_`` rejects (pytorch#180346): one norm per (mesh, placements) group, made
+    full and combined, then one Python-float coefficient for every group — the same arithmetic as torch's
+    ``max_norm / (norm + 1e-6)`` clamped to 1, so sharded and single-process runs clip identically.
+    """
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (id(p.grad.device_mesh), tuple(p.grad.placements)) if hasattr(p.grad, "device_mesh") else None
+            groups.setdefault(key, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.stack([n.float() for n in norms]).norm()
+    coef = max_norm / (float(total) + 1e-6) if max_norm > 0 else 1.0
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total

@@ -1,0 +1,133 @@
+"""Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers; a LoRA
+model (`rl_lightning.models.lora`) is exported merged, plus its PEFT adapter folder in ``adapter/``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from rl_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every DTensor (FSDP2/TP shard) gathered to a full CPU tensor.
+
+    Collective under FSDP2/TP: every rank must call it.
+    """
+    from rl_lightning.rollout.weights import full_tensor
+
+    return {name: full_tensor(tensor).detach().cpu() for name, tensor in model.state_dict().items()}
+
+
+def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool = True) -> None:
+    """Write ``save_pretrained`` of `model` (gathered) and of the tokenizer `tokenizer_name` to `dirpath`. A PEFT
+    (LoRA) model is written merged (base + adapters, the same layout as a full model) and its adapters to
+    ``dirpath/adapter`` (``peft.PeftModel.from_pretrained(base, dirpath/adapter)``)."""
+    from rl_lightning.models.loading import load_tokenizer
+    from rl_lightning.models.lora import is_peft
+
+    state = full_state_dict(model)
+    if is_global_zero:
+        if is_peft(model):
+            export_lora(model, state, Path(dirpath))
+        else:
+            model.save_pretrained(dirpath, state_dict=state)
+        load_tokenizer(tokenizer_name).save_pretrained(dirpath)
+        _ordinary_permissions(Path(dirpath))
+        log.info("exported Hugging Face model to %s", dirpath)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank leaves (and tears down the process group) while rank 0 writes
+
+
+def export_lora(model: Any, state: dict[str, torch.Tensor], dirpath: Path) -> None:
+    """Write a PEFT model's adapter folder (``dirpath/adapter``) and its merged weights (``dirpath``) from its
+    gathered state dict `state`. A CPU copy is rebuilt on the meta device and given `state`'s tensors, so the
+    training model (sharded or not) is left as it is."""
+    from peft import get_peft_model
+
+    from rl_lightning.models.lora import base_model
+
+    inner, name = base_model(model), model.active_adapter
+    with torch.device("meta"):
+        copy = get_peft_model(type(inner)(inner.config), model.peft_config[name], adapter_name=name)
+    # clones: on a CPU run `state` shares the training weights, which merging would change in place
+    copy.load_state_dict({name: tensor.clone() for name, tensor in state.items()}, assign=True)
+    copy.get_base_model().tie_weights()  # assign=True leaves tied embeddings as two tensors
+    copy.save_pretrained(dirpath / "adapter")
+    _ordinary_permissions(dirpath / "adapter")
+    copy.merge_and_unload().save_pretrained(dirpath)
+
+
+def _ordinary_permissions(dirpath: Path) -> None:
+    """safetensors writes its weight files through a private temporary file (mode 0600): give every exported file
+    the mode a new file gets under the user's umask, so the export can be served by another user or container."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in dirpath.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+class HFExport(L.Callback):
+    """Export the task's model in Hugging Face format when training ends, and log it to MLflow (global rank 0).
+
+    The module must have ``model`` (a transformers ``PreTrainedModel``) and ``hparams.model_name`` (its tokenizer).
+    Every ``MLFlowLogger`` run gets the export as an MLflow logged model tagged with the run's lineage (recipe, data
+    and environment hashes, git commit: `rl_lightning.tracking.lineage`).
+
+    Args:
+        dirpath: output folder (``save_pretrained`` layout; load it with ``AutoModelForCausalLM.from_pretrained``);
+            default: ``export/`` in the run's output folder through the CLI (`rl_lightning.cli.outputs.RunOutputs`),
+            ``exports/model`` otherwise.
+        log_model: log the export as an MLflow model of the run (the run's "Logged models").
+        log_weights: store the weights in MLflow too (a copy of the export: loadable with
+            ``mlflow.transformers.load_model``); false: only config and tokenizer files, pointing at ``dirpath``.
+        registered_model_name: also register the logged model in the MLflow model registry under this name (a new
+            version per run, with the lineage as tags); null: not registered.
+    """
+
+    def __init__(self, dirpath: str | None = None, log_model: bool = True, log_weights: bool = True,
+                 registered_model_name: str | None = None) -> None:
+        if registered_model_name is not None and not registered_model_name.strip():
+            raise ConfigError("HFExport.registered_model_name is empty: name the registered model (e.g. my-model) "
+                              "or leave it null")
+        if registered_model_name is not None and not log_model:
+            raise ConfigError(f"HFExport.registered_model_name={registered_model_name!r} needs log_model: true (only a "
+                              "logged model can be registered); set log_model: true or registered_model_name: null")
+        self.dirpath, self.log_model, self.log_weights = dirpath, log_model, log_weights
+        self.registered_model_name = registered_model_name
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dirpath = self.dirpath or "exports/model"
+        export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)
+        if trainer.is_global_zero and self.log_model:
+            try:
+                self._log_to_mlflow(trainer, pl_module, dirpath)
+            except Exception as e:  # noqa: BLE001 - the trained model is on disk: a tracking failure must not fail the run
+                log.error("could not log the export %s to MLflow (%s: %s); it is on disk, log or register it by hand",
+                          dirpath, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+
+    def _log_to_mlflow(self, trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        from rl_lightning.tracking import lineage
+
+        loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
+        tags = lineage.collect(trainer, pl_module) if loggers else {}
+        for logger in loggers:
+            client, run_id = logger.experiment, logger.run_id
+            model = lineage.log_model(client, logger._tracking_uri, run_id, dirpath, tags, self.log_weights)
+            log.info("logged the export as MLflow model %s", model.model_uri)
+            if self.registered_model_name is not None:
+                version = lineage.register(client, self.registered_model_name, model, run_id, tags)
+                client.set_tag(run_id, "rl_lightning.registered_model",
+                               f"{self.registered_model_name}/{version.version}")
+                log.info("registered %s version %s", self.registered_model_name, version.version)
