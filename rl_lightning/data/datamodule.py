@@ -1,13 +1,18 @@
-"""The DataModule skeleton every task's data shares: load → validate → tokenise into packing units (once, at
-``setup``, so bad rows fail before training) → serve one optimizer step per batch through `StepDataset`."""
+"""The DataModule skeleton every task's data shares.
+
+Load → validate → tokenise into packing units (once, at ``setup``, so bad rows fail before training) → serve one
+optimizer step per batch through `StepDataset`.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
+from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from rl_lightning.data.loading import Rows, load_rows
 from rl_lightning.data.steps import (
@@ -22,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer_for_data(name: str | None) -> Any:
+    """Load the tokenizer `name`; raises `ConfigError` when it is unset (the CLI links it from the model name)."""
     if name is None:
         raise ConfigError("data.tokenizer_name is not set (the CLI links it from model.model_name)")
     from rl_lightning.models.loading import load_tokenizer
@@ -29,9 +35,21 @@ def load_tokenizer_for_data(name: str | None) -> Any:
     return load_tokenizer(name)
 
 
+def saved_hparams(datamodule: L.LightningDataModule) -> AttributeDict:
+    """The ``__init__`` arguments a DataModule stored with ``save_hyperparameters()``, read by attribute.
+
+    Lightning annotates ``hparams`` as any ``MutableMapping``; ``save_hyperparameters()`` always stores an
+    `AttributeDict`.
+    """
+    return cast(AttributeDict, datamodule.hparams)
+
+
 class StepDataModule(L.LightningDataModule):
-    """Base of the task DataModules. Subclasses implement `build_units(rows, name)`, returning the packing units and
-    their row locations, and document their own arguments (the common ones are described in the subclasses)."""
+    """Base of the task DataModules.
+
+    Subclasses implement `build_units(rows, name)`, returning the packing units and their row locations, and document
+    their own arguments (the common ones are described in the subclasses).
+    """
 
     def __init__(
         self,
@@ -53,13 +71,15 @@ class StepDataModule(L.LightningDataModule):
         self.stats: dict[str, int] = {}
         if val_path is None:
             # Lightning skips validation when the hook is absent (`is_overridden` is False for None).
-            self.val_dataloader = None  # type: ignore[method-assign]
+            self.val_dataloader = None  # type: ignore[method-assign,assignment]
 
     def build_units(self, rows: Rows, name: str) -> tuple[list[Any], list[str]]:
+        """Tokenise the rows of split `name` (``train``/``val``); returns the packing units and their row locations."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_units(rows, name)")
 
+    @override
     def setup(self, stage: str) -> None:
-        hp = self.hparams
+        hp = saved_hparams(self)
         cp_size = getattr(getattr(self.trainer, "strategy", None), "cp_size", 1)
         if cp_size > 1 and not hp.packing:
             raise ConfigError(f"strategy.context_parallel_size={cp_size} splits packed sequences; set data.packing: true")
@@ -70,16 +90,19 @@ class StepDataModule(L.LightningDataModule):
         check_enough_rows(len(self.units["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
 
     def count(self, name: str, rows: int, truncated: int, dropped: int, source: str, what: str) -> None:
-        """Record (and warn about) rows, truncations and drops: ``data/<name>_*`` metrics, which the CLI's
-        ``rl_lightning.tracking.mlflow_run.MLflowTracking`` logs at train start."""
+        """Record (and warn about) rows, truncations and drops.
+
+        They become ``data/<name>_*`` metrics, which the CLI's ``rl_lightning.tracking.mlflow_run.MLflowTracking``
+        logs at train start.
+        """
         self.stats.update({f"data/{name}_rows": rows, f"data/{name}_truncated": truncated,
                            f"data/{name}_dropped": dropped})
         if truncated or dropped:
             log.warning("%s: %d of %d %s were truncated to data.max_length=%d; %d dropped (see data/%s_dropped)",
-                        source, truncated, rows, what, self.hparams.max_length, dropped, name)
+                        source, truncated, rows, what, saved_hparams(self).max_length, dropped, name)
 
     def _loader(self, units: list[Any], shuffle: bool, resumable: bool) -> DataLoader:
-        hp = self.hparams
+        hp = saved_hparams(self)
         dp_rank, dp_size = data_parallel_coords(self.trainer)
         trainer = self.trainer
         dataset = StepDataset(
@@ -92,8 +115,10 @@ class StepDataModule(L.LightningDataModule):
         )
         return DataLoader(dataset, batch_size=None)
 
+    @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.units["train"], self.hparams.shuffle, resumable=True)
+        return self._loader(self.units["train"], saved_hparams(self).shuffle, resumable=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.units["val"], False, resumable=False)

@@ -29,6 +29,7 @@ class Rows:
     line_numbers: list[int] | None = None
 
     def locate(self, index: int) -> str:
+        """Where row `index` came from, for error messages: ``<source> line <n>`` or ``<source> row <index>``."""
         if self.line_numbers is not None:
             return f"{self.source} line {self.line_numbers[index]}"
         return f"{self.source} row {index}"
@@ -93,8 +94,10 @@ def _read_arrow(path: Path, pa: Any) -> Any:
 
 
 def read_text(path: Path) -> str:
-    """The file as UTF-8 text (a leading byte-order mark dropped); anything else is a one-line `DataError` naming
-    the line and byte offset of the first undecodable byte."""
+    """The file as UTF-8 text (a leading byte-order mark dropped).
+
+    Anything else is a one-line `DataError` naming the line and byte offset of the first undecodable byte.
+    """
     data = path.read_bytes()
     try:
         return data.decode("utf-8-sig")

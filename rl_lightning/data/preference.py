@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from rl_lightning.data.datamodule import StepDataModule
+from typing_extensions import override
+
+from rl_lightning.data.datamodule import StepDataModule, saved_hparams
 from rl_lightning.data.loading import Rows
 from rl_lightning.data.rows import check_preference_rows
 from rl_lightning.data.tokenization import TokenizedExample, tokenize_messages
@@ -29,6 +31,7 @@ class Pair:
 
     @property
     def sequences(self) -> tuple[TokenizedExample, TokenizedExample]:
+        """The chosen and the rejected sequence, in that order (they share a micro-batch)."""
         return self.chosen, self.rejected
 
 
@@ -74,14 +77,15 @@ class PreferenceDataModule(StepDataModule):
         self.save_hyperparameters(logger=False)
 
     def _side(self, messages: list[dict], completion: str, where: str) -> TokenizedExample:
-        hp = self.hparams
+        hp = saved_hparams(self)
         conversation = messages + [{"role": "assistant", "content": completion}]
         # Only the completion is compared: earlier assistant turns of a multi-turn prompt are context.
         return tokenize_messages(self.tokenizer, conversation, hp.max_length, hp.apply_chat_template, where,
                                  last_turn_only=True)
 
+    @override
     def build_units(self, rows: Rows, name: str) -> tuple[list[Pair], list[str]]:
-        hp = self.hparams
+        hp = saved_hparams(self)
         check_preference_rows(rows)
         pairs, locations, truncated, overlong = [], [], 0, 0
         for i, row in enumerate(rows.rows):

@@ -16,8 +16,9 @@ from typing import Any
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
-from rl_lightning.data.datamodule import load_tokenizer_for_data
+from rl_lightning.data.datamodule import load_tokenizer_for_data, saved_hparams
 from rl_lightning.data.loading import Rows, load_rows
 from rl_lightning.data.rows import check_prompt_rows
 from rl_lightning.data.steps import check_enough_rows
@@ -29,8 +30,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prompt:
-    """A tokenised prompt with what the reward function needs (`messages`, `answer`), its row location and its
-    position in the loaded prompt list (`index`, which seeds its sampling)."""
+    """A tokenised prompt with what the reward function needs (`messages`, `answer`).
+
+    It also carries its row location and its position in the loaded prompt list (`index`, which seeds its sampling).
+    """
 
     prompt_ids: list[int]
     messages: list[dict]
@@ -40,6 +43,7 @@ class Prompt:
 
 
 def encode_prompt(tokenizer: Any, messages: list[dict], apply_chat_template: bool) -> list[int]:
+    """Token ids of the prompt `messages`: chat template with the generation prompt, or the contents concatenated."""
     if apply_chat_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
@@ -48,9 +52,12 @@ def encode_prompt(tokenizer: Any, messages: list[dict], apply_chat_template: boo
 
 
 class PromptBatches(IterableDataset):
-    """Yields this rank's share (a list of `Prompt`) of each rollout's global prompt batch; every rank walks the same
-    seeded permutation, and a run resumed mid-epoch continues at the next rollout. Training drops the last partial
-    batch; with `keep_last` (validation) it is yielded too, split over the ranks (some shares may be empty)."""
+    """Yields this rank's share (a list of `Prompt`) of each rollout's global prompt batch.
+
+    Every rank walks the same seeded permutation, and a run resumed mid-epoch continues at the next rollout. Training
+    drops the last partial batch; with `keep_last` (validation) it is yielded too, split over the ranks (some shares
+    may be empty).
+    """
 
     def __init__(self, prompts: list[Prompt], per_rank: int, dp_rank: int, dp_size: int, shuffle: bool,
                  epoch_fn: Callable[[], int] = lambda: 0, start_fn: Callable[[], int] = lambda: 0,
@@ -68,8 +75,10 @@ class PromptBatches(IterableDataset):
             yield self._share(order, step)
 
     def share(self, epoch: int, step: int) -> list[Prompt]:
-        """This rank's prompts of batch `step` of `epoch`: what iterating yields there (the asynchronous rollout
-        callback reads the next batch ahead with it, without touching the dataloader)."""
+        """This rank's prompts of batch `step` of `epoch`: what iterating yields there.
+
+        The asynchronous rollout callback reads the next batch ahead with it, without touching the dataloader.
+        """
         return self._share(self._order(epoch), step)
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -129,12 +138,12 @@ class PromptDataModule(L.LightningDataModule):
         self.stats: dict[str, int] = {}
         self.val_names: list[str] = list(val_paths or {})  # the named held-out sets, in dataloader order
         if val_path is None and not val_paths:
-            self.val_dataloader = None  # type: ignore[method-assign]
+            self.val_dataloader = None  # type: ignore[method-assign,assignment]
 
     def _load(self, rows: Rows, name: str) -> list[Prompt]:
-        hp = self.hparams
+        hp = saved_hparams(self)
         check_prompt_rows(rows)
-        prompts = []
+        prompts: list[Prompt] = []
         for i, row in enumerate(rows.rows):
             ids = encode_prompt(self.tokenizer, row["messages"], hp.apply_chat_template)
             if len(ids) <= hp.max_prompt_length:
@@ -149,8 +158,9 @@ class PromptDataModule(L.LightningDataModule):
         self.stats.update({f"data/{name}_rows": len(rows), f"data/{name}_dropped": dropped})
         return prompts
 
+    @override
     def setup(self, stage: str) -> None:
-        hp = self.hparams
+        hp = saved_hparams(self)
         for name, path in (("train", hp.path), ("val", hp.val_path)):
             if path and name not in self.prompts:
                 self.prompts[name] = self._load(load_rows(path, hp.split), name)
@@ -167,7 +177,7 @@ class PromptDataModule(L.LightningDataModule):
         dp_rank, dp_size = data_parallel_coords(self.trainer)
         trainer = self.trainer
         dataset = PromptBatches(
-            self.prompts[name], self.hparams.batch_size, dp_rank, dp_size, shuffle,
+            self.prompts[name], saved_hparams(self).batch_size, dp_rank, dp_size, shuffle,
             lambda: trainer.current_epoch if trainer else 0,
             (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed)
             if trainer and name == "train" else (lambda: 0),
@@ -176,9 +186,11 @@ class PromptDataModule(L.LightningDataModule):
         # A dict the rollout callback can extend in place (``batch["rollout"]``); prompts stay Python objects.
         return DataLoader(dataset, batch_size=None, collate_fn=lambda prompts: {"prompts": prompts})
 
+    @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.hparams.shuffle)
+        return self._loader("train", saved_hparams(self).shuffle)
 
+    @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if self.val_names:  # one dataloader per named set: Lightning passes its index to validation_step
             return [self._loader(f"val/{name}", False) for name in self.val_names]

@@ -40,6 +40,7 @@ _DEFAULTS = {"train_size": 1000, "test_size": 200, "seed": 0, "format": "rl", "s
 
 
 def import_reasoning_gym() -> Any:
+    """The ``reasoning_gym`` module; a `ConfigError` with the install hint when it is not installed."""
     try:
         import reasoning_gym
     except ImportError:
@@ -48,6 +49,7 @@ def import_reasoning_gym() -> Any:
 
 
 def task_names() -> list[str]:
+    """The names of all reasoning-gym tasks, sorted."""
     from reasoning_gym.factory import DATASETS
 
     import_reasoning_gym()
@@ -55,6 +57,7 @@ def task_names() -> list[str]:
 
 
 def check_task(task: str) -> None:
+    """Raise a `ConfigError` suggesting close names when reasoning-gym has no task `task`."""
     names = task_names()
     if task not in names:
         close = difflib.get_close_matches(task, names, n=3)
@@ -64,15 +67,20 @@ def check_task(task: str) -> None:
 
 
 def _json_safe(value: Any) -> Any:
-    """Metadata as JSON would store it (tuples become lists, unknown objects strings), so in-memory rows score
-    exactly like rows read back from a written file."""
+    """Metadata as JSON would store it (tuples become lists, unknown objects strings).
+
+    So in-memory rows score exactly like rows read back from a written file.
+    """
     return json.loads(json.dumps(value, default=str))
 
 
 @lru_cache(maxsize=8)
 def generate(task: str, train_size: int, test_size: int, seed: int, config: tuple = ()) -> dict[str, list[dict]]:
-    """Entries (``question``, ``answer``, ``metadata``) of both splits: the first `test_size` distinct questions of
-    the seeded stream are the test split, the next `train_size` distinct ones the training split."""
+    """Entries (``question``, ``answer``, ``metadata``) of both splits.
+
+    The first `test_size` distinct questions of the seeded stream are the test split, the next `train_size` distinct
+    ones the training split.
+    """
     rg = import_reasoning_gym()
     check_task(task)
     if train_size < 0 or test_size < 0 or train_size + test_size < 1:
@@ -170,6 +178,7 @@ def load_spec_rows(spec: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: write a reasoning-gym task as ``train.jsonl``/``test.jsonl`` in ``--out`` (or ``--list`` tasks)."""
     parser = argparse.ArgumentParser(description="Write a reasoning-gym task as train/test JSONL files.")
     parser.add_argument("task", nargs="?", help="reasoning-gym task name (see --list)")
     parser.add_argument("--out", type=Path, help="output folder: {train,test}.jsonl")

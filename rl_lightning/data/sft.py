@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rl_lightning.data.datamodule import StepDataModule
+from typing_extensions import override
+
+from rl_lightning.data.datamodule import StepDataModule, saved_hparams
 from rl_lightning.data.loading import Rows
 from rl_lightning.data.rows import check_sft_rows
 from rl_lightning.data.steps import check_unit_budget
@@ -56,10 +58,12 @@ class SFTDataModule(StepDataModule):
 
     @property
     def train_examples(self) -> list[TokenizedExample]:
+        """The tokenised training conversations (available after ``setup``)."""
         return self.units["train"]
 
+    @override
     def build_units(self, rows: Rows, name: str) -> tuple[list[TokenizedExample], list[str]]:
-        hp = self.hparams
+        hp = saved_hparams(self)
         check_sft_rows(rows)
         examples, locations, truncated = [], [], 0
         for i, row in enumerate(rows.rows):

@@ -36,12 +36,16 @@ Unit = Any  # a TokenizedExample, or a tuple of them that must share a micro-bat
 
 
 def unit_sequences(unit: Unit) -> tuple[TokenizedExample, ...]:
-    """The sequences of a packing unit: a `TokenizedExample`, or an object with ``sequences`` (e.g. a preference
-    pair) whose sequences must share a micro-batch."""
+    """The sequences of a packing unit.
+
+    A unit is a `TokenizedExample`, or an object with ``sequences`` (e.g. a preference pair) whose sequences must
+    share a micro-batch.
+    """
     return (unit,) if isinstance(unit, TokenizedExample) else tuple(unit.sequences)
 
 
 def unit_length(unit: Unit) -> int:
+    """Total tokens of a packing unit (all its sequences)."""
     return sum(len(s.input_ids) for s in unit_sequences(unit))
 
 
@@ -50,7 +54,8 @@ def _sequence_tensors(sequences: Sequence[TokenizedExample], pad_token_id: int) 
 
     ``last_mask`` marks the last token that is not the pad token, which is where transformers' sequence classifiers
     pool: when a tokenizer pads with EOS and sequences end with EOS, the reward is read before the trailing EOS, in
-    training exactly as in the exported model."""
+    training exactly as in the exported model.
+    """
     out = []
     for s in sequences:
         ids = torch.tensor(s.input_ids, dtype=torch.long)
@@ -169,6 +174,7 @@ class StepDataset(IterableDataset):
         return [mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size] for i in range(count)]
 
     def collate(self, micro_batch: list[Unit]) -> dict[str, torch.Tensor]:
+        """One micro-batch as tensors: its units' sequences packed (or padded), per-unit fields, ``num_units``."""
         sequences = [s for unit in micro_batch for s in unit_sequences(unit)]
         batch = (pack if self.packing else pad)(sequences, self.pad_token_id)
         # Per-unit scalars (e.g. a preference pair's margin) ride along as (U,) tensors; U may be 0.
@@ -199,6 +205,7 @@ def check_unit_budget(lengths: Sequence[int], locate: Callable[[int], str], max_
 
 
 def check_enough_rows(num_units: int, rows_per_rank: int, dp_size: int, source: str) -> None:
+    """Raise a `DataError` when `source` has fewer usable rows than one step takes over all data-parallel ranks."""
     if num_units < rows_per_rank * dp_size:
         raise DataError(
             f"{source}: {num_units} usable rows, fewer than one step needs (data.batch_size={rows_per_rank} x "
@@ -209,6 +216,7 @@ def check_enough_rows(num_units: int, rows_per_rank: int, dp_size: int, source: 
 def check_batching_args(
     max_length: int, batch_size: int, packing: bool, max_length_per_device: int, micro_batch_size: int
 ) -> None:
+    """Raise one `ConfigError` listing every invalid ``data.*`` batching argument."""
     errors = []
     if max_length < 1:
         errors.append(f"data.max_length must be >= 1, got {max_length}")
@@ -227,8 +235,10 @@ def check_batching_args(
 
 def layout_stats(units: Sequence[Unit], dp_size: int, rows_per_rank: int, packing: bool, max_tokens: int,
                  micro_batch_size: int) -> tuple[float, float]:
-    """How well a layout uses compute, over every full step of `units` (read in order):
-    (fraction of carried tokens that are real, worst max/min real-token load across data-parallel ranks)."""
+    """How well a layout uses compute, over every full step of `units` (read in order).
+
+    Returns (fraction of carried tokens that are real, worst max/min real-token load across data-parallel ranks).
+    """
     real_total = carried_total = 0
     worst = 1.0
     for step in range(len(units) // (rows_per_rank * dp_size)):

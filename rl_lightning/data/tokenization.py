@@ -1,9 +1,9 @@
-"""Chat-template tokenisation with assistant-token masks.
+r"""Chat-template tokenisation with assistant-token masks.
 
 Most chat templates have no ``{% generation %}`` block, so ``return_assistant_tokens_mask`` returns all zeros for
 them. Instead we render growing prefixes of the conversation (as RL2 does) and tokenise only the text each message
 adds: the text an assistant message adds after its generation prompt is the target (mask 1), everything else
-(system/user/tool turns and the ``<|im_start|>assistant\\n`` header) is context (mask 0). This works for any template
+(system/user/tool turns and the ``<|im_start|>assistant\n`` header) is context (mask 0). This works for any template
 whose rendering of ``messages[:i]`` is a prefix of its rendering of ``messages[:i+1]``; templates that rewrite
 earlier turns (e.g. ones that strip past reasoning) are detected and reported.
 
