@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE with a critic, and critic-free group baselines (Dr. GRPO, GRPO, RLOO, REINFORCE++);
+"""Advantage estimators: GAE with a critic, and critic-free group baselines (Dr. GRPO, GRPO, RLOO, REINFORCE++).
+
 `estimate_advantages` also dispatches to the critic estimators of `rl_lightning.algorithms.offpolicy` (V-trace,
 Retrace, TD(lambda), n-step).
 
@@ -31,7 +32,8 @@ def gae(
         values: (B, T) critic values V(s_t).
         completion_mask: (B, T) 1 on valid completion tokens (one contiguous run per row; rows may be fully
             masked).
-        gamma: discount; lam: GAE lambda.
+        gamma: discount.
+        lam: GAE lambda.
 
     Returns:
         advantages (B, T) and returns (B, T), both zero where the mask is 0.
@@ -50,8 +52,9 @@ def gae(
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = False, eps: float = 1e-6
                      ) -> torch.Tensor:
-    """Group-mean baseline: A_i = r_i - mean_group(r); with `scale_by_std` (GRPO) divided by the group's standard
-    deviation (unbiased) + eps. Groups whose rewards are all equal get A = 0 either way.
+    """Group-mean baseline: A_i = r_i - mean_group(r), with `scale_by_std` (GRPO) divided by the group's std + eps.
+
+    The standard deviation is the unbiased one. Groups whose rewards are all equal get A = 0 either way.
 
     Without the std division this is Dr. GRPO's estimator (Liu et al. 2025, https://arxiv.org/abs/2503.20783,
     section 3.2), which removes GRPO's difficulty bias; with it, GRPO (Shao et al. 2024,
@@ -59,6 +62,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
     Args:
         rewards: (B,) outcome rewards, B = prompts x `group_size`, groups contiguous.
+        group_size: G, completions per prompt.
+        scale_by_std: divide by the group's standard deviation (GRPO).
+        eps: added to the standard deviation.
 
     Returns:
         (B,) advantages.
@@ -77,6 +83,10 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
     Args:
         rewards: (B,) outcome rewards, groups of `group_size` >= 2 contiguous.
+        group_size: G, completions per prompt.
+
+    Returns:
+        (B,) advantages.
     """
     if group_size < 2:
         raise ValueError(f"RLOO needs at least 2 completions per prompt, got {group_size}")
@@ -86,7 +96,16 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def discounted_returns(rewards: torch.Tensor, completion_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """(B, T) reward-to-go G_t = sum_{k >= t} gamma^(k - t) r_k over completion tokens (0 where masked)."""
+    """(B, T) reward-to-go G_t = sum_{k >= t} gamma^(k - t) r_k over completion tokens (0 where masked).
+
+    Args:
+        rewards: (B, T) per-token rewards.
+        completion_mask: (B, T).
+        gamma: discount.
+
+    Returns:
+        (B, T) returns.
+    """
     mask = completion_mask.to(rewards.dtype)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
@@ -100,8 +119,16 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
                   global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """(values - mean) / (std + eps) over the masked entries (population std); zero where the mask is 0.
 
-    `global_sum` (default: none) sums a small statistics tensor over every process that holds part of the batch, so
-    the mean and std are the whole batch's; it is the only communication, injected by the caller."""
+    Args:
+        values: (B, T).
+        mask: (B, T) 1 on the entries the statistics cover.
+        eps: added to the standard deviation.
+        global_sum: (default: none) sums a small statistics tensor over every process that holds part of the batch,
+            so the mean and std are the whole batch's; it is the only communication, injected by the caller.
+
+    Returns:
+        (B, T) whitened values.
+    """
     total = global_sum or (lambda x: x)
     m = mask.to(values.dtype)
     stats = total(torch.stack([(values * m).sum(), m.sum()]))
@@ -110,22 +137,57 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
     return (values - mean) / (var.sqrt() + eps) * m
 
 
+def moments_from_sums(total: torch.Tensor, total_sq: torch.Tensor, count: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Population mean and standard deviation of a set from its sums (global sums: the whole set's).
+
+    mean = S1 / n,   std = sqrt(max(S2 / n - mean^2, 0)),   n = max(count, 1)
+
+    The clamps keep an empty set (mean 0, std 0) and rounding (a tiny negative variance) finite.
+
+    Args:
+        total: () S1, the sum of the values.
+        total_sq: () S2, the sum of their squares.
+        count: () how many values.
+
+    Returns:
+        () mean and () standard deviation.
+    """
+    n = count.clamp(min=1)
+    mean = total / n
+    return mean, (total_sq / n - mean**2).clamp(min=0).sqrt()
+
+
 def reinforce_pp_advantages(rewards: torch.Tensor, completion_mask: torch.Tensor, gamma: float = 1.0,
                             global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """REINFORCE++: token reward-to-go normalised over the whole (global) batch of completion tokens.
 
     A_t = whiten_batch(sum_{k >= t} gamma^(k - t) r_k). Paper: Hu 2025, https://arxiv.org/abs/2501.03262, eq. 7-8.
-    `global_sum` makes the whitening statistics global (see `masked_whiten`).
 
     Args:
-        rewards: (B, T) per-token rewards; completion_mask: (B, T).
+        rewards: (B, T) per-token rewards.
+        completion_mask: (B, T).
+        gamma: discount.
+        global_sum: makes the whitening statistics global (see `masked_whiten`).
+
+    Returns:
+        (B, T) advantages.
     """
     return masked_whiten(discounted_returns(rewards, completion_mask, gamma), completion_mask, global_sum=global_sum)
 
 
 def outcome_token_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) outcome rewards -> (B, T) per-token rewards: each on its completion's last token (zero for a completion
-    with no token left, e.g. a truncated one masked out)."""
+    """(B,) outcome rewards -> (B, T) per-token rewards, each on its completion's last token.
+
+    A completion with no token left (e.g. a truncated one masked out) gets none.
+
+    Args:
+        rewards: (B,) outcome rewards.
+        completion_mask: (B, T).
+
+    Returns:
+        (B, T) per-token rewards.
+    """
     mask = completion_mask.to(torch.float32)
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, positions, -1).amax(dim=1)  # (B,)
@@ -169,13 +231,21 @@ def estimate_advantages(
       weigh by pi / mu = exp(`target_logprobs` - `behaviour_logprobs`).
 
     Args:
+        estimator: one of `ESTIMATORS`.
         rewards: (B,) outcome rewards, groups of `group_size` contiguous.
         completion_mask: (B, T) 1 on each trajectory's completion tokens, in order (T: completion tokens only, so a
             multi-turn trajectory's tool tokens in between are not there).
+        group_size: G, completions per prompt.
         kl_penalty: (B, T) per-token reward -coef x KL_t to the reference (KL as a reward), or None.
         values: (B, T) critic values V(s_t) (the critic estimators).
-        target_logprobs, behaviour_logprobs: (B, T) log pi (the policy evaluated) and log mu (the sampler) of the
-            sampled tokens (``vtrace``, ``retrace``).
+        gamma: discount.
+        lam: lambda of ``gae``, ``vtrace``, ``retrace``, ``td_lambda``.
+        global_sum: sums a statistics tensor over the processes holding the rollout (``reinforce_pp``).
+        target_logprobs: (B, T) log pi (the policy evaluated) of the sampled tokens (``vtrace``, ``retrace``).
+        behaviour_logprobs: (B, T) log mu (the sampler) of the sampled tokens (``vtrace``, ``retrace``).
+        rho_bar: ``vtrace``'s clip of the TD-error weights.
+        c_bar: ``vtrace``'s clip of the traces.
+        nstep: steps of ``nstep`` returns.
 
     Returns:
         advantages (B, T) and returns (B, T) (the critic estimators; None otherwise), zero where the mask is 0.
@@ -213,5 +283,13 @@ def estimate_advantages(
 
 
 def broadcast_to_tokens(sequence_values: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) per-trajectory values -> (B, T) on the completion tokens."""
+    """(B,) per-trajectory values -> (B, T) on the completion tokens.
+
+    Args:
+        sequence_values: (B,).
+        completion_mask: (B, T).
+
+    Returns:
+        (B, T) values, 0 off the mask.
+    """
     return sequence_values[:, None].to(torch.float32) * completion_mask.to(torch.float32)

@@ -1,9 +1,9 @@
-"""Rollout/trainer mismatch correction: importance weights pi_old / pi_engine, truncated or masked, per token or per
-sequence.
+"""Rollout/trainer mismatch correction: importance weights pi_old / pi_engine, truncated or masked.
 
-The inference engine (vLLM) samples from mu = pi_engine, which differs from the trainer's pi_old = pi_theta_old on
-the same weights (kernels, precision, a lagging weight sync). With r_t = pi_old(y_t) / mu(y_t) (``old_logprobs -
-engine_logprobs`` in log space), the per-token policy loss is multiplied by a detached weight w:
+Weights are per token or per sequence. The inference engine (vLLM) samples from mu = pi_engine, which differs from
+the trainer's pi_old = pi_theta_old on the same weights (kernels, precision, a lagging weight sync). With
+r_t = pi_old(y_t) / mu(y_t) (``old_logprobs - engine_logprobs`` in log space), the per-token policy loss is
+multiplied by a detached weight w:
 
 ==========  ===========================================  ==================================================
 level       ratio                                        shared by the tokens of
@@ -41,6 +41,10 @@ def sequence_log_ratios(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor
     Args:
         log_ratio_sums: (S,) per-sequence sums of (old_logprobs - engine_logprobs) over completion tokens.
         token_counts: (S,) completion tokens per sequence (a sequence without any gets log ratio 0).
+        level: ``sequence`` (log prod_t r_t) or ``geometric`` (mean_t log r_t).
+
+    Returns:
+        (S,) log ratios.
     """
     if level == "sequence":
         return log_ratio_sums
@@ -51,14 +55,22 @@ def sequence_log_ratios(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor
 
 def mismatch_weights(log_ratio: torch.Tensor, mode: str, low: float | None, high: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Detached importance weights from log ratios log(pi_old / pi_engine), any shape ((B, T) tokens or (S,)
-    sequences), and the float indicator of the masked entries.
+    """Detached importance weights from log ratios log(pi_old / pi_engine), and the indicator of the masked entries.
 
     truncate: w = clamp(exp(log_ratio), low, high), nothing masked;
     mask:     w = exp(log_ratio) if low <= exp(log_ratio) <= high else 0 (low None: 0), masked = 1 outside.
 
     Comparisons are made in log space (log ratios of hundreds of tokens overflow exp), and a weight is at most
     `high`.
+
+    Args:
+        log_ratio: log ratios, any shape ((B, T) tokens or (S,) sequences).
+        mode: ``truncate`` or ``mask``.
+        low: lower bound, or None (none).
+        high: upper bound.
+
+    Returns:
+        Weights and float masked indicators, both shaped like `log_ratio`.
     """
     if mode not in CORRECTION_MODES:
         raise ValueError(f"mode must be one of {', '.join(CORRECTION_MODES)}, got '{mode}'")
@@ -71,8 +83,41 @@ def mismatch_weights(log_ratio: torch.Tensor, mode: str, low: float | None, high
     return torch.where(inside, clamped.exp(), torch.zeros_like(log_ratio)), (~inside).to(log_ratio.dtype)
 
 
+def sequence_mismatch_weights(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor, level: str, mode: str,
+                              low: float | None, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence weights at level ``sequence`` or ``geometric``, and each sequence's per-token share of a mask count.
+
+    w_i = `mismatch_weights` of `sequence_log_ratios` (sum_t log r_it, or its mean); every token of sequence i is
+    weighed by w_i. The share is masked_i / |y_i| (1 / its completion tokens where masked, else 0), so that summed
+    over a sequence's tokens it counts masked sequences.
+
+    Args:
+        log_ratio_sums: (S,) per-sequence sums of (old_logprobs - engine_logprobs) over completion tokens (whole
+            sequences: a context-parallel caller completes them over its group first).
+        token_counts: (S,) completion tokens per sequence.
+        level: ``sequence`` or ``geometric``.
+        mode: ``truncate`` or ``mask``.
+        low: lower bound, or None.
+        high: upper bound.
+
+    Returns:
+        (S,) detached weights and (S,) per-token shares of the masked count.
+    """
+    weights, masked = mismatch_weights(sequence_log_ratios(log_ratio_sums, token_counts, level), mode, low, high)
+    return weights, masked / token_counts.clamp(min=1)
+
+
 def mismatch_kl(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor) -> torch.Tensor:
-    """(B, T) per-token estimate of KL(pi_engine || pi_old) on the engine's samples: Schulman's k3,
-    r - 1 - log r with r = pi_old / pi_engine (unbiased, >= 0; http://joschu.net/blog/kl-approx.html)."""
+    """Per-token estimate of KL(pi_engine || pi_old) on the engine's samples.
+
+    Schulman's k3, r - 1 - log r with r = pi_old / pi_engine (unbiased, >= 0; http://joschu.net/blog/kl-approx.html).
+
+    Args:
+        old_logprobs: (B, T) the trainer's log-probabilities of the sampled tokens.
+        engine_logprobs: (B, T) the engine's.
+
+    Returns:
+        (B, T) detached estimates.
+    """
     log_ratio = (old_logprobs - engine_logprobs).detach()
     return torch.expm1(log_ratio) - log_ratio

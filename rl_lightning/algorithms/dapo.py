@@ -9,17 +9,38 @@ import torch
 
 
 def keep_groups(rewards: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
-    """(B / G,) bool: prompt groups whose mean reward is strictly inside (low, high). With (0, 1) and 0/1 rewards this
-    drops groups that are all correct or all wrong, whose group-baseline advantages are all zero."""
+    """(B / G,) bool: prompt groups whose mean reward is strictly inside (low, high).
+
+    With (0, 1) and 0/1 rewards this drops groups that are all correct or all wrong, whose group-baseline advantages
+    are all zero.
+
+    Args:
+        rewards: (B,) outcome rewards, groups of `group_size` contiguous.
+        group_size: G, completions per prompt.
+        low: exclusive lower bound of a kept group's mean.
+        high: exclusive upper bound.
+
+    Returns:
+        (B / G,) bool.
+    """
     means = rewards.view(-1, group_size).mean(dim=1)
     return (means > low) & (means < high)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cache_length: int) -> torch.Tensor:
-    """(B,) soft overlong punishment added to the reward (DAPO eq. 13), with L_max = `max_new_tokens` and
-    L_cache = `cache_length`:
+    """(B,) soft overlong punishment added to the reward (DAPO eq. 13).
+
+    With L_max = `max_new_tokens` and L_cache = `cache_length`:
 
     0 if |y| <= L_max - L_cache;  (L_max - L_cache - |y|) / L_cache if L_max - L_cache < |y| <= L_max;  -1 beyond.
+
+    Args:
+        lengths: (B,) completion lengths |y|.
+        max_new_tokens: L_max.
+        cache_length: L_cache.
+
+    Returns:
+        (B,) penalties in [-1, 0].
     """
     lengths = lengths.to(torch.float32)
     start = max_new_tokens - cache_length
@@ -29,14 +50,24 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cache_length: i
 
 
 def mask_truncated(completion_mask: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
-    """(B, T) completion mask with the rows of truncated completions (no stop token, `finished` False) zeroed, so
-    they do not contribute to the loss (DAPO's overlong filtering)."""
+    """(B, T) completion mask with the rows of truncated completions zeroed (DAPO's overlong filtering).
+
+    A truncated completion (no stop token, `finished` False) then does not contribute to the loss.
+
+    Args:
+        completion_mask: (B, T).
+        finished: (B,) bool, the completion ended with a stop token.
+
+    Returns:
+        (B, T) mask.
+    """
     return completion_mask * finished.to(completion_mask.dtype)[:, None]
 
 
 class GroupRefill:
-    """Dynamic-sampling buffer: accumulate the kept prompt groups of successive generation rounds until `target`
-    groups are collected or `max_rounds` rounds were tried.
+    """Dynamic-sampling buffer: the kept prompt groups of successive generation rounds, up to `target` groups.
+
+    Rounds go on until `target` groups are collected or `max_rounds` rounds were tried.
 
     ``add(groups, keep)`` takes a list of per-group items and the `keep_groups` mask; ``full`` says whether the batch
     is complete; ``take()`` returns exactly `target` groups (or all collected when rounds ran out) and resets.
@@ -51,6 +82,7 @@ class GroupRefill:
         self.dropped = 0
 
     def add(self, groups: list, keep: torch.Tensor) -> None:
+        """Count one round and keep the `groups` that `keep` ((B / G,) bool) marks."""
         self.rounds += 1
         kept = [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
         self.dropped += len(groups) - len(kept)
@@ -58,13 +90,16 @@ class GroupRefill:
 
     @property
     def full(self) -> bool:
+        """Whether `target` groups are collected."""
         return len(self.groups) >= self.target
 
     @property
     def exhausted(self) -> bool:
+        """Whether the batch is full or the rounds ran out."""
         return self.full or self.rounds >= self.max_rounds
 
     def take(self) -> list:
+        """The first `target` groups collected (all of them if fewer), and a reset."""
         batch, self.groups = self.groups[: self.target], []
         self.rounds = 0
         return batch

@@ -6,7 +6,7 @@ import torch
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(labels | logits / temperature), computed in fp32.
+    """Log-probabilities log p(labels | logits / temperature), computed in fp32.
 
     Uses ``logit[label] - logsumexp(logits)`` instead of materialising ``log_softmax`` over the vocabulary twice.
 

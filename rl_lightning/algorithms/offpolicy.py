@@ -1,5 +1,6 @@
-"""Off-policy (and bootstrapped) return and advantage estimators with a critic: V-trace, Retrace(lambda) for state
-values, TD(lambda) returns, n-step returns, clipped importance sampling weights.
+"""Off-policy (and bootstrapped) return and advantage estimators with a critic.
+
+V-trace, Retrace(lambda) for state values, TD(lambda) returns, n-step returns, clipped importance sampling weights.
 
 Conventions are `rl_lightning.algorithms.advantages.gae`'s: B trajectories, T completion tokens; ``rewards`` (B, T)
 are per-token (the outcome reward on the last completion token, plus any per-token KL penalty); ``values`` (B, T)
@@ -38,8 +39,10 @@ def clipped_importance_weights(target_logprobs: torch.Tensor, behaviour_logprobs
     section 4.1: rho-bar and c-bar; Munos et al. 2016, https://arxiv.org/abs/1606.02647, with cap 1).
 
     Args:
-        target_logprobs: (B, T) log pi of the sampled tokens; behaviour_logprobs: (B, T) log mu of the same tokens.
-        completion_mask: (B, T); cap: > 0.
+        target_logprobs: (B, T) log pi of the sampled tokens.
+        behaviour_logprobs: (B, T) log mu of the same tokens.
+        completion_mask: (B, T).
+        cap: > 0.
 
     Returns:
         (B, T) detached weights, 0 where the mask is 0.
@@ -59,9 +62,10 @@ def _next(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def vtrace(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, target_logprobs: torch.Tensor,
            behaviour_logprobs: torch.Tensor, gamma: float = 1.0, lam: float = 1.0, rho_bar: float = 1.0,
            c_bar: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-trace targets v_s and policy-gradient advantages (IMPALA, Espeholt et al. 2018,
-    https://arxiv.org/abs/1802.01561, eq. 1 and section 4.2; eq. 1 is lam = 1, lam < 1 scales the traces as in
-    Retrace). The paper assumes rho-bar >= c-bar.
+    """V-trace targets v_s and policy-gradient advantages.
+
+    IMPALA, Espeholt et al. 2018, https://arxiv.org/abs/1802.01561, eq. 1 and section 4.2; eq. 1 is lam = 1, lam < 1
+    scales the traces as in Retrace. The paper assumes rho-bar >= c-bar.
 
     rho_t   = min(rho-bar, pi_t / mu_t),   c_t = lam * min(c-bar, pi_t / mu_t)
     delta_t = rho_t * (r_t + gamma * V_{t+1} - V_t)
@@ -73,10 +77,15 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.T
     lambda-return, i.e. `gae`'s returns, and A_s = delta_s + gamma * A^GAE_{s+1} (= A^GAE_s at lam = 1).
 
     Args:
-        rewards, values, completion_mask: (B, T), see the module docstring.
-        target_logprobs, behaviour_logprobs: (B, T) log pi and log mu of the sampled tokens.
-        gamma: discount; lam: trace lambda; rho_bar: clip of the TD-error weights (the fixed point's policy);
-            c_bar: clip of the traces (the contraction speed).
+        rewards: (B, T) per-token rewards, see the module docstring.
+        values: (B, T) the critic's V(s_t).
+        completion_mask: (B, T) one contiguous run of completion tokens per row.
+        target_logprobs: (B, T) log pi of the sampled tokens.
+        behaviour_logprobs: (B, T) log mu of the same tokens.
+        gamma: discount.
+        lam: trace lambda.
+        rho_bar: clip of the TD-error weights (the fixed point's policy).
+        c_bar: clip of the traces (the contraction speed).
 
     Returns:
         advantages (B, T) and targets v_s (B, T) (the critic's returns), both 0 where the mask is 0.
@@ -100,8 +109,10 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.T
 def retrace(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, target_logprobs: torch.Tensor,
             behaviour_logprobs: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Retrace(lambda) with a state-value critic (Munos et al. 2016, https://arxiv.org/abs/1606.02647, eq. 3, traces
-    c_t = lam * min(1, rho_t); recursive form as in ACER, Wang et al. 2017, https://arxiv.org/abs/1611.01224, eq. 5).
+    """Retrace(lambda) with a state-value critic.
+
+    Munos et al. 2016, https://arxiv.org/abs/1606.02647, eq. 3, traces c_t = lam * min(1, rho_t); recursive form as
+    in ACER, Wang et al. 2017, https://arxiv.org/abs/1611.01224, eq. 5.
 
     What is estimated: Retrace estimates Q^pi(s_t, a_t), the value of the *sampled* token a_t followed by pi. It
     needs Q(s, a) and E_pi Q(s, .) = V(s); with only V available, both are taken from the critic: Q(s_t, a_t) ~ V_t
@@ -119,9 +130,13 @@ def retrace(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.
     returns) and A is GAE's; with rho = 1 and lam = 1, G is the Monte-Carlo return.
 
     Args:
-        rewards, values, completion_mask: (B, T), see the module docstring.
-        target_logprobs, behaviour_logprobs: (B, T) log pi and log mu of the sampled tokens.
-        gamma: discount; lam: trace lambda.
+        rewards: (B, T) per-token rewards, see the module docstring.
+        values: (B, T) the critic's V(s_t).
+        completion_mask: (B, T) one contiguous run of completion tokens per row.
+        target_logprobs: (B, T) log pi of the sampled tokens.
+        behaviour_logprobs: (B, T) log mu of the same tokens.
+        gamma: discount.
+        lam: trace lambda.
 
     Returns:
         advantages (B, T) and returns G (B, T), both 0 where the mask is 0.
@@ -141,8 +156,10 @@ def retrace(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.
 
 def td_lambda_returns(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, gamma: float = 1.0,
                       lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """TD(lambda) returns (lambda-returns), recursively (Sutton & Barto 2018, http://incompleteideas.net/book/the-book-2nd.html,
-    eq. 12.2-12.3; the recursive form of Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 5).
+    """TD(lambda) returns (lambda-returns), recursively.
+
+    Sutton & Barto 2018, http://incompleteideas.net/book/the-book-2nd.html, eq. 12.2-12.3; the recursive form of
+    Schulman et al. 2016, https://arxiv.org/abs/1506.02438, section 5.
 
     G^lam_t = r_t + gamma * ((1 - lam) * V_{t+1} + lam * G^lam_{t+1}),   A_t = G^lam_t - V_t
 
@@ -150,7 +167,11 @@ def td_lambda_returns(rewards: torch.Tensor, values: torch.Tensor, completion_ma
     r_t + gamma * V_{t+1}. On-policy: no importance correction (A equals `gae`'s advantages).
 
     Args:
-        rewards, values, completion_mask: (B, T), see the module docstring. gamma: discount; lam: lambda.
+        rewards: (B, T) per-token rewards, see the module docstring.
+        values: (B, T) the critic's V(s_t).
+        completion_mask: (B, T) one contiguous run of completion tokens per row.
+        gamma: discount.
+        lam: lambda.
 
     Returns:
         advantages (B, T) and returns G^lam (B, T), both 0 where the mask is 0.
@@ -168,8 +189,10 @@ def td_lambda_returns(rewards: torch.Tensor, values: torch.Tensor, completion_ma
 
 def nstep_returns(rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, n: int,
                   gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """n-step bootstrapped returns (Sutton & Barto 2018, http://incompleteideas.net/book/the-book-2nd.html, eq. 7.1;
-    Mnih et al. 2016, https://arxiv.org/abs/1602.01783, A3C's n-step targets).
+    """N-step bootstrapped returns.
+
+    Sutton & Barto 2018, http://incompleteideas.net/book/the-book-2nd.html, eq. 7.1; Mnih et al. 2016,
+    https://arxiv.org/abs/1602.01783, A3C's n-step targets.
 
     G^(n)_t = sum_{k=0}^{n-1} gamma^k r_{t+k} + gamma^n V_{t+n},   A_t = G^(n)_t - V_t
 
@@ -177,7 +200,11 @@ def nstep_returns(rewards: torch.Tensor, values: torch.Tensor, completion_mask: 
     always is). On-policy: no importance correction.
 
     Args:
-        rewards, values, completion_mask: (B, T), see the module docstring. n: >= 1 steps; gamma: discount.
+        rewards: (B, T) per-token rewards, see the module docstring.
+        values: (B, T) the critic's V(s_t).
+        completion_mask: (B, T) one contiguous run of completion tokens per row.
+        n: >= 1 steps.
+        gamma: discount.
 
     Returns:
         advantages (B, T) and returns G^(n) (B, T), both 0 where the mask is 0.

@@ -1,4 +1,4 @@
-"""Pareto dominance, exact hypervolume and a size-bounded non-dominated archive; every objective is maximised.
+r"""Pareto dominance, exact hypervolume and a size-bounded non-dominated archive; every objective is maximised.
 
 Definitions (K objectives, points are rows of an (N, K) tensor):
 
@@ -10,7 +10,7 @@ Definitions (K objectives, points are rows of an (N, K) tensor):
   "Multiobjective optimization using evolutionary algorithms - a comparative case study", PPSN V; the "size of the
   dominated space"). A point with ``p_k <= r_k`` for some k spans an empty box and adds nothing; dominated points and
   duplicates add nothing either.
-- The *exclusive contribution* of p in P is ``HV(P, r) - HV(P \\ {p}, r)``: the volume only p dominates (Emmerich et
+- The *exclusive contribution* of p in P is ``HV(P, r) - HV(P \ {p}, r)``: the volume only p dominates (Emmerich et
   al. 2005, "An EMO algorithm using the hypervolume measure as selection criterion", SMS-EMOA).
 
 The exact hypervolume is a 2-D sweep for K = 2 (O(N log N)) and, for K >= 3, the hypervolume-by-slicing-objectives
@@ -79,7 +79,7 @@ def _hypervolume(points: list[tuple[float, ...]]) -> float:
 
 
 def exclusive_contributions(points: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """(N,) float64 exclusive hypervolume contribution of each of `points` (N, K): ``HV(P) - HV(P \\ {p_i})``.
+    r"""(N,) float64 exclusive hypervolume contribution of each of `points` (N, K): ``HV(P) - HV(P \ {p_i})``.
 
     Dominated points, duplicates and points not above the reference contribute 0.
     """

@@ -34,6 +34,8 @@ def clipped_policy_loss(
         logprobs: (B, T) current policy log-probabilities (with grad).
         old_logprobs: (B, T) log-probabilities of the policy that sampled (detached).
         advantages: (B, T).
+        clip_low: the ratio's lower clip is 1 - clip_low.
+        clip_high: the ratio's upper clip is 1 + clip_high.
         dual_clip: c > 1, or None.
 
     Returns:
@@ -78,8 +80,11 @@ def gspo_policy_loss(
 
     Args:
         logprobs: (B, T) current policy log-probabilities (with grad).
-        sequence_log_ratio: (B, T) each token's sequence mean of (logprobs - old_logprobs) (detached here).
+        sequence_log_ratio: (B, T) each token's sequence mean of (logprobs - old_logprobs) (detached here; see
+            `gspo_log_ratios`).
         advantages: (B, T).
+        clip_low: s_it's lower clip is 1 - clip_low.
+        clip_high: s_it's upper clip is 1 + clip_high.
 
     Returns:
         (B, T) per-token losses and the per-token float indicator ``clipped``.
@@ -114,6 +119,8 @@ def cispo_policy_loss(
         logprobs: (B, T) current policy log-probabilities (with grad).
         old_logprobs: (B, T) log-probabilities of the policy that sampled (detached).
         advantages: (B, T).
+        clip_low: the weight's lower clip is 1 - clip_low (>= 1: none).
+        clip_high: the weight's upper clip is 1 + clip_high.
 
     Returns:
         (B, T) per-token losses and the per-token float indicator ``clipped`` (the weight was clipped).
@@ -123,18 +130,153 @@ def cispo_policy_loss(
     return -weight * advantages * logprobs, {"clipped": (weight != ratio).float()}
 
 
+AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
+
+
 def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: float | torch.Tensor) -> torch.Tensor:
-    """Sum over every masked token / `num_tokens`: with the global token count, DAPO's token-level mean (long and
-    short completions weigh by their length); with completions x the generation budget, Dr. GRPO's constant."""
+    """Sum over every masked token / `num_tokens`.
+
+    With the global token count, DAPO's token-level mean (long and short completions weigh by their length; Yu et al.
+    2025, https://arxiv.org/abs/2503.14476, section 3.3); with completions x the generation budget, Dr. GRPO's constant
+    (Liu et al. 2025, https://arxiv.org/abs/2503.20783, section 3.2).
+
+    Args:
+        values: (B, T) per-token losses (packed: (1, N)).
+        mask: (B, T) 1 on the tokens the loss covers.
+        num_tokens: the global normaliser (see `policy_loss_normaliser`).
+
+    Returns:
+        The scalar loss.
+    """
     return (values * mask).sum() / num_tokens
+
+
+def sequence_token_means(sums: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean over its completion tokens, sums_i / max(token_counts_i, 1).
+
+    A sequence without completion tokens has sum 0 and mean 0.
+
+    Args:
+        sums: (S,) per-sequence sums over completion tokens.
+        token_counts: (S,) completion tokens per sequence.
+
+    Returns:
+        (S,) per-sequence means.
+    """
+    return sums / token_counts.clamp(min=1)
+
+
+def sequence_mean(loss_sums: torch.Tensor, token_counts: torch.Tensor, num_sequences: float | torch.Tensor
+                  ) -> torch.Tensor:
+    """GRPO's aggregation: each completion's token mean, summed over completions / `num_sequences`.
+
+    loss = (1 / num_sequences) * sum_i (1 / |o_i|) * sum_t loss_it
+
+    (GRPO, Shao et al. 2024, https://arxiv.org/abs/2402.03300, eq. 3). `num_sequences` is the global number of
+    completions (over micro-batches and ranks), so summing this over micro-batches gives the minibatch's mean.
+
+    Args:
+        loss_sums: (S,) per-sequence sums of the per-token loss over completion tokens (whole sequences: a
+            context-parallel caller completes them over its group first).
+        token_counts: (S,) completion tokens per sequence.
+        num_sequences: the global normaliser.
+
+    Returns:
+        The scalar loss.
+    """
+    return sequence_token_means(loss_sums, token_counts).sum() / num_sequences
+
+
+def policy_loss_normaliser(aggregation: str, completions: float, tokens: float, max_completion_tokens: int) -> float:
+    """The normaliser of `aggregation` for a minibatch of `completions` with `tokens` completion tokens in all.
+
+    - ``token_mean``: `tokens` (DAPO's token-level mean);
+    - ``sequence_mean``: `completions` (GRPO: each completion's token mean, averaged, see `sequence_mean`);
+    - ``token_sum``: `completions` x `max_completion_tokens` (Dr. GRPO's constant, independent of the lengths).
+
+    Args:
+        aggregation: one of `AGGREGATIONS`.
+        completions: completions in the minibatch (global).
+        tokens: completion tokens in the minibatch (global).
+        max_completion_tokens: the generation budget of one completion.
+
+    Returns:
+        The number to divide the summed per-token (or per-sequence) losses by.
+    """
+    if aggregation == "token_mean":
+        return tokens
+    if aggregation == "sequence_mean":
+        return completions
+    if aggregation == "token_sum":
+        return completions * max_completion_tokens
+    raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got '{aggregation}'")
+
+
+def gspo_log_ratios(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-sequence log importance ratio, log s_i = (1 / |y_i|) * sum_t (logprobs_it - old_logprobs_it).
+
+    s_i is the geometric mean of the sequence's token ratios (GSPO, Zheng et al. 2025,
+    https://arxiv.org/abs/2507.18071, eq. 7); `gspo_policy_loss` takes it per token and `skip_mask` judges it.
+
+    Args:
+        log_ratio_sums: (S,) per-sequence sums of (logprobs - old_logprobs) over completion tokens.
+        token_counts: (S,) completion tokens per sequence (a sequence without any gets log s_i = 0).
+
+    Returns:
+        (S,) detached log s_i.
+    """
+    return sequence_token_means(log_ratio_sums.detach(), token_counts)
+
+
+def regularised_policy_loss(
+    surrogate: torch.Tensor,
+    entropy: torch.Tensor,
+    entropy_coef: float,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    constraint_penalty: torch.Tensor | float = 0.0,
+) -> torch.Tensor:
+    """The per-token policy loss: the surrogate, plus the KL term, minus the entropy bonus, plus the constraints.
+
+    loss_t = surrogate_t + kl_coef * KL_t - entropy_coef * H_t + penalty_t
+
+    The entropy bonus is PPO's (Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 9), the KL term GRPO's
+    (Shao et al. 2024, https://arxiv.org/abs/2402.03300, eq. 3), the penalty `lagrangian_terms`' policy terms.
+
+    Args:
+        surrogate: (B, T) per-token surrogate loss (after any mismatch-correction weights).
+        entropy: (B, T) per-token entropy of the policy.
+        entropy_coef: weight of the entropy bonus.
+        kl: (B, T) per-token KL(policy || reference) estimate, or None (KL not in the loss).
+        kl_coef: weight of the KL term.
+        constraint_penalty: (B, T) sum of the Lagrangian policy terms, or 0.
+
+    Returns:
+        (B, T) per-token losses.
+    """
+    loss = surrogate
+    if kl is not None:
+        loss = loss + kl_coef * kl
+    return loss - entropy_coef * entropy + constraint_penalty
 
 
 def clipped_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
 ) -> torch.Tensor:
-    """(B, T) per-token value loss 0.5 * max((V - R)^2, (V_clipped - R)^2) with
-    V_clipped = V_old + clip(V - V_old, -clip, clip); plain 0.5 (V - R)^2 when `clip` is None.
-    (PPO's value clipping as in OpenAI baselines' ppo2.)"""
+    """Per-token clipped value loss, 0.5 * max((V - R)^2, (V_clipped - R)^2).
+
+    V_clipped = V_old + clip(V - V_old, -clip, clip); plain 0.5 (V - R)^2 when `clip` is None (PPO's value clipping
+    as in OpenAI baselines' ppo2).
+
+    Args:
+        values: (B, T) the critic's values V (with grad).
+        old_values: (B, T) the values at rollout time V_old.
+        returns: (B, T) the targets R.
+        clip: the clip range, or None.
+
+    Returns:
+        (B, T) per-token losses.
+    """
     loss = (values - returns) ** 2
     if clip is not None:
         clipped = old_values + torch.clamp(values - old_values, -clip, clip)
@@ -143,7 +285,14 @@ def clipped_value_loss(
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T) entropy of the next-token distribution, H = logsumexp(z) - sum softmax(z) * z, in fp32."""
+    """(B, T) entropy of the next-token distribution, H = logsumexp(z) - sum softmax(z) * z, in fp32.
+
+    Args:
+        logits: (B, T, V).
+
+    Returns:
+        (B, T) entropies.
+    """
     logits = logits.float()
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
@@ -162,6 +311,15 @@ def lagrangian_terms(
 
     Reference: constrained policy optimisation via Lagrangian relaxation, e.g. Stooke et al. 2020,
     https://arxiv.org/abs/2007.03964, eq. 3-4.
+
+    Args:
+        log_multiplier: () log lambda.
+        measured: the measured quantity, any shape ((B, T) per token, or a scalar mean).
+        target: the bound.
+        sign: +1 (an upper bound) or -1 (a lower bound).
+
+    Returns:
+        The policy term (shaped like `measured`) and the multiplier loss.
     """
     violation = sign * (measured - target)
     multiplier = log_multiplier.exp()
@@ -169,8 +327,7 @@ def lagrangian_terms(
 
 
 def skip_mask(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(B,) True for the trajectories to skip: those whose sequence-level importance ratio leaves
-    [1 / threshold, threshold].
+    """(B,) True for the trajectories to skip, whose sequence-level importance ratio leaves [1 / threshold, threshold].
 
     ratio_i = exp(sum_t m_it (logprobs_it - old_logprobs_it) / sum_t m_it)   (the geometric mean of the per-token
     ratios pi_theta / pi_old, GSPO's sequence ratio); skip_i = |log ratio_i| > log(threshold). A trajectory without
@@ -185,8 +342,30 @@ def skip_mask(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor, threshol
         log_ratio_sums: (B,) per-trajectory sums of (logprobs - old_logprobs) over completion tokens (detached).
         token_counts: (B,) completion tokens per trajectory.
         threshold: > 1.
+
+    Returns:
+        (B,) bool.
     """
     if threshold <= 1.0:
         raise ValueError(f"skip threshold must be > 1, got {threshold}")
-    mean_log_ratio = log_ratio_sums / token_counts.clamp(min=1)
-    return (mean_log_ratio.abs() > math.log(threshold)) & (token_counts > 0)
+    return (gspo_log_ratios(log_ratio_sums, token_counts).abs() > math.log(threshold)) & (token_counts > 0)
+
+
+def skip_weights(log_ratio_sums: torch.Tensor, token_counts: torch.Tensor, threshold: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`skip_mask` as loss weights: 0 for a skipped trajectory, 1 otherwise, and its share of a skip count.
+
+    A skipped trajectory keeps its share of the loss normaliser (weight 0, not removed). The share is
+    1 / (its completion tokens) where skipped, 0 elsewhere, so that summed over a trajectory's tokens it counts
+    skipped trajectories.
+
+    Args:
+        log_ratio_sums: (B,) per-trajectory sums of (logprobs - old_logprobs) over completion tokens (detached).
+        token_counts: (B,) completion tokens per trajectory.
+        threshold: > 1.
+
+    Returns:
+        (B,) weights and (B,) per-token shares of the skip count.
+    """
+    skipped = skip_mask(log_ratio_sums, token_counts, threshold).to(token_counts.dtype)
+    return 1 - skipped, skipped / token_counts.clamp(min=1)

@@ -55,8 +55,10 @@ def dpo_logits(
 
 
 def sigmoid_dpo(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
-    """(P,) DPO loss ``-log sigma(beta h)``; with label smoothing eps (conservative DPO, cDPO) the preference label
-    is flipped with probability eps: ``-(1 - eps) log sigma(beta h) - eps log sigma(-beta h)``.
+    """(P,) DPO loss ``-log sigma(beta h)``, optionally label-smoothed (conservative DPO, cDPO).
+
+    With label smoothing eps the preference label is flipped with probability eps:
+    ``-(1 - eps) log sigma(beta h) - eps log sigma(-beta h)``.
 
     Papers: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290, eq. 7; cDPO: Mitchell 2023,
     https://ericmitchell.ai/cdpo.pdf.
@@ -65,7 +67,8 @@ def sigmoid_dpo(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> t
 
 
 def robust_dpo(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
-    """(P,) robust DPO (rDPO), an unbiased loss under label-flip rate eps < 1/2:
+    """(P,) robust DPO (rDPO), an unbiased loss under label-flip rate eps < 1/2.
+
     ``(-(1 - eps) log sigma(beta h) + eps log sigma(-beta h)) / (1 - 2 eps)``.
 
     Paper: Chowdhury et al. 2024, https://arxiv.org/abs/2403.00409, eq. 8.
@@ -76,14 +79,19 @@ def robust_dpo(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> to
 
 
 def ipo(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
-    """(P,) IPO loss ``(h - 1 / (2 beta))^2`` (here beta plays the role of the paper's tau; `label_smoothing` is
-    unused). Paper: Azar et al. 2023, https://arxiv.org/abs/2310.12036, eq. 17, on summed log-probabilities."""
+    """(P,) IPO loss ``(h - 1 / (2 beta))^2``.
+
+    Here beta plays the role of the paper's tau; `label_smoothing` is unused. Paper: Azar et al. 2023,
+    https://arxiv.org/abs/2310.12036, eq. 17, on summed log-probabilities.
+    """
     return (h - 1 / (2 * beta)) ** 2
 
 
 def hinge(h: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
-    """(P,) hinge (SLiC) loss ``max(0, 1 - beta h)``. Paper: Zhao et al. 2023, https://arxiv.org/abs/2305.10425,
-    eq. 3 (calibration loss with delta = 1 / beta)."""
+    """(P,) hinge (SLiC) loss ``max(0, 1 - beta h)``.
+
+    Paper: Zhao et al. 2023, https://arxiv.org/abs/2305.10425, eq. 3 (calibration loss with delta = 1 / beta).
+    """
     return torch.relu(1 - beta * h)
 
 
@@ -108,8 +116,10 @@ def dpo_loss(
     """A DPO-family loss averaged over `num_pairs`, with DPO's implicit-reward metrics.
 
     Args:
-        chosen_logps, rejected_logps: (P,) summed completion log-probabilities under the policy.
-        ref_chosen_logps, ref_rejected_logps: (P,) the same under the frozen reference (zeros = reference-free).
+        chosen_logps: (P,) summed completion log-probabilities of the chosen completions under the policy.
+        rejected_logps: (P,) the same for the rejected completions.
+        ref_chosen_logps: (P,) `chosen_logps` under the frozen reference (zeros = reference-free).
+        ref_rejected_logps: (P,) `rejected_logps` under the frozen reference.
         num_pairs: normaliser (global pair count).
         beta: inverse temperature of the implicit reward ``beta * (log pi - log pi_ref)``.
         variant: one of `DPO_LOSSES`.
