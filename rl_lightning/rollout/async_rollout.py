@@ -42,8 +42,11 @@ from rl_lightning.errors import ConfigError
 
 @dataclass
 class Finished:
-    """A background rollout taken by the trainer: what `work` returned, the policy version that generated it, how
-    long the trainer waited for it and how long generating it took."""
+    """A background rollout taken by the trainer.
+
+    It holds what `work` returned, the policy version that generated it, how long the trainer waited for it and how
+    long generating it took.
+    """
 
     value: Any
     version: int
@@ -52,6 +55,8 @@ class Finished:
 
 
 class Generator(Protocol):
+    """Runs one rollout at a time in the background, keyed by the batch it is for."""
+
     def submit(self, key: Hashable, version: int, work: Callable[[], Any]) -> None:
         """Start generating (`work`) in the background with the engine's current weights, policy `version`."""
 
@@ -79,9 +84,11 @@ class ThreadGenerator:
 
     @property
     def pending(self) -> bool:
+        """Whether a submitted rollout has not been taken yet."""
         return self._pending is not None
 
     def submit(self, key: Hashable, version: int, work: Callable[[], Any]) -> None:
+        """Run `work` on the background thread for batch `key`, policy `version`; one pending rollout at most."""
         if self._pending is not None:
             raise RuntimeError("ThreadGenerator.submit: a rollout is still pending; take it first")
         if self._executor is None:
@@ -89,6 +96,7 @@ class ThreadGenerator:
         self._pending = (key, version, self._executor.submit(_timed, work))
 
     def take(self, key: Hashable) -> Finished | None:
+        """Wait for the pending rollout; returns it if submitted under `key`, else drops it (None; also if none)."""
         if self._pending is None:
             return None
         submitted, version, future = self._pending
@@ -99,10 +107,12 @@ class ThreadGenerator:
         return Finished(value, version, waited, seconds) if submitted == key else None
 
     def idle(self) -> None:
+        """Wait until the pending generation (if any) has finished with the engine."""
         if self._pending is not None:
             wait_for([self._pending[2]])
 
     def close(self) -> None:
+        """Wait for and drop any pending rollout; shut the background thread down."""
         self.idle()  # the generation may still use the engine and the reward workers
         self._pending = None
         if self._executor is not None:
@@ -125,9 +135,12 @@ def async_errors(config: Any) -> list[str]:
 
 
 def read_ahead(trainer: Any, pl_module: Any, batch_idx: int) -> list | None:
-    """This rank's prompts of the training batch after `batch_idx`, or None when that batch would not be trained
-    (``model.max_rollouts`` reached) or belongs to the next epoch (the read-ahead does not cross epochs). Read from
-    the prompt dataset (`rl_lightning.data.prompts.PromptBatches.share`), not from Lightning's prefetching fetcher."""
+    """This rank's prompts of the training batch after `batch_idx`, or None when there is none to read ahead.
+
+    None when that batch would not be trained (``model.max_rollouts`` reached) or belongs to the next epoch (the
+    read-ahead does not cross epochs). Read from the prompt dataset (`rl_lightning.data.prompts.PromptBatches.share`),
+    not from Lightning's prefetching fetcher.
+    """
     share = getattr(getattr(trainer.train_dataloader, "dataset", None), "share", None)
     if share is None:
         raise ConfigError("model.rollout.async_steps=1 reads the next batch of prompts ahead, which needs the prompts "

@@ -29,9 +29,12 @@ class SamplingParams:
     seeds: list[int] | None = None
 
     def request_seed(self, index: int) -> int | None:
-        """The seed of the `index`-th prompt of a `generate` call: ``seeds[index]`` when given (the rollout callback
-        derives them from the prompts' dataset rows, so a prompt samples the same completions on whichever rank it
-        lands), else ``seed + index``; None samples freshly. The ``n`` samples of a prompt share its seed."""
+        """The seed of the `index`-th prompt of a `generate` call.
+
+        ``seeds[index]`` when given (the rollout callback derives them from the prompts' dataset rows, so a prompt
+        samples the same completions on whichever rank it lands), else ``seed + index``; None samples freshly. The
+        ``n`` samples of a prompt share its seed.
+        """
         if self.seeds is not None:
             return self.seeds[index]
         return None if self.seed is None else self.seed + index
@@ -39,8 +42,11 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One sampled completion: its token ids, the engine's log-probability of each (None if not provided) and whether
-    it ended with a stop token (False: truncated at `max_new_tokens`)."""
+    """One sampled completion.
+
+    Its token ids, the engine's log-probability of each (None if not provided) and whether it ended with a stop token
+    (False: truncated at `max_new_tokens`).
+    """
 
     token_ids: list[int]
     logprobs: list[float] | None
@@ -48,6 +54,8 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
+    """What the rollout needs from an engine: sampling from token ids, and taking the policy's current weights."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions for each prompt (a list of token ids), in prompt order."""
 

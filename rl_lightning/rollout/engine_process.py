@@ -89,6 +89,7 @@ class EngineProcess:
         return kind, payload
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt, generated in the engine process (prompts and completions go by pipe)."""
         self.connection.send(("generate", (prompts, params)))
         return self._receive("completions")[1]
 
@@ -108,6 +109,7 @@ class EngineProcess:
         """The engine owns its device: it never sleeps."""
 
     def shutdown(self) -> None:
+        """Close the engine and wait (up to 60 s) for its process to exit."""
         if self.process.is_alive():
             self.connection.send(("close", None))
             self._receive("closed")

@@ -1,5 +1,7 @@
-"""User environments: a Python file (``env_path``) defining ``reward_fn(messages, answer) -> float`` and optionally
-``interact(messages) -> list[message]`` for multi-turn tool use (the seeds' API, as in RL2).
+"""User environments: a Python file (``env_path``) with a reward function and, optionally, a tool-use step.
+
+The file defines ``reward_fn(messages, answer) -> float`` and optionally ``interact(messages) -> list[message]`` for
+multi-turn tool use (the seeds' API, as in RL2).
 
 The file is imported once at start-up and checked, so a typo fails before any generation. Scoring applies a policy
 for reward functions that raise or return non-numbers/non-finite values: fail fast naming the row, or score 0 and
@@ -38,9 +40,12 @@ COMBINATIONS = ("weighted_sum", "tchebycheff")
 
 @dataclass
 class Environment:
-    """A loaded environment; `failures` counts rewards replaced by 0 under ``on_error: zero`` (`timeouts` those cut
-    at the time limit, under either policy), `reward_seconds` the time spent scoring. With `weights`,
-    ``reward_fn`` returns named components combined by `combination` (Tchebycheff measures gaps to `ideal`)."""
+    """A loaded environment.
+
+    `failures` counts rewards replaced by 0 under ``on_error: zero`` (`timeouts` those cut at the time limit, under
+    either policy), `reward_seconds` the time spent scoring. With `weights`, ``reward_fn`` returns named components
+    combined by `combination` (Tchebycheff measures gaps to `ideal`).
+    """
 
     reward_fn: Callable[[list[dict], Any], Any]
     interact: Callable[[list[dict]], list[dict]] | None
@@ -67,9 +72,11 @@ class Environment:
         return sorted(self.weights or {})
 
     def score(self, messages: list[dict], answer: Any, where: str) -> tuple[float, dict[str, float]]:
-        """The reward of one trajectory and its named components ({} for a single reward), computed in this process
-        without a time limit (``reward_fn`` only: the reward model scores in `score_all`); `where` names the prompt
-        row for errors."""
+        """The reward of one trajectory and its named components ({} for a single reward).
+
+        Computed in this process without a time limit (``reward_fn`` only: the reward model scores in `score_all`);
+        `where` names the prompt row for errors.
+        """
         try:
             value = self.reward_fn(messages, answer)
         except ConfigError:
@@ -79,8 +86,11 @@ class Environment:
         return self.judge(value, where)
 
     def score_all(self, calls: list[tuple[list[dict], Any, str]]) -> list[tuple[float, dict[str, float]]]:
-        """`score` for each ``(messages, answer, where)``, in order: in the `scorer` pool when there is one (parallel,
-        each call cut at its time limit), else here. The time taken is added to `reward_seconds`."""
+        """`score` for each ``(messages, answer, where)``, in order.
+
+        Scored in the `scorer` pool when there is one (parallel, each call cut at its time limit), else here. The time
+        taken is added to `reward_seconds`.
+        """
         start = time.perf_counter()
         if self.scorer is None:
             scores = [self.score(*call) for call in calls]
@@ -93,8 +103,10 @@ class Environment:
         return scores
 
     def judge(self, value: Any, where: str) -> tuple[float, dict[str, float]]:
-        """Apply the checks and the ``on_error`` policy to what ``reward_fn`` gave for the row `where` (its return
-        value, or a `RewardFailure` when it raised, timed out or its worker died)."""
+        """Apply the checks and the ``on_error`` policy to what ``reward_fn`` gave for the row `where`.
+
+        That is its return value, or a `RewardFailure` when it raised, timed out or its worker died.
+        """
         try:
             if isinstance(value, RewardFailure):
                 raise _Failed(value)
@@ -119,8 +131,11 @@ class Environment:
 
     def _add_reward_model(self, calls: list[tuple[list[dict], Any, str]], scores: list[tuple[float, dict[str, float]]]
                           ) -> list[tuple[float, dict[str, float]]]:
-        """Score every conversation with the reward model (one batched call) and fold its score into each reward:
-        one more component of the weighted combination, or added times its weight to a scalar ``reward_fn``."""
+        """Score every conversation with the reward model (one batched call) and fold its score into each reward.
+
+        The score is one more component of the weighted combination, or added times its weight to a scalar
+        ``reward_fn``.
+        """
         from rl_lightning.rewards.reward_model import RewardModelError
 
         config = self.reward_model_config
@@ -183,10 +198,12 @@ def _what(failure: RewardFailure) -> str:
 def load_environment(env_path: str, on_error: str = "raise", key: str = "env_path",
                      weights: dict[str, float] | None = None, combination: str = "weighted_sum",
                      ideal: dict[str, float] | None = None, reward_model: Any = None) -> Environment:
-    """Import `env_path` and check it defines ``reward_fn(messages, answer)`` (and ``interact(messages)`` if any);
+    """Import `env_path` and check it defines ``reward_fn(messages, answer)`` (and ``interact(messages)`` if any).
+
     `weights`/`combination`/`ideal` configure multi-component rewards (see `Environment`), `reward_model` (a
     `rl_lightning.rewards.reward_model.RewardModelConfig`) adds a reward-model component (its scorer is built here and
-    started with `Environment.reward_model.start(device)`)."""
+    started with `Environment.reward_model.start(device)`).
+    """
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got '{on_error}'")
     if combination not in COMBINATIONS:
@@ -206,6 +223,8 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
     if not path.is_file():
         raise ConfigError(f"{key} '{env_path}' does not exist (resolved to {path.resolve()})")
     spec = importlib.util.spec_from_file_location(env_module_name(str(path)), path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{key} '{env_path}' is not a Python file (importlib finds no loader for it)")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

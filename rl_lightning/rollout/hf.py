@@ -1,5 +1,7 @@
-"""`HFEngine`: sampling with transformers on the policy model itself (colocated by construction, so its weights are
-always the trainer's current ones). Simple and exact; the reference the vLLM engine is tested against.
+"""`HFEngine`: sampling with transformers on the policy model itself.
+
+Colocated by construction, so its weights are always the trainer's current ones. Simple and exact; the reference the
+vLLM engine is tested against.
 
 All prompts of a `generate` call decode together, in one left-padded batch over one KV cache, with a decode loop of
 our own rather than ``model.generate``: ``generate`` draws every row's token from one random stream, so batching
@@ -35,16 +37,17 @@ class HFEngine:
         self.model, self.pad_token_id = model, pad_token_id
 
     def wake(self) -> None:
-        pass
+        """No-op: the engine is the policy module, always resident."""
 
     def sleep(self) -> None:
-        pass
+        """No-op: the engine is the policy module, which training keeps."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """No-op: the engine samples from the policy module itself."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt, in prompt order, sampled in eval mode (the training mode is restored)."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -56,8 +59,10 @@ class HFEngine:
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, steps) sampled tokens and their log-probabilities; row ``i * n + j`` is prompt i's j-th sample.
+
         A prompt's rows leave the batch (and the KV cache) once all of them have stopped; until then a stopped row
-        keeps decoding, so the prompt's draws stay exactly ``generate``'s, and `_completion` cuts it at its stop."""
+        keeps decoding, so the prompt's draws stay exactly ``generate``'s, and `_completion` cuts it at its stop.
+        """
         device = next(self.model.parameters()).device
         n, width, steps = params.n, max(len(p) for p in prompts), params.max_new_tokens
         input_ids = torch.full((len(prompts) * n, width), self.pad_token_id, dtype=torch.long)
@@ -110,9 +115,12 @@ class HFEngine:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(rows, vocab) fp32 logits -> the scores sampled from, as transformers' warpers make them: divided by the
-    temperature, then all but the `top_k` largest set to -inf, then the smallest tokens whose probabilities sum to at
-    most ``1 - top_p`` (the most likely one always stays). Greedy (temperature 0) keeps the raw logits."""
+    """(rows, vocab) fp32 logits -> the scores sampled from, as transformers' warpers make them.
+
+    Divided by the temperature, then all but the `top_k` largest set to -inf, then the smallest tokens whose
+    probabilities sum to at most ``1 - top_p`` (the most likely one always stays). Greedy (temperature 0) keeps the raw
+    logits.
+    """
     if params.temperature == 0:
         return logits
     scores = logits / params.temperature
@@ -146,8 +154,10 @@ def _sharded(model: Any) -> bool:
 
 
 def _all_done(done: torch.Tensor, sharded: bool) -> bool:
-    """Every row stopped, on every rank when the forward is a collective (a rank that stopped early would leave its
-    peers waiting in the next forward's all-gather)."""
+    """Every row stopped, on every rank when the forward is a collective.
+
+    A rank that stopped early would leave its peers waiting in the next forward's all-gather.
+    """
     pending = (~done).any().float()
     if sharded:
         import torch.distributed as dist

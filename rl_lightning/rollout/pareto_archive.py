@@ -84,6 +84,7 @@ class ParetoArchive:
                 log.warning("could not log %s to MLflow: %s", ARTIFACT_FILE, str(e).splitlines()[0])
 
     def state_dict(self) -> dict[str, Any]:
+        """The component names and the archive's entries, for the checkpoint (`load_state_dict` continues it)."""
         return {"names": self.names, "entries": [dict(e) for e in self.entries]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

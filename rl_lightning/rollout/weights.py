@@ -52,8 +52,10 @@ def checkpoint_name(name: str) -> str:
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` itself, or, for a DTensor (FSDP2/TP shard), the full tensor gathered from its mesh (a collective:
-    every rank of the mesh must call it, in the same order)."""
+    """`tensor` itself, or, for a DTensor (FSDP2/TP shard), the full tensor gathered from its mesh.
+
+    Gathering is a collective: every rank of the mesh must call it, in the same order.
+    """
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -66,9 +68,11 @@ def is_peft(model: torch.nn.Module) -> bool:
 
 @dataclass
 class LoRAMerge:
-    """A LoRA layer's weight as the engine should see it: ``weight + scaling * lora_B @ lora_A`` (transposed for
-    ``fan_in_fan_out`` layers such as GPT-2's Conv1D), with DoRA rescaled row-wise to ``magnitude``
-    (``magnitude / ||merged row||``, as PEFT's merge); each part may be a DTensor shard."""
+    """A LoRA layer's weight as the engine should see it: ``weight + scaling * lora_B @ lora_A``.
+
+    Transposed for ``fan_in_fan_out`` layers such as GPT-2's Conv1D, with DoRA rescaled row-wise to ``magnitude``
+    (``magnitude / ||merged row||``, as PEFT's merge); each part may be a DTensor shard.
+    """
 
     weight: torch.Tensor  # (out, in), or (in, out) when fan_in_fan_out
     lora_A: torch.Tensor  # (r, in)
@@ -78,10 +82,12 @@ class LoRAMerge:
     magnitude: torch.Tensor | None = None  # (out,), DoRA only
 
     def numel(self) -> int:
+        """Elements of the merged weight (those of the base weight)."""
         return self.weight.numel()
 
     @property
     def dtype(self) -> torch.dtype:
+        """The base weight's dtype."""
         return self.weight.dtype
 
     def merged(self, dtype: torch.dtype) -> torch.Tensor:
@@ -108,8 +114,11 @@ def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _hf_name(name: str) -> str:
-    """Checkpoint name of a (possibly PEFT-wrapped) parameter: PEFT's ``base_model.model.`` and ``.base_layer``
-    dropped, a ``modules_to_save`` copy under the original module's name."""
+    """Checkpoint name of a (possibly PEFT-wrapped) parameter.
+
+    PEFT's ``base_model.model.`` and ``.base_layer`` are dropped, a ``modules_to_save`` copy goes under the original
+    module's name.
+    """
     name = checkpoint_name(name).removeprefix("base_model.model.").replace(".base_layer.", ".")
     parts = name.split(".")
     if "modules_to_save" in parts:  # X.modules_to_save.<adapter>.weight -> X.weight
@@ -124,15 +133,18 @@ def _skipped(name: str) -> bool:
 
 
 def named_weights(model: torch.nn.Module, merge_lora: bool = True) -> list[tuple[str, torch.Tensor | LoRAMerge]]:
-    """(checkpoint name, parameter) of every distinct parameter, in module order. A parameter shared by several
-    modules (tied embeddings) appears once, under its first name; with ``config.tie_word_embeddings`` the output
-    head is never listed (its checkpoint entry is the input embedding).
+    """(checkpoint name, parameter) of every distinct parameter, in module order.
+
+    A parameter shared by several modules (tied embeddings) appears once, under its first name; with
+    ``config.tie_word_embeddings`` the output head is never listed (its checkpoint entry is the input embedding).
 
     For a PEFT model the names are the base model's; a LoRA layer's weight is a `LoRAMerge` with `merge_lora`, or its
-    frozen base weight without (the adapter then goes separately: `adapter_weights`)."""
+    frozen base weight without (the adapter then goes separately: `adapter_weights`).
+    """
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     lora = _lora_layers(model) if merge_lora and is_peft(model) else {}
-    named, seen = [], set()
+    named: list[tuple[str, torch.Tensor | LoRAMerge]] = []
+    seen = set()
     for raw, param in model.named_parameters(remove_duplicate=False):
         name = _hf_name(raw)
         if id(param) in seen or _skipped(raw):
@@ -157,12 +169,14 @@ def named_weights(model: torch.nn.Module, merge_lora: bool = True) -> list[tuple
 
 
 def adapter_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name as PEFT saves it, parameter) of the active adapter's LoRA factors, in module order: e.g.
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (wrapper prefixes and the adapter name
-    dropped), the layout of ``adapter_model.safetensors``."""
+    """(name as PEFT saves it, parameter) of the active adapter's LoRA factors, in module order.
+
+    E.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (wrapper prefixes and the adapter name
+    dropped), the layout of ``adapter_model.safetensors``.
+    """
     adapter = adapter_name(model)
     marker = f".{adapter}."
-    named = []
+    named: list[tuple[str, torch.Tensor]] = []
     for raw, param in model.named_parameters():
         name = checkpoint_name(raw)
         if f".lora_A{marker}" in name or f".lora_B{marker}" in name:
@@ -172,14 +186,14 @@ def adapter_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def adapter_name(model: torch.nn.Module) -> str:
     """The PEFT model's active adapter (``default`` unless renamed)."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "active_adapter", None) or next(iter(model.peft_config))
+    peft_model: Any = getattr(model, "_orig_mod", model)  # a PeftModel: `peft_config` is a dict, not a submodule
+    return getattr(peft_model, "active_adapter", None) or next(iter(peft_model.peft_config))
 
 
 def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
     """The active adapter's ``adapter_config.json`` content (what ``save_pretrained`` writes; sets as sorted lists)."""
-    model = getattr(model, "_orig_mod", model)
-    config = model.peft_config[adapter_name(model)].to_dict()
+    peft_model: Any = getattr(model, "_orig_mod", model)  # a PeftModel: `peft_config` is a dict, not a submodule
+    config = peft_model.peft_config[adapter_name(peft_model)].to_dict()
     return {k: sorted(v) if isinstance(v, set) else (v.value if hasattr(v, "value") else v) for k, v in config.items()}
 
 
@@ -196,8 +210,9 @@ class StreamStats:
 def gather_buckets(named: Iterable[tuple[str, torch.Tensor | LoRAMerge]], bucket_bytes: int,
                    dtype: torch.dtype | None = None,
                    stats: StreamStats | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Full tensors of `named`, in order, grouped into buckets of one dtype and at most `bucket_bytes` (a tensor
-    larger than that is a bucket of its own). A bucket is gathered only once the previous one was handed out.
+    """Full tensors of `named`, in order, grouped into buckets of one dtype and at most `bucket_bytes`.
+
+    A tensor larger than that is a bucket of its own. A bucket is gathered only once the previous one was handed out.
 
     Args:
         named: (name, tensor, DTensor or `LoRAMerge`) pairs; the same order on every rank.
@@ -238,8 +253,10 @@ def stream_weights(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype
 
 def stream_named(named: Iterable[tuple[str, torch.Tensor | LoRAMerge]], bucket_bytes: int,
                  dtype: torch.dtype | None = None, stats: StreamStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named` gathered bucket by bucket (`gather_buckets`); each tensor is dropped from the bucket as it is handed
-    out, so the consumer's reference is the last one."""
+    """`named` gathered bucket by bucket (`gather_buckets`).
+
+    Each tensor is dropped from the bucket as it is handed out, so the consumer's reference is the last one.
+    """
     for bucket in gather_buckets(named, bucket_bytes, dtype, stats):
         bucket.reverse()
         while bucket:
