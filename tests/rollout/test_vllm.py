@@ -151,7 +151,7 @@ def test_weight_sync_pushes_once_per_optimizer_step():
 
 @pytest.fixture
 def vllm_installed(monkeypatch):
-    monkeypatch.setattr("rl_lightning.rollout.callback.vllm_available", lambda: True)
+    monkeypatch.setattr("rl_lightning.rollout.config.vllm_available", lambda: True)
 
 
 def _start(callback, world_size=1, head_dim=32):

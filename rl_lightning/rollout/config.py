@@ -1,0 +1,201 @@
+"""Rollout settings: `RolloutConfig`, the ``model.rollout.*`` argument group of the PPO task, and its validation.
+
+The config is checked once, at construction, with every error reported together (``model.rollout.<field>: ...``);
+the `rl_lightning.rollout.callback.RolloutCallback` then runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rl_lightning.errors import ConfigError
+from rl_lightning.rewards.reward_model import RewardModelConfig
+from rl_lightning.rollout.async_rollout import async_errors
+from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
+
+ENGINES = ("hf", "vllm", "vllm_process")
+VLLM_ENGINES = ("vllm", "vllm_process")
+WEIGHT_SYNCS = ("auto", "full", "adapter")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How trajectories are sampled and scored: ``model.rollout.*``.
+
+    Args:
+        env_path: Python file defining ``reward_fn(messages, answer)`` (and optionally ``interact(messages)``).
+        responses_per_prompt: completions sampled per prompt (the group size of group-baseline estimators).
+        max_turns: assistant turns per conversation (> 1 needs ``interact``).
+        temperature: sampling temperature; the task recomputes old, reference and current log-probabilities at it.
+        top_p: nucleus sampling threshold.
+        top_k: top-k sampling (0 = off).
+        max_new_tokens: tokens generated per turn.
+        engine: ``hf`` (transformers generate on the policy itself: simple, slow) or ``vllm`` (a vLLM engine colocated
+            in the training processes, fed the policy's weights after every optimizer step; see
+            `rl_lightning.rollout.vllm`) or ``vllm_process`` (vLLM in a process of its own, not a trainer rank, fed
+            full weights over a gloo group of its own: disaggregated generation, one training process for now; see
+            `rl_lightning.rollout.engine_process`).
+        engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
+            must divide the number of processes; consecutive ranks share an engine).
+        max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
+            ``max_new_tokens`` (single turn) or the model's ``max_position_embeddings`` (multi-turn).
+        kv_cache_memory_bytes: ``vllm``: KV-cache size in bytes; on CPU it is always explicit (default 1 GiB), on GPU
+            it overrides `gpu_memory_utilization` when set.
+        gpu_memory_utilization: ``vllm`` on GPU: share of GPU memory the engine takes while awake (it sleeps while
+            the trainer trains).
+        weight_bucket_mb: ``vllm``: weights are gathered from their shards and sent in buckets of this many MiB.
+        weight_sync: ``vllm``: what reaches the engine after each optimizer step: ``full`` (every weight; a LoRA
+            policy's merged ``W + scaling * B @ A``), ``adapter`` (a LoRA policy only: the base weights once, then
+            only the adapter, which vLLM applies itself) or ``auto`` (``adapter`` on GPU for a LoRA policy whose
+            adapter vLLM can serve, else ``full``: on CPU vLLM's LoRA kernels slow generation more than the
+            smaller sync saves).
+        on_error: reward_fn failures (exceptions, non-finite values, timeouts): ``raise`` (stop, naming the prompt
+            row) or ``zero`` (score 0 and count).
+        reward_workers: processes scoring trajectories in parallel, each importing `env_path` (default: the CPUs
+            shared among this node's training processes, at most 16); 0 scores in the trainer process, without a
+            time limit (for debugging).
+        reward_timeout_s: per-call limit of ``reward_fn`` in seconds with `reward_workers` > 0 (the worker is killed
+            and replaced, the call counts as a failure under `on_error`); null: no limit.
+        seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
+        filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
+            (low, high), and refill the batch with more prompts (drawn from the training set) until it is full or
+            `max_refill_rounds` rounds were tried; null disables.
+        max_refill_rounds: generation rounds per rollout when filtering (the first included).
+        overlong_cache_length: DAPO soft overlong punishment: completions longer than ``max_new_tokens -
+            overlong_cache_length`` tokens lose up to 1 reward, linearly; null disables.
+        mask_truncated: drop completions cut at `max_new_tokens` from the loss (DAPO's overlong filtering).
+        reward_weights: for a ``reward_fn`` returning named components (a dict): one weight per component; each
+            component is logged as ``train/reward/<name>``.
+        reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
+        reward_ideal: Tchebycheff ideal point per component (default 1.0 each).
+        pareto_archive_size: keep the Pareto front of the rollouts' mean reward components, at most this many
+            (evicting the least hypervolume contributor), log ``train/hypervolume`` and ``train/pareto_size`` and
+            the MLflow table ``pareto_archive.json`` (see `rl_lightning.rollout.pareto_archive`); null: off. Needs
+            >= 2 components in `reward_weights`.
+        pareto_reference: hypervolume reference point per component (default 0.0 each: fixed, so hypervolumes
+            compare across runs); set it below the lowest value a component can take, e.g. for negative rewards.
+        val_temperature: validation sampling temperature (0: greedy).
+        val_responses_per_prompt: completions per held-out prompt at validation (> 1 needs `val_temperature` > 0);
+            their seeds stay the same across validations, so successive scores compare the same draws.
+        reward_model: a reward model scoring every trajectory as one more reward component (served: ``url``; or an
+            RM folder in the trainer process: ``path``), see `rl_lightning.rewards.reward_model.RewardModelConfig`.
+        async_steps: 0: synchronous rollouts (each sampled by the policy it trains); 1: one-step-off-policy, rollout
+            k+1 is generated (and scored) in the background while the trainer updates on rollout k, by the policy
+            one update older (``vllm`` with ``engine_tp_size: 1``; the engine stays awake, so on GPU it keeps its
+            memory while the trainer trains; pair it with the task's mismatch correction, ``model.correction``; see
+            `rl_lightning.rollout.async_rollout`).
+
+    Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
+    completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the
+    untrained policy's value is logged at step 0.
+    """
+
+    env_path: str
+    responses_per_prompt: int = 8
+    max_turns: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    engine: str = "hf"
+    engine_tp_size: int = 1
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.3
+    weight_bucket_mb: int = 512
+    weight_sync: str = "auto"
+    on_error: str = "raise"
+    reward_workers: int | None = None
+    reward_timeout_s: float | None = 60.0
+    seed: int | None = 0
+    filter_range: tuple[float, float] | None = None
+    max_refill_rounds: int = 4
+    overlong_cache_length: int | None = None
+    mask_truncated: bool = False
+    reward_weights: dict[str, float] | None = None
+    reward_combination: str = "weighted_sum"
+    reward_ideal: dict[str, float] | None = None
+    pareto_archive_size: int | None = None
+    pareto_reference: dict[str, float] | None = None
+    val_temperature: float = 0.0
+    val_responses_per_prompt: int = 1
+    reward_model: RewardModelConfig | None = None
+    async_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reward_model, dict):  # from a checkpoint's hyperparameters
+            object.__setattr__(self, "reward_model", RewardModelConfig(**self.reward_model))
+        errors = []
+        if self.val_temperature < 0 or self.val_responses_per_prompt < 1 or (self.val_temperature == 0 and
+                                                                             self.val_responses_per_prompt > 1):
+            errors.append(f"val_temperature must be >= 0 and val_responses_per_prompt >= 1 (1 when greedy), got "
+                          f"{self.val_temperature}, {self.val_responses_per_prompt}")
+        if self.responses_per_prompt < 1:
+            errors.append(f"responses_per_prompt must be >= 1, got {self.responses_per_prompt}")
+        if self.max_turns < 1:
+            errors.append(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.engine not in ENGINES:
+            errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
+        errors += _vllm_errors(self) + _pareto_errors(self) + async_errors(self)
+        if self.temperature <= 0 or self.max_new_tokens < 1:
+            errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
+                          f"{self.temperature}, {self.max_new_tokens}")
+        if self.filter_range is not None and not self.filter_range[0] < self.filter_range[1]:
+            errors.append(f"filter_range must be (low, high) with low < high, got {self.filter_range}")
+        if self.max_refill_rounds < 1:
+            errors.append(f"max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
+        if self.overlong_cache_length is not None and not 0 < self.overlong_cache_length <= self.max_new_tokens:
+            errors.append(f"overlong_cache_length must be in (0, max_new_tokens={self.max_new_tokens}], got "
+                          f"{self.overlong_cache_length}")
+        if (self.reward_workers is not None and self.reward_workers < 0) or (
+                self.reward_timeout_s is not None and not self.reward_timeout_s > 0):
+            errors.append(f"reward_workers must be >= 0 (0: inline) and reward_timeout_s > 0 or null, got "
+                          f"{self.reward_workers}, {self.reward_timeout_s}")
+        if errors:
+            raise ConfigError("; ".join(f"model.rollout.{e}" for e in errors))
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The generation budget of one trajectory: `max_new_tokens` per turn x `max_turns`."""
+        return self.max_new_tokens * self.max_turns
+
+
+
+def _pareto_errors(c: RolloutConfig) -> list[str]:
+    names = sorted(c.reward_weights or {})
+    if names and c.reward_model is not None:  # the reward model is one more component of the combination
+        names = sorted({*names, c.reward_model.name})
+    if c.pareto_archive_size is not None and (c.pareto_archive_size < 1 or len(names) < 2):
+        return [f"pareto_archive_size={c.pareto_archive_size} needs a size >= 1 and >= 2 reward components in "
+                f"reward_weights (got {names}); name the components in model.rollout.reward_weights or set "
+                "pareto_archive_size: null"]
+    if c.pareto_reference is not None and (sorted(c.pareto_reference) != names or not all(
+            math.isfinite(v) for v in c.pareto_reference.values())):
+        return [f"pareto_reference={c.pareto_reference} must give a finite value for each component of "
+                f"reward_weights {names}"]
+    return []
+
+
+def _vllm_errors(c: RolloutConfig) -> list[str]:
+    errors = []
+    if c.engine_tp_size < 1 or c.weight_bucket_mb < 1 or (c.max_model_len is not None and c.max_model_len < 1):
+        errors.append(f"engine_tp_size, weight_bucket_mb and max_model_len must be >= 1, got {c.engine_tp_size}, "
+                      f"{c.weight_bucket_mb}, {c.max_model_len}")
+    if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes < 1:
+        errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {c.kv_cache_memory_bytes}")
+    if not 0 < c.gpu_memory_utilization <= 1:
+        errors.append(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+    if c.weight_sync not in WEIGHT_SYNCS or (c.weight_sync == "adapter" and c.engine != "vllm"):  # not the process
+        errors.append(f"weight_sync must be one of {', '.join(WEIGHT_SYNCS)} (adapter needs engine: vllm), got "
+                      f"'{c.weight_sync}' with engine '{c.engine}'")
+    if c.engine == "vllm_process" and c.engine_tp_size > 1:
+        errors.append(f"engine=vllm_process runs one engine of engine_tp_size 1 for now, got {c.engine_tp_size}")
+    if c.engine in VLLM_ENGINES and not vllm_available():
+        errors.append(f"engine={c.engine} needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
+    if c.engine == "vllm" and c.engine_tp_size > 1 and (c.max_turns > 1 or c.filter_range is not None):
+        # the ranks of an engine generate together, but these loops decide per rank how often to generate
+        errors.append(f"engine_tp_size={c.engine_tp_size} does not support multi-turn rollouts "
+                      f"(max_turns={c.max_turns}) or dynamic sampling (filter_range={c.filter_range}) yet; use "
+                      "engine_tp_size: 1")
+    return errors
