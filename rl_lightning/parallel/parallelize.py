@@ -1,5 +1,8 @@
-"""Shard a Hugging Face decoder for `ParallelStrategy`: tensor-parallel plan per block, optional activation
-checkpointing, then FSDP2 ``fully_shard`` on every decoder block and the root."""
+"""Shard a Hugging Face decoder for `ParallelStrategy`.
+
+Tensor-parallel plan per block, optional activation checkpointing, then FSDP2 ``fully_shard`` on every decoder block
+and the root.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def decoder_layers(model: Any) -> Any:
 
 
 def check_tensor_parallel(model: Any, tp_size: int) -> None:
+    """Raise a `ConfigError` unless `tp_size` divides both the attention and the key-value head counts of `model`."""
     config = model.config
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     if heads % tp_size or kv_heads % tp_size:
@@ -37,6 +41,7 @@ def check_tensor_parallel(model: Any, tp_size: int) -> None:
 
 
 def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
+    """Shard every decoder layer of `model` in place over `tp_mesh` with the column/row-wise plan `TP_PLAN`."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     check_tensor_parallel(model, tp_mesh.size())
@@ -47,8 +52,10 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
 
 
 def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
-    """Apply TP (when the strategy's tensor-parallel size > 1), activation checkpointing (trainable models) and
-    FSDP2 to `model` in place; returns it. Idempotent."""
+    """Apply TP, activation checkpointing and FSDP2 to `model` in place; returns it. Idempotent.
+
+    TP when the strategy's tensor-parallel size > 1, activation checkpointing for trainable models.
+    """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from rl_lightning.models.lora import base_model, check_lora_strategy, is_peft
@@ -76,8 +83,11 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
 
 
 def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:
-    """Shard `model` if `module` runs under `ParallelStrategy`, else return it unchanged. Checks what the model and
-    task must support for the configured sizes (head counts for TP, ``rl_varlen`` attention for CP)."""
+    """Shard `model` if `module` runs under `ParallelStrategy`, else return it unchanged.
+
+    Checks what the model and task must support for the configured sizes (head counts for TP, ``rl_varlen`` attention
+    for CP).
+    """
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     from rl_lightning.parallel.strategy import ParallelStrategy

@@ -30,6 +30,7 @@ class Layout:
 
 
 def parallel_layout(trainer: Any) -> Layout:
+    """This rank's context-parallel coordinates under `trainer`'s strategy (from its ``cp_mesh``, if any)."""
     cp_mesh = getattr(trainer.strategy, "cp_mesh", None)
     if cp_mesh is None:
         return Layout()
@@ -37,8 +38,11 @@ def parallel_layout(trainer: Any) -> Layout:
 
 
 def data_parallel_coords(trainer: Any) -> tuple[int, int]:
-    """(rank, size) of this process along the data-parallel dimension: ranks that differ only in tensor/context
-    parallel coordinates see the same data (and must draw the same sampling seeds)."""
+    """(rank, size) of this process along the data-parallel dimension.
+
+    Ranks that differ only in tensor/context parallel coordinates see the same data (and must draw the same sampling
+    seeds).
+    """
     if trainer is None:
         return 0, 1
     dp_mesh = getattr(trainer.strategy, "dp_mesh", None)  # rl_lightning.parallel.ParallelStrategy
@@ -55,7 +59,7 @@ def local_micro_batch(layout: Layout, micro_batch: dict[str, Any]) -> dict[str, 
     """This rank's share of a micro-batch: its zigzag slice under context parallelism, else the whole of it."""
     if layout.cp_size == 1:
         return micro_batch
-    from rl_lightning.parallel.ring_attention import shard_micro_batch
+    from rl_lightning.parallel.zigzag import shard_micro_batch
 
     if "cu_seqlens" not in micro_batch:
         raise ValueError("context parallelism needs packed micro-batches; set data.packing: true")
@@ -76,8 +80,10 @@ def _all_reduce(trainer: Any, value: torch.Tensor, meshes: tuple[str, ...], op: 
 
 
 def data_parallel_sum(trainer: Any, value: torch.Tensor) -> torch.Tensor:
-    """Sum a detached count of whole micro-batches over data-parallel ranks (context/tensor-parallel peers hold the
-    same micro-batches)."""
+    """Sum a detached count of whole micro-batches over data-parallel ranks.
+
+    Context/tensor-parallel peers hold the same micro-batches.
+    """
     return _all_reduce(trainer, value, ("dp_mesh",), "sum")
 
 
@@ -87,14 +93,19 @@ def data_parallel_max(trainer: Any, value: torch.Tensor) -> torch.Tensor:
 
 
 def shard_sum(trainer: Any, value: torch.Tensor) -> torch.Tensor:
-    """Sum a detached quantity measured on this rank's tokens over data x context parallel ranks (tensor-parallel
-    peers hold the same tokens)."""
+    """Sum a detached quantity measured on this rank's tokens over data x context parallel ranks.
+
+    Tensor-parallel peers hold the same tokens.
+    """
     return _all_reduce(trainer, value, ("dp_mesh", "cp_mesh"), "sum")
 
 
 def grad_average_size(trainer: Any) -> int:
-    """How many ranks gradients are averaged over: data x context parallel under `ParallelStrategy` (FSDP's shard
-    and replica groups), the data-parallel size otherwise."""
+    """How many ranks gradients are averaged over.
+
+    Data x context parallel under `ParallelStrategy` (FSDP's shard and replica groups), the data-parallel size
+    otherwise.
+    """
     strategy = trainer.strategy
     if getattr(strategy, "cp_mesh", None) is not None:
         return strategy.dp_mesh.size() * strategy.cp_mesh.size()
@@ -102,9 +113,11 @@ def grad_average_size(trainer: Any) -> int:
 
 
 class _SumAcrossContext(torch.autograd.Function):
-    """All-reduce (sum) over the context-parallel group whose backward passes each rank's gradient through
-    unchanged: every context rank then computes the same loss from the summed values, and FSDP's sum over the
-    data x context group adds up each rank's own contribution exactly once."""
+    """All-reduce (sum) over the context-parallel group whose backward passes each rank's gradient through unchanged.
+
+    Every context rank then computes the same loss from the summed values, and FSDP's sum over the data x context
+    group adds up each rank's own contribution exactly once.
+    """
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, group: Any) -> torch.Tensor:
@@ -118,8 +131,10 @@ class _SumAcrossContext(torch.autograd.Function):
 
 
 def sequence_sums(values: torch.Tensor, mask: torch.Tensor, micro_batch: dict[str, Any]) -> torch.Tensor:
-    """(S,) per-sequence sums of ``values * mask`` ((B, T) tensors of this rank's tokens), completed over the
-    context-parallel group when the micro-batch is a context-parallel shard (differentiable)."""
+    """(S,) per-sequence sums of ``values * mask`` ((B, T) tensors of this rank's tokens).
+
+    Completed over the context-parallel group when the micro-batch is a context-parallel shard (differentiable).
+    """
     seq_index = micro_batch["seq_index"]
     keep = (mask > 0) & (seq_index >= 0)
     sums = torch.zeros(int(micro_batch["num_sequences"]), dtype=values.dtype, device=values.device)

@@ -1,10 +1,8 @@
 """Zigzag ring attention over the context-parallel group, for packed micro-batches.
 
-Layout (as RL2 and ring-flash-attn's zigzag varlen kernel expect): every packed sequence is padded to a multiple of
-``2 * cp`` tokens and cut into ``2 * cp`` equal chunks; context-parallel rank r keeps chunks r and ``2cp - 1 - r``, so
-each rank holds the same share of early (cheap) and late (expensive) causal queries. `shard_micro_batch` applies it
-to every per-token tensor of a micro-batch (targets already sit at the token that predicts them, so slicing is
-exact); `gather_tokens` undoes it for per-token outputs.
+Layout: the zigzag share of `rl_lightning.parallel.zigzag` (as RL2 and ring-flash-attn's zigzag varlen kernel
+expect): context-parallel rank r keeps chunks r and ``2cp - 1 - r`` of every packed sequence, so each rank holds the
+same share of early (cheap) and late (expensive) causal queries.
 
 Attention is a P2P ring. With ring-flash-attn and flash-attn importable on CUDA (fp16/bf16) it is their
 ``zigzag_ring_flash_attn_varlen_func``; otherwise it is this module's ring (`ring_attention`):
@@ -34,119 +32,13 @@ from typing import Any
 import torch
 
 from rl_lightning.models.kernels import block_backward, block_forward, merge_partials
+from rl_lightning.parallel.zigzag import ZigzagLayout
 
-
-@dataclass
-class ZigzagLayout:
-    """Where each local token of this rank comes from. `local_index` (n,) indexes the padded row; `source` (N',)
-    maps the padded row to the original row (-1 = padding); `local_cu_seqlens` (S + 1,) are this rank's sequence
-    offsets (each sequence contributes ``padded_length / cp`` tokens)."""
-
-    local_index: torch.Tensor
-    source: torch.Tensor
-    local_cu_seqlens: torch.Tensor
-    padded_lengths: list[int]
-    rank: int
-    size: int
-    group: Any
-
-
-class _AllGather(torch.autograd.Function):
-    """For `gather_tokens`. All-gather over `group` -> (size, *shape); the backward sums every rank's gradient for this rank's piece
-    (a reduce-scatter, done as all-reduce + slice, which gloo supports). torch.distributed.nn's version breaks on
-    sub-groups under gloo (its backward scatters with group ranks taken as global ranks)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group, ctx.rank = group, dist.get_rank(group)
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None
-
-
-def all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """Differentiable all-gather: (size, *tensor.shape)."""
-    return _AllGather.apply(tensor, group)
-
-
-def zigzag_layout(cu_seqlens: torch.Tensor, rank: int, size: int, group: Any = None) -> ZigzagLayout:
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    sources, padded_lengths = [], []
-    for start, length in zip(cu_seqlens[:-1].tolist(), lengths, strict=True):
-        padded = -(-length // (2 * size)) * 2 * size
-        src = torch.full((padded,), -1, dtype=torch.long)
-        src[:length] = torch.arange(start, start + length)
-        sources.append(src)
-        padded_lengths.append(padded)
-    local_cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    local_cu[1:] = torch.tensor(padded_lengths).cumsum(0) // size
-    layout = ZigzagLayout(torch.empty(0, dtype=torch.long), torch.cat(sources), local_cu, padded_lengths, rank, size,
-                          group)
-    layout.local_index = _local_index(layout, rank)
-    return layout
-
-
-def _pad_row(row: torch.Tensor, source: torch.Tensor, key: str, padded_lengths: list[int]) -> torch.Tensor:
-    """(1, N) -> (1, N') with each sequence padded; padding is never a target or a last token."""
-    out = row[:, source.clamp(min=0)].clone()
-    pad = source < 0
-    if key == "position_ids":  # continue counting so rotary embeddings stay defined for the padding
-        positions = torch.cat([torch.arange(n) for n in padded_lengths]).to(out.device)
-        out[0] = positions
-    elif key != "seq_index":  # padding joins its sequence (seq_index) but is never a target or last token
-        out[:, pad] = 0
-    return out
-
-
-def shard_micro_batch(micro_batch: dict[str, Any], rank: int, size: int, group: Any) -> dict[str, Any]:
-    """This context-parallel rank's zigzag share of a packed micro-batch (per-token tensors sliced, scalars kept),
-    plus ``cp_layout`` for the attention and for `gather_tokens`."""
-    layout = zigzag_layout(micro_batch["cu_seqlens"].cpu(), rank, size, group)
-    local = dict(micro_batch)
-    length = micro_batch["input_ids"].shape[1]
-    token_keys = [k for k, v in micro_batch.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == length]
-    for key in token_keys:
-        row = micro_batch[key]
-        padded = _pad_row(row, layout.source.to(row.device), key, layout.padded_lengths)
-        local[key] = padded[:, layout.local_index.to(row.device)]
-    local["cp_layout"] = layout
-    return local
-
-
-def gather_tokens(local: torch.Tensor, layout: ZigzagLayout) -> torch.Tensor:
-    """(1, n, ...) per-token values of this rank -> (1, N, ...) for the whole original row, in order. Differentiable,
-    but meant for outputs every rank then uses differently or not at all (e.g. logging, rollout logprobs): a loss
-    computed identically on every rank from the gathered row would count each gradient `size` times."""
-    parts = all_gather(local, layout.group)  # (size, 1, n, ...)
-    padded = torch.zeros((1, len(layout.source), *local.shape[2:]), dtype=local.dtype, device=local.device)
-    for r, part in enumerate(parts):
-        index = _local_index(layout, r).to(local.device)
-        padded = padded.index_copy(1, index, part)
-    keep = (layout.source >= 0).nonzero().flatten().to(local.device)
-    order = layout.source[layout.source >= 0].to(local.device)
-    out = torch.zeros_like(padded[:, : len(order)])
-    return out.index_copy(1, order, padded[:, keep])
-
-
-def _local_index(layout: ZigzagLayout, rank: int) -> torch.Tensor:
-    """The padded-row positions held by `rank` (its zigzag chunks, sequence by sequence)."""
-    index, offset = [], 0
-    for padded in layout.padded_lengths:
-        chunk = padded // (2 * layout.size)
-        for j in (rank, 2 * layout.size - 1 - rank):
-            index.append(torch.arange(offset + j * chunk, offset + (j + 1) * chunk))
-        offset += padded
-    return torch.cat(index)
+# The layout lives in `rl_lightning.parallel.zigzag`; its functions stay importable from here (explicit re-exports).
+from rl_lightning.parallel.zigzag import gather_tokens as gather_tokens
+from rl_lightning.parallel.zigzag import shard_micro_batch as shard_micro_batch
+from rl_lightning.parallel.zigzag import shard_tokens as shard_tokens
+from rl_lightning.parallel.zigzag import zigzag_layout as zigzag_layout
 
 
 def _flash_ring_available(query: torch.Tensor) -> bool:
@@ -176,18 +68,12 @@ def _flash_ring(query, key, value, layout: ZigzagLayout, scaling: float | None) 
     return out.unsqueeze(0)  # (1, n, H, D)
 
 
-def shard_tokens(tensor: torch.Tensor, layout: ZigzagLayout, dim: int = 1) -> torch.Tensor:
-    """This rank's zigzag share of a per-token tensor whose `dim` is the original row (N), padding as zeros."""
-    real = (layout.source >= 0).to(tensor.device)
-    padded = tensor.index_select(dim, layout.source.clamp(min=0).to(tensor.device))  # N -> N' along dim
-    padded = padded * real.view([-1 if i == dim else 1 for i in range(tensor.dim())])
-    return padded.index_select(dim, layout.local_index.to(tensor.device))  # N' -> n
-
-
 @dataclass
 class ZigzagBlocks:
-    """Row sets of a rank's zigzag share, the same on every rank: sequence s is local rows ``cu[s]:cu[s+1]``, its
-    early chunk first, then its late chunk, each `chunk_cu`-sized."""
+    """Row sets of a rank's zigzag share, the same on every rank.
+
+    Sequence s is local rows ``cu[s]:cu[s+1]``, its early chunk first, then its late chunk, each `chunk_cu`-sized.
+    """
 
     cu: torch.Tensor  # (S + 1,) int32
     chunk_cu: torch.Tensor  # (S + 1,) int32: half of `cu`
@@ -198,8 +84,10 @@ class ZigzagBlocks:
 
 
 def zigzag_blocks(local_cu_seqlens: torch.Tensor, device: torch.device | str = "cpu") -> ZigzagBlocks:
-    """The row sets from ``layout.local_cu_seqlens`` (S + 1,), indices on `device` (the varlen kernels want int32
-    offsets, maximum lengths as Python ints so no kernel call waits on the GPU)."""
+    """The row sets from ``layout.local_cu_seqlens`` (S + 1,), indices on `device`.
+
+    The varlen kernels want int32 offsets, maximum lengths as Python ints so no kernel call waits on the GPU.
+    """
     cu = local_cu_seqlens.to(torch.int32).cpu()
     starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
     early = [torch.arange(s, s + n // 2) for s, n in zip(starts, lengths, strict=True)]
@@ -217,8 +105,11 @@ def step_kind(rank: int, source: int) -> str:
 
 def step_forward(q: torch.Tensor, kv: torch.Tensor, kind: str, blocks: ZigzagBlocks, scale: float
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """One ring step: q (n, H, D), kv (2, n, H_kv, D) -> (rows, out, lse): the partial attention of the local query
-    `rows` (None: all) over the part of `kv` they may see; out (m, H, D), lse (H, m)."""
+    """One ring step: q (n, H, D), kv (2, n, H_kv, D) -> (rows, out, lse).
+
+    The partial attention of the local query `rows` (None: all) over the part of `kv` they may see; out (m, H, D),
+    lse (H, m).
+    """
     b = blocks
     if kind == "causal":
         return None, *block_forward(q, kv[0], kv[1], b.cu, b.cu, b.max_len, b.max_len, True, scale)
@@ -231,8 +122,10 @@ def step_forward(q: torch.Tensor, kv: torch.Tensor, kind: str, blocks: ZigzagBlo
 def step_backward(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   kind: str, blocks: ZigzagBlocks, scale: float
                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Gradients of `step_forward`'s call from the final dout, out (n, H, D) and lse (H, n) -> (rows, dq (m, H, D),
-    dkv (2, n, H_kv, D) fp32 for the whole block)."""
+    """Gradients of `step_forward`'s call from the final dout, out (n, H, D) and lse (H, n).
+
+    Returns (rows, dq (m, H, D), dkv (2, n, H_kv, D) fp32 for the whole block).
+    """
     b = blocks
     if kind == "causal":
         dq, dk, dv = block_backward(dout, q, kv[0], kv[1], out, lse, b.cu, b.cu, b.max_len, b.max_len, True, scale)
@@ -260,8 +153,11 @@ class _LocalRing:
 
 
 class _P2PRing:
-    """This rank of a process group (`ranks` = [its group rank]): a hop is a send to r + 1 and a receive from
-    r - 1, started at once and awaited by the returned call so the next block moves while this one computes."""
+    """This rank of a process group (`ranks` = [its group rank]).
+
+    A hop is a send to r + 1 and a receive from r - 1, started at once and awaited by the returned call so the next
+    block moves while this one computes.
+    """
 
     def __init__(self, rank: int, size: int, group: Any):
         self.ranks, self.size, self.group = [rank], size, group
@@ -289,8 +185,11 @@ class _P2PRing:
 
 
 def _ring_forward(q, kv, blocks, ring, scale):
-    """q (R, n, H, D), kv (R, 2, n, H_kv, D) for the R ranks of `ring` in this process -> fp32 out (R, n, H, D),
-    lse (R, H, n). Step i uses the K/V of rank (r - i) mod size; step 0 (causal) gives every row a finite lse."""
+    """Q (R, n, H, D), kv (R, 2, n, H_kv, D) for the R ranks of `ring` in this process -> fp32 out, lse.
+
+    out is (R, n, H, D), lse (R, H, n). Step i uses the K/V of rank (r - i) mod size; step 0 (causal) gives every
+    row a finite lse.
+    """
     outs, lses = [], []
     for step in range(ring.size):
         incoming = ring.shift(kv) if step + 1 < ring.size else None
@@ -308,8 +207,10 @@ def _ring_forward(q, kv, blocks, ring, scale):
 
 
 def _ring_backward(dout, q, kv, out, lse, blocks, ring, scale):
-    """-> fp32 dq (R, n, H, D), dkv (R, 2, n, H_kv, D). A block's dK/dV accumulator hops right behind it and, after
-    the last step's hop, arrives at the block's owner."""
+    """-> fp32 dq (R, n, H, D), dkv (R, 2, n, H_kv, D).
+
+    A block's dK/dV accumulator hops right behind it and, after the last step's hop, arrives at the block's owner.
+    """
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     arriving = None
     for step in range(ring.size):
@@ -354,8 +255,11 @@ def ring_attention_emulated(query: torch.Tensor, key: torch.Tensor, value: torch
     """The ring of `ring_attention` for all cp ranks in one process (same loop, same kernels; hops are rolls).
 
     Args:
-        query: (cp, n, H, D), rank r's zigzag queries in row r; key, value: (cp, n, H_kv, D).
+        query: (cp, n, H, D), rank r's zigzag queries in row r.
+        key: (cp, n, H_kv, D).
+        value: (cp, n, H_kv, D).
         local_cu_seqlens: (S + 1,) any rank's ``layout.local_cu_seqlens`` (the same on every rank).
+        scaling: softmax scale (None: ``D ** -0.5``).
 
     Returns:
         (cp, n, H, D), differentiable.
@@ -371,8 +275,11 @@ def ring_attention(
     """Causal attention of this rank's zigzag queries over each sequence's full keys.
 
     Args:
-        query: (1, H, n, D) local queries; key, value: (1, H_kv, n, D) local keys/values.
+        query: (1, H, n, D) local queries.
+        key: (1, H_kv, n, D) local keys.
+        value: (1, H_kv, n, D) local values.
         layout: from `shard_micro_batch`.
+        scaling: softmax scale (None: ``D ** -0.5``).
 
     Returns:
         (1, n, H, D) attention output for the local tokens.

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
 
@@ -93,6 +94,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._check_layout(self.cluster_environment.world_size())
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
         self._setup_distributed()
         self._check_layout(self.world_size)
@@ -128,6 +130,7 @@ class ParallelStrategy(ModelParallelStrategy):
             self.fsdp_mesh = fsdp_shard
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
 
@@ -137,15 +140,18 @@ class ParallelStrategy(ModelParallelStrategy):
             return "cuda:nccl,cpu:gloo"
         return super()._get_process_group_backend()
 
+    @override
     def model_to_device(self) -> None:
         if not self.cpu_offload:  # offloaded FSDP2 parameters must stay on the CPU
             super().model_to_device()
 
+    @override
     def teardown(self) -> None:
         super().teardown()
         self.dp_mesh = self.cp_mesh = self.tp_mesh = self.fsdp_mesh = None
 
     def mp_policy(self) -> Any:
+        """FSDP2's mixed precision: for ``bf16``, bf16 parameters and fp32 gradient reduction; else no casting."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.mixed_precision == "bf16":
@@ -153,6 +159,7 @@ class ParallelStrategy(ModelParallelStrategy):
         return MixedPrecisionPolicy()
 
     def offload_policy(self) -> Any:
+        """FSDP2's CPU offload policy when `cpu_offload` is set (pinned memory on CUDA), else no offloading."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         if self.cpu_offload:
