@@ -51,8 +51,10 @@ from rl_lightning.assets.real import resolve_model
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
-# The adapter-sync decision lives in `rl_lightning.rollout.lora_sync`; its names stay importable from here.
-from rl_lightning.rollout.lora_sync import adapter_blockers, adapter_sync_rank, vllm_lora_rank  # noqa: F401
+# The adapter-sync decision lives in `rl_lightning.rollout.lora_sync`; it stays importable from here (re-exports).
+from rl_lightning.rollout.lora_sync import adapter_blockers as adapter_blockers
+from rl_lightning.rollout.lora_sync import adapter_sync_rank as adapter_sync_rank
+from rl_lightning.rollout.lora_sync import vllm_lora_rank
 
 log = logging.getLogger(__name__)
 
