@@ -9,10 +9,10 @@ path builds an N x N block-diagonal mask and attends over the whole row: O(N^2) 
 - anywhere else (CPU, fp32, older torch, attention dropout): causal SDPA on each sequence in a Python loop.
 
 Padded batches and cached generation go to SDPA with their mask: transformers' own path on CUDA, and off CUDA
-`padded_sdpa`, which keeps grouped K/V heads as they are instead of copying them per query head. When the forward carries a ``cp_layout`` (a
-context-parallel shard), it runs zigzag ring attention over the context-parallel group
-(`rl_lightning.parallel.ring_attention`), whose per-step kernels are in `rl_lightning.models.kernels`. Installed by an explicit `register_varlen_attention()` call (in
-`rl_lightning.models.loading`), never at import.
+`padded_sdpa`, which keeps grouped K/V heads as they are instead of copying them per query head. When the forward
+carries a ``cp_layout`` (a context-parallel shard), it runs zigzag ring attention over the context-parallel group
+(`rl_lightning.parallel.ring_attention`), whose per-step kernels are in `rl_lightning.models.kernels`. Installed by an
+explicit `register_varlen_attention()` call (in `rl_lightning.models.loading`), never at import.
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ def packed_backend(query: torch.Tensor, dropout: float = 0.0) -> str:
 
 def packed_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
                        scaling: float | None) -> torch.Tensor:
-    """One flash call for the whole packed row: query (1, H, N, D), key/value (1, H_kv, N, D), `bounds` the S + 1
-    sequence offsets -> (1, N, H, D). Causal is ``window_size=(-1, 0)`` in varlen_attn's API."""
+    """One flash call for the whole packed row.
+
+    Query (1, H, N, D), key/value (1, H_kv, N, D), `bounds` the S + 1 sequence offsets -> (1, N, H, D). Causal is
+    ``window_size=(-1, 0)`` in varlen_attn's API.
+    """
     from torch.nn.attention.varlen import varlen_attn
 
     cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
@@ -74,9 +77,12 @@ def _varlen_has_gqa() -> bool:
 
 def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
                 scaling: float | None, dropout: float = 0.0) -> torch.Tensor:
-    """Causal SDPA per sequence (any device, dtype, dropout): shapes as `packed_varlen_attn`. The row is cut with
-    ``split``, whose backward is one concatenation; slicing would give every sequence's gradient its own zero-filled
-    row-sized buffer in the backward (O(sequences x N) memory traffic per layer: a fifth of a GRPO update here)."""
+    """Causal SDPA per sequence (any device, dtype, dropout): shapes as `packed_varlen_attn`.
+
+    The row is cut with ``split``, whose backward is one concatenation; slicing would give every sequence's gradient its
+    own zero-filled row-sized buffer in the backward (O(sequences x N) memory traffic per layer: a fifth of a GRPO
+    update here).
+    """
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     outputs = [
         F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
@@ -88,9 +94,12 @@ def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bou
 
 def padded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                 dropout: float, scaling: float | None) -> torch.Tensor:
-    """Padded batches and cached decoding off CUDA: SDPA with grouped K/V heads as they are. transformers' SDPA path
-    copies K/V to every query head when there is a mask (its CUDA kernels need that); on CPU that copy of the whole
-    KV cache, every layer and decoding step, made masked attention ~10x slower than ``enable_gqa``."""
+    """Padded batches and cached decoding off CUDA: SDPA with grouped K/V heads as they are.
+
+    transformers' SDPA path copies K/V to every query head when there is a mask (its CUDA kernels need that); on CPU
+    that copy of the whole KV cache, every layer and decoding step, made masked attention ~10x slower than
+    ``enable_gqa``.
+    """
     causal = attention_mask is None and query.shape[2] > 1
     if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is upper-left: never cached here, but be exact
         raise ValueError("causal attention over a longer key needs an attention mask")
@@ -110,7 +119,7 @@ def varlen_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query (B, H, N, D), key/value (B, H_kv, N, D) -> output (B, N, H, D)."""
+    """Transformers attention function: query (B, H, N, D), key/value (B, H_kv, N, D) -> output (B, N, H, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = kwargs.get("cp_layout")
@@ -137,8 +146,11 @@ def varlen_attention(
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
-    """No mask when there is no padding (packed rows: `varlen_attention` isolates the sequences itself, so the
-    O(N^2) block-diagonal mask is never built); SDPA's mask for padded batches."""
+    """No mask when there is no padding; SDPA's mask for padded batches.
+
+    Packed rows need none: `varlen_attention` isolates the sequences itself, so the O(N^2) block-diagonal mask is
+    never built.
+    """
     if attention_mask is None:
         return None
     from transformers.masking_utils import sdpa_mask

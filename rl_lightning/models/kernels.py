@@ -1,4 +1,4 @@
-"""Attention kernels with the log-sum-exp, the blocks zigzag ring attention is built from, and which kernel a tensor gets.
+"""Attention kernels with the log-sum-exp: the blocks zigzag ring attention is built from; which kernel a tensor gets.
 
 `block_forward` / `block_backward` return and consume the log-sum-exp that `merge_partials` needs to combine partial
 attention outputs exactly: torch's aten flash kernels on CUDA fp16/bf16 (`uses_flash_kernels`), explicit fp32 maths
@@ -17,8 +17,10 @@ _TILE = 1024  # query rows per score tile of the fp32 kernels: (H, 1024, l) scor
 
 
 def flash_varlen_available(device: torch.device) -> bool:
-    """torch's varlen flash kernels run on CUDA `device`: the module is torch >= 2.10, the kernels need a CUDA build
-    with flash and an Ampere or newer GPU."""
+    """Torch's varlen flash kernels run on CUDA `device`.
+
+    The module is torch >= 2.10, the kernels need a CUDA build with flash and an Ampere or newer GPU.
+    """
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
@@ -27,8 +29,10 @@ def flash_varlen_available(device: torch.device) -> bool:
 
 
 def uses_flash_kernels(query: torch.Tensor) -> bool:
-    """Whether torch's flash kernels can take `query`: CUDA, fp16/bf16 (flash has no fp32), a head size they
-    support. Never true on CPU, whatever `flash_varlen_available` says."""
+    """Whether torch's flash kernels can take `query`: CUDA, fp16/bf16 (flash has no fp32), a head size they support.
+
+    Never true on CPU, whatever `flash_varlen_available` says.
+    """
     head_dim = query.shape[-1]
     return (query.device.type == "cuda" and query.dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
             and flash_varlen_available(query.device))
@@ -56,8 +60,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the FINAL out and lse of its queries (over all keys, not just this block's), so
-    that P = exp(S - lse) are the true attention probabilities: -> dq (n_q, H, D), dk, dv (n_k, H_kv, D)."""
+    """Gradients of one block given the FINAL out and lse of its queries (over all keys, not just this block's).
+
+    So P = exp(S - lse) are the true attention probabilities: -> dq (n_q, H, D), dk, dv (n_k, H_kv, D).
+    """
     if block_backend(q) == "flash":
         return _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
     with torch.autocast(q.device.type, enabled=False):
@@ -66,9 +72,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over keys A and B together from attention over A and over B alone, exactly: the softmax over A + B
-    re-weights each part by exp(lse_part - lse). out (m, H, D), lse (H, m) -> fp32 out (m, H, D), lse (H, m).
-    Rows must have a key in A or B (two empty parts give NaN)."""
+    """Attention over keys A and B together from attention over A and over B alone, exactly.
+
+    The softmax over A + B re-weights each part by exp(lse_part - lse). out (m, H, D), lse (H, m) -> fp32 out (m, H, D),
+    lse (H, m). Rows must have a key in A or B (two empty parts give NaN).
+    """
     lse = torch.logaddexp(lse_a.float(), lse_b.float())  # (H, m)
     weight_a = (lse_a - lse).exp().T.unsqueeze(-1)  # (m, H, 1)
     weight_b = (lse_b - lse).exp().T.unsqueeze(-1)
@@ -96,8 +104,10 @@ def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
 
 
 def _tiles(cu_q: torch.Tensor, cu_k: torch.Tensor) -> Iterator[tuple[int, int, int, int, int]]:
-    """(q_start, q_end, k_start, k_end, diagonal) per query tile of each sequence; query row t of the tile may see
-    key j of its sequence iff ``j <= t + diagonal`` (when causal)."""
+    """(q_start, q_end, k_start, k_end, diagonal) per query tile of each sequence.
+
+    Query row t of the tile may see key j of its sequence iff ``j <= t + diagonal`` (when causal).
+    """
     for qs, qe, ks, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist(),
                               strict=True):
         for ts in range(qs, qe, _TILE):

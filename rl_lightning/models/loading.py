@@ -14,8 +14,11 @@ from rl_lightning.models.attention import register_varlen_attention
 
 
 def check_local_path(name: str) -> None:
-    """A `name` written as a path (``/``, ``./``, ``../``, ``~`` or more than one ``/``: never a hub id) must be an
-    existing folder; otherwise transformers would report it as a malformed hub id ("Repo id must be in the form")."""
+    """A `name` written as a path must be an existing folder.
+
+    A path is ``/``, ``./``, ``../``, ``~`` or more than one ``/`` (never a hub id); otherwise transformers would
+    report it as a malformed hub id ("Repo id must be in the form").
+    """
     looks_local = name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or "\\" in name
     path = Path(name).expanduser()
     if looks_local and not path.is_dir():
@@ -25,8 +28,10 @@ def check_local_path(name: str) -> None:
 
 
 def load_tokenizer(name: str) -> Any:
-    """Load a tokenizer (a folder, hub name, ``asset:<name>`` or ``.gguf`` file, see `rl_lightning.assets.real`); a
-    missing pad token falls back to EOS (needed for padded batches)."""
+    """Load a tokenizer (a folder, hub name, ``asset:<name>`` or ``.gguf`` file, see `rl_lightning.assets.real`).
+
+    A missing pad token falls back to EOS (needed for padded batches).
+    """
     from transformers import AutoTokenizer
 
     path = resolve_model(name)
@@ -87,8 +92,9 @@ def load_reward_model(
     attn_implementation: str = "rl_varlen",
     gradient_checkpointing: bool = False,
 ) -> Any:
-    """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone); the
-    arguments are `load_causal_lm`'s.
+    """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone).
+
+    The arguments are `load_causal_lm`'s.
 
     Loading a plain causal LM adds a freshly initialised head (transformers logs which weights are new). The pad
     token id is set in the config because transformers pools at the last non-pad token at inference.
@@ -103,9 +109,11 @@ def load_reward_model(
 
 
 def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for a transformers forward on a micro-batch. Packed micro-batches pass no attention mask
-    (``rl_varlen`` attention isolates the sequences by their position-id resets, or runs ring attention given
-    ``cp_layout``)."""
+    """Keyword arguments for a transformers forward on a micro-batch.
+
+    Packed micro-batches pass no attention mask (``rl_varlen`` attention isolates the sequences by their position-id
+    resets, or runs ring attention given ``cp_layout``).
+    """
     inputs = {"input_ids": micro_batch["input_ids"], "position_ids": micro_batch["position_ids"], "use_cache": False}
     if "attention_mask" in micro_batch:
         inputs["attention_mask"] = micro_batch["attention_mask"]
@@ -116,14 +124,16 @@ def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
 
 def target_logprobs(model: Any, micro_batch: dict[str, Any], temperature: float = 1.0,
                     entropy: Literal["value", "grad"] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) log-probability of each ``target_ids`` token at `temperature` and, with `entropy`, the (B, T) entropy of
-    the next-token distribution (at temperature 1; ``value``: detached, ``grad``: differentiable); both 0 at
-    positions where no row has a target.
+    """(B, T) log-probability of each ``target_ids`` token at `temperature`, and with `entropy` the (B, T) entropy.
+
+    The entropy is that of the next-token distribution (at temperature 1; ``value``: detached, ``grad``:
+    differentiable); both are 0 at positions where no row has a target.
 
     The language-model head runs only at those positions (``logits_to_keep`` with the target columns): in RL the
     prompt tokens, and in SFT the masked ones, are often most of a micro-batch, and with a 150k-token vocabulary the
     head's (tokens x vocab) logits cost more time and memory than a decoder block. Without ``target_mask`` every
-    position is a target."""
+    position is a target.
+    """
     from rl_lightning.algorithms import token_logprobs
     from rl_lightning.algorithms.policy import entropy_from_logits
 

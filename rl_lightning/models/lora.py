@@ -1,5 +1,6 @@
-"""LoRA through PEFT (``model.lora.*`` of the SFT, DPO and PPO tasks): low-rank adapters on the policy's linear
-layers, the base weights frozen.
+"""LoRA through PEFT (``model.lora.*`` of the SFT, DPO and PPO tasks).
+
+Low-rank adapters on the policy's linear layers, the base weights frozen.
 
 - `apply_lora` wraps the loaded model in a ``peft.PeftModel``; only adapter parameters (and `modules_to_save`)
   require gradients, so the optimizer (`rl_lightning.models.optim.adamw` takes trainable parameters only) holds adapter
@@ -70,9 +71,11 @@ def lora_config(value: Any) -> LoRAConfig | None:
 
 
 def apply_lora(model: Any, config: LoRAConfig) -> Any:
-    """Wrap a transformers causal LM (or sequence classifier) in a ``peft.PeftModel`` with `config`'s adapters; only
-    adapter parameters (and `modules_to_save`) require gradients. Target names matching no module fail here, at
-    start-up, naming ``model.lora.target_modules``."""
+    """Wrap a transformers causal LM (or sequence classifier) in a ``peft.PeftModel`` with `config`'s adapters.
+
+    Only adapter parameters (and `modules_to_save`) require gradients. Target names matching no module fail here, at
+    start-up, naming ``model.lora.target_modules``.
+    """
     from peft import LoraConfig, get_peft_model
 
     targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)
@@ -88,6 +91,7 @@ def apply_lora(model: Any, config: LoRAConfig) -> Any:
 
 
 def is_peft(model: Any) -> bool:
+    """Whether `model` is a PEFT wrapper (it has ``peft_config`` and ``get_base_model``)."""
     return model is not None and hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -113,26 +117,32 @@ def adapters_disabled(model: Any) -> Iterator[None]:
 
 
 class AdaptersDisabled:
-    """The reference policy of a LoRA run: calls the policy with its adapters disabled, i.e. the frozen base model,
-    with no second copy of the weights. Stands where a reference model goes (`target_logprobs` calls it); ``to``
-    is a no-op since it shares the policy's parameters (and their device)."""
+    """The reference policy of a LoRA run: calls the policy with its adapters disabled, i.e. the frozen base model.
+
+    There is no second copy of the weights. Stands where a reference model goes (`target_logprobs` calls it); ``to``
+    is a no-op since it shares the policy's parameters (and their device).
+    """
 
     def __init__(self, model: Any) -> None:
         self.model = model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The policy's forward with its adapters disabled (the base model's output)."""
         with adapters_disabled(self.model):
             return self.model(*args, **kwargs)
 
     def to(self, *args: Any, **kwargs: Any) -> AdaptersDisabled:
+        """No-op: it shares the policy's parameters (and their device)."""
         return self
 
 
 def check_lora_strategy(strategy: Any) -> None:
-    """LoRA under tensor parallelism is refused at start-up: the TP plan's ``ColwiseParallel``/``RowwiseParallel``
-    shard ``nn.Linear`` modules, and with LoRA the planned paths (``self_attn.q_proj``...) are PEFT ``lora.Linear``
-    wrappers whose A/B adapters would need a plan of their own (A row-wise after a row-wise base, B column-wise after
-    a column-wise one). Not built yet."""
+    """LoRA under tensor parallelism is refused at start-up.
+
+    The TP plan's ``ColwiseParallel``/``RowwiseParallel`` shard ``nn.Linear`` modules, and with LoRA the planned paths
+    (``self_attn.q_proj``...) are PEFT ``lora.Linear`` wrappers whose A/B adapters would need a plan of their own (A
+    row-wise after a row-wise base, B column-wise after a column-wise one). Not built yet.
+    """
     if getattr(strategy, "tp_size", 1) > 1:
         raise ConfigError(f"model.lora does not support strategy.tensor_parallel_size={strategy.tp_size} (PEFT's LoRA "
                           "layers are not tensor-parallel); use tensor_parallel_size: 1 (FSDP2 and context "

@@ -43,8 +43,10 @@ def oom_backoff_supported(world_size: int) -> bool:
 
 
 def smaller_budget(budget: int, longest: int) -> int:
-    """Half of `budget`, but at least `longest` (the minibatch's longest trajectory, which must fit whole); raises
-    `torch.OutOfMemoryError` with a one-line message when the budget is already there."""
+    """Half of `budget`, but at least `longest` (the minibatch's longest trajectory, which must fit whole).
+
+    Raises `torch.OutOfMemoryError` with a one-line message when the budget is already there.
+    """
     smaller = max(budget // 2, longest)
     if smaller >= budget:
         raise torch.OutOfMemoryError(

@@ -83,16 +83,20 @@ def adamw(
 
 
 def typed(cls: type, value: Any) -> Any:
-    """An argument group as its dataclass: the CLI passes instances, ``load_from_checkpoint`` the plain dicts a
-    checkpoint keeps."""
+    """An argument group as its dataclass.
+
+    The CLI passes instances, ``load_from_checkpoint`` the plain dicts a checkpoint keeps.
+    """
     return cls(**value) if isinstance(value, dict) else value
 
 
 def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int, lr: float | None = None
                     ) -> tuple[torch.optim.AdamW, dict[str, Any]]:
-    """AdamW over `model`'s trainable parameters and its schedule over `total_steps` optimizer steps (stepped once
-    per optimizer step, see `optimizer_step`); `lr` overrides the peak learning rate. Logs the trainable parameter
-    count (with LoRA: the adapters only, see `rl_lightning.models.lora`)."""
+    """AdamW over `model`'s trainable parameters and its schedule over `total_steps` optimizer steps.
+
+    The schedule is stepped once per optimizer step, see `optimizer_step`; `lr` overrides the peak learning rate. Logs
+    the trainable parameter count (with LoRA: the adapters only, see `rl_lightning.models.lora`).
+    """
     from lightning.pytorch.utilities import rank_zero_info
 
     from rl_lightning.models.lora import parameter_counts
@@ -108,8 +112,11 @@ def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int
 
 
 def run_length(trainer: Any, optim: OptimConfig) -> int:
-    """Optimizer steps of a run with one optimizer step per training batch (SFT, RM, DPO), which a decaying schedule
-    spans; a run bounded by neither ``trainer.max_steps`` nor ``trainer.max_epochs`` only allows a constant one."""
+    """Optimizer steps of a run with one optimizer step per training batch (SFT, RM, DPO).
+
+    A decaying schedule spans them; a run bounded by neither ``trainer.max_steps`` nor ``trainer.max_epochs`` only
+    allows a constant one.
+    """
     total = trainer.estimated_stepping_batches
     if math.isinf(total):
         if optim.lr_schedule == "constant":
@@ -122,9 +129,11 @@ def run_length(trainer: Any, optim: OptimConfig) -> int:
 
 def optimizer_step(module: Any, max_grad_norm: float, index: int | None = None,
                    model: torch.nn.Module | None = None) -> torch.Tensor:
-    """Clip, step and zero one optimizer of a manually optimised LightningModule and advance its scheduler; returns
-    the pre-clip grad norm. `index` picks among several optimizers (None: the only one); `model` limits clipping to
-    its parameters."""
+    """Clip, step and zero one optimizer of a manually optimised LightningModule and advance its scheduler.
+
+    Returns the pre-clip grad norm. `index` picks among several optimizers (None: the only one); `model` limits clipping
+    to its parameters.
+    """
     optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
     if index is not None:
         optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
