@@ -1,5 +1,7 @@
-"""Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers; a LoRA
-model (`rl_lightning.models.lora`) is exported merged, plus its PEFT adapter folder in ``adapter/``."""
+"""Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers.
+
+A LoRA model (`rl_lightning.models.lora`) is exported merged, plus its PEFT adapter folder in ``adapter/``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
 
@@ -26,9 +29,11 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool = True) -> None:
-    """Write ``save_pretrained`` of `model` (gathered) and of the tokenizer `tokenizer_name` to `dirpath`. A PEFT
-    (LoRA) model is written merged (base + adapters, the same layout as a full model) and its adapters to
-    ``dirpath/adapter`` (``peft.PeftModel.from_pretrained(base, dirpath/adapter)``)."""
+    """Write ``save_pretrained`` of `model` (gathered) and of the tokenizer `tokenizer_name` to `dirpath`.
+
+    A PEFT (LoRA) model is written merged (base + adapters, the same layout as a full model) and its adapters to
+    ``dirpath/adapter`` (``peft.PeftModel.from_pretrained(base, dirpath/adapter)``).
+    """
     from rl_lightning.models.loading import load_tokenizer
     from rl_lightning.models.lora import is_peft
 
@@ -46,9 +51,11 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
 
 
 def export_lora(model: Any, state: dict[str, torch.Tensor], dirpath: Path) -> None:
-    """Write a PEFT model's adapter folder (``dirpath/adapter``) and its merged weights (``dirpath``) from its
-    gathered state dict `state`. A CPU copy is rebuilt on the meta device and given `state`'s tensors, so the
-    training model (sharded or not) is left as it is."""
+    """Write a PEFT model's adapter folder (``dirpath/adapter``) and its merged weights (``dirpath``).
+
+    They are written from its gathered state dict `state`. A CPU copy is rebuilt on the meta device and given `state`'s
+    tensors, so the training model (sharded or not) is left as it is.
+    """
     from peft import get_peft_model
 
     from rl_lightning.models.lora import base_model
@@ -65,8 +72,11 @@ def export_lora(model: Any, state: dict[str, torch.Tensor], dirpath: Path) -> No
 
 
 def _ordinary_permissions(dirpath: Path) -> None:
-    """safetensors writes its weight files through a private temporary file (mode 0600): give every exported file
-    the mode a new file gets under the user's umask, so the export can be served by another user or container."""
+    """Give every exported file the mode a new file gets under the user's umask.
+
+    Safetensors writes its weight files through a private temporary file (mode 0600); with the umask's mode the export
+    can be served by another user or container.
+    """
     import os
 
     umask = os.umask(0)
@@ -105,6 +115,7 @@ class HFExport(L.Callback):
         self.dirpath, self.log_model, self.log_weights = dirpath, log_model, log_weights
         self.registered_model_name = registered_model_name
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dirpath = self.dirpath or "exports/model"
         export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)

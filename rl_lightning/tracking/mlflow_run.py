@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 import lightning as L
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class MLflowTracking(L.Callback):
         self.sampling_interval_s = sampling_interval_s
         self._monitors: list[Any] = []
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stats = getattr(trainer.datamodule, "stats", None) or {}
         if stats:
@@ -83,9 +85,11 @@ class MLflowTracking(L.Callback):
             monitor.finish()
         self._monitors.clear()
 
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop_monitors()
 
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop_monitors()
         if not trainer.is_global_zero:
