@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def latest_run_dir(root: str | Path, name: str) -> Path | None:
 
 
 def read_run_file(run_dir: Path) -> dict:
+    """The run record (``run.json``) of `run_dir`, or {} when it has none."""
     path = run_dir / RUN_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -73,6 +75,7 @@ class RunOutputs(L.Callback):
         self.name, self.root = name or "run", root
         self.dirpath = Path(dirpath) if dirpath else None
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -105,8 +108,11 @@ class RunOutputs(L.Callback):
 
 
 def resume_dir(ckpt_path: str, root: str | Path, name: str) -> Path | None:
-    """The run folder a resume continues: ``latest`` for ``last``, or the folder holding the given checkpoint (a path
-    ``<run folder>/checkpoints/<file or DCP folder>`` next to a ``run.json``); None for a fresh folder."""
+    """The run folder a resume continues; None for a fresh folder.
+
+    That is ``latest`` for ``last``, or the folder holding the given checkpoint (a path ``<run folder>/checkpoints/<file
+    or DCP folder>`` next to a ``run.json``).
+    """
     if ckpt_path == "last":
         return latest_run_dir(root, name)
     path = Path(ckpt_path).resolve()

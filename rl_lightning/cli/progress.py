@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+from typing_extensions import override
 
 # train/ metrics shown on the bar, in this order, with their short names (the first present of each name wins)
 SHOWN = (
@@ -83,16 +84,20 @@ class RunProgress(ProgressBar):
 
     # ------------------------------------------------------------------------------------ ProgressBar interface
 
+    @override
     def disable(self) -> None:
         self._enabled = False
 
+    @override
     def enable(self) -> None:
         self._enabled = True
 
     @property
+    @override
     def is_enabled(self) -> bool:
         return self._enabled
 
+    @override
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self._progress is not None:
             self._progress.console.print(*args, **kwargs)
@@ -103,6 +108,7 @@ class RunProgress(ProgressBar):
 
     @staticmethod
     def unit(pl_module: L.LightningModule) -> str:
+        """What the run counts: ``rollout`` for PPO-family tasks, else ``step`` (optimizer steps)."""
         return "rollout" if hasattr(pl_module, "run_rollouts") else "step"
 
     @staticmethod
@@ -116,6 +122,7 @@ class RunProgress(ProgressBar):
 
     @staticmethod
     def run_done(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """Rollouts (PPO-family tasks) or optimizer steps done so far."""
         return int(getattr(pl_module, "rollouts", trainer.global_step))
 
     def _description(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str:
@@ -153,12 +160,15 @@ class RunProgress(ProgressBar):
         self._task = self._progress.add_task(self._description(trainer, pl_module), total=self._total or None,
                                              completed=self._done, unit=f"{self.unit(pl_module)}s", metrics="")
 
+    @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start(trainer, pl_module)
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start(trainer, pl_module)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._enabled:
@@ -179,17 +189,20 @@ class RunProgress(ProgressBar):
             print(f"{self._description(trainer, pl_module)} {self.unit(pl_module)} {self._done}{total} "
                   f"[{_duration(now - self._started)}] {metrics}".rstrip(), flush=True)
 
+    @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._enabled and self._progress is not None:
             total = sum(n for n in trainer.num_sanity_val_batches if not math.isinf(n)) if trainer.sanity_checking \
                 else sum(n for n in trainer.num_val_batches if not math.isinf(n))
             self._val_task = self._progress.add_task("validation", total=total or None, unit="batches", metrics="")
 
+    @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._val_task is not None:
             self._progress.advance(self._val_task)
 
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._val_task is not None:
             self._progress.remove_task(self._val_task)
@@ -206,12 +219,14 @@ class RunProgress(ProgressBar):
         values = " · ".join(f"{k.removeprefix('val/')} {v:.4g}" for k, v in metrics.items())
         self.print(f"validation @ {where}: {values}")
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=self.run_done(trainer, pl_module))
             self._progress.stop()
             self._progress = None
 
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self._progress is not None:
             self._progress.stop()
@@ -225,6 +240,7 @@ class RunProgress(ProgressBar):
 
 
 def run_name(trainer: L.Trainer) -> str | None:
+    """The MLflow run name of the trainer's first ``MLFlowLogger``, or None without one."""
     from lightning.pytorch.loggers import MLFlowLogger
 
     for logger in trainer.loggers:
@@ -258,8 +274,10 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
 
 
 def mlflow_link(logger: Any) -> str:
-    """How to open the run's page in the MLflow UI, in its model-training view (the UI's GenAI view is the default
-    of a new browser; ``workflowType`` in the address picks the other)."""
+    """How to open the run's page in the MLflow UI, in its model-training view.
+
+    The UI's GenAI view is the default of a new browser; ``workflowType`` in the address picks the other.
+    """
     uri = logger._tracking_uri or ""
     page = f"#/experiments/{logger.experiment_id}/runs/{logger.run_id}?workflowType=machine_learning"
     if uri.startswith(("http://", "https://")):
@@ -306,8 +324,10 @@ class _DropMessages:
 
 
 def quiet(rank: int = 0) -> None:
-    """Silence what does not apply (``QUIET_WARNINGS``, ``QUIET_LOGS``, transformers' weight-loading bars) and, on
-    ranks other than 0, every Python warning (rank 0 shows each once)."""
+    """Silence what does not apply (``QUIET_WARNINGS``, ``QUIET_LOGS``, transformers' weight-loading bars).
+
+    On ranks other than 0, every Python warning is silenced too (rank 0 shows each once).
+    """
     import logging
     import warnings
 

@@ -28,8 +28,10 @@ FIELDS = {"float": {"type", "low", "high", "step", "log"}, "int": {"type", "low"
 
 @dataclass(frozen=True)
 class Param:
-    """One searched config key: a float or int range (``low``..``high`` inclusive, optional ``step``/``log``) or a
-    list of categorical ``choices``."""
+    """One searched config key.
+
+    A float or int range (``low``..``high`` inclusive, optional ``step``/``log``) or a list of categorical ``choices``.
+    """
 
     key: str
     type: str
@@ -40,6 +42,7 @@ class Param:
     choices: tuple = ()
 
     def suggest(self, trial: Any) -> Any:
+        """This key's value for the Optuna `trial` (``suggest_categorical``/``suggest_int``/``suggest_float``)."""
         if self.type == "categorical":
             return trial.suggest_categorical(self.key, list(self.choices))
         suggest = trial.suggest_int if self.type == "int" else trial.suggest_float
@@ -55,6 +58,7 @@ class Param:
         return values if self.type == "int" else [round(v, 12) for v in values]
 
     def first(self) -> Any:
+        """A valid value without sampling: the first choice, or ``low`` (the config is dry-parsed with it)."""
         return self.choices[0] if self.type == "categorical" else self.low
 
 

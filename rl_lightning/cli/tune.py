@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning as L
 import yaml
+from typing_extensions import override
 
 from rl_lightning.cli.search_space import Param, load_space, overrides
 from rl_lightning.errors import ConfigError, UserError
@@ -72,10 +73,12 @@ class Pruning(L.Callback):
             _Current.pruned_at = trainer.global_step
             trainer.should_stop = True
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self.metric.startswith("val"):
             self._report(trainer)
 
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.metric.startswith("val"):
             self._report(trainer)
@@ -86,6 +89,7 @@ class TrialFailed(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``tune`` command's argument parser (the arguments it does not know go to every trial's ``fit``)."""
     parser = argparse.ArgumentParser(
         prog="python -m rl_lightning tune", allow_abbrev=False,
         description="Optuna search over any config key; every other argument is passed to each trial's `fit` "
@@ -110,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dry_parse(fit_args: list[str]) -> dict[str, Any]:
-    """The resolved config of ``fit <fit_args>`` without running it (``--print_config``); a bad key or value exits
-    with the CLI's one-line error."""
+    """The resolved config of ``fit <fit_args>`` without running it (``--print_config``).
+
+    A bad key or value exits with the CLI's one-line error.
+    """
     from rl_lightning.cli.main import main as cli_main
 
     printed = io.StringIO()
@@ -125,8 +131,10 @@ def dry_parse(fit_args: list[str]) -> dict[str, Any]:
 
 
 def experiment_name(config: dict[str, Any], fit_args: list[str], configs: list[str]) -> str:
-    """The MLflow experiment a fit of this config logs to (the CLI's rule: ``rl_lightning/<family>`` unless
-    ``experiment_name`` is set in a config file or on the command line)."""
+    """The MLflow experiment a fit of this config logs to.
+
+    The CLI's rule: ``rl_lightning/<family>`` unless ``experiment_name`` is set in a config file or on the command line.
+    """
     from rl_lightning.cli.main import EXPERIMENTS
 
     texts = list(fit_args)
@@ -139,6 +147,7 @@ def experiment_name(config: dict[str, Any], fit_args: list[str], configs: list[s
 
 
 def make_sampler(name: str, space: list[Param], seed: int) -> Any:
+    """The Optuna sampler `name` (``grid`` over `space`, ``random`` or ``tpe``), seeded with `seed`."""
     import optuna
 
     if name == "grid":
@@ -147,6 +156,7 @@ def make_sampler(name: str, space: list[Param], seed: int) -> Any:
 
 
 def make_pruner(args: argparse.Namespace) -> Any:
+    """The Optuna pruner of ``--pruner``: the median pruner with its start-up/warm-up settings, or none."""
     import optuna
 
     if args.pruner == "median":
@@ -188,6 +198,7 @@ class Tuner:
         self.base = base
 
     def start_parent(self, study_name: str, direction: str, n_trials: int) -> str:
+        """Create the study's parent MLflow run with the settings and the search space; returns its id."""
         a = self.args
         tags = {"rl_lightning.tune": "study", "optuna.study": study_name}
         self.parent = self.client.create_run(self.experiment_id, run_name=study_name, tags=tags).info.run_id
@@ -205,6 +216,7 @@ class Tuner:
         return self.parent
 
     def objective(self, trial: Any) -> float:
+        """Run one trial as a child MLflow run and a fit; returns its objective value (raises when pruned or failed)."""
         import optuna
 
         values = {p.key: p.suggest(trial) for p in self.space}
@@ -250,6 +262,7 @@ class Tuner:
             raise
 
     def finish(self, study: Any) -> None:
+        """Record the trial counts and the best trial in the parent run and close it; no completed trial is an error."""
         import optuna
 
         states = [t.state for t in study.trials]
