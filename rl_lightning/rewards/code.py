@@ -27,12 +27,15 @@ def extract_code(text: str) -> str | None:
 def code_reward(messages: list[dict], answer: Any, timeout_s: float = 5.0, memory_mb: int = 512) -> float:
     """Fraction of test cases passed by the last message's program.
 
-    Args:
-        answer: the test cases in any shape `read_test_cases` reads; outputs are compared after stripping trailing
-            whitespace on every line.
-
     Failures (no code block, crash, timeout, memory, blocked operation) score 0 for that case and are logged with the
     reason; nothing the program does can stop the trainer.
+
+    Args:
+        messages: the conversation; the program is the last fenced code block of its last message.
+        answer: the test cases in any shape `read_test_cases` reads; outputs are compared after stripping trailing
+            whitespace on every line.
+        timeout_s: wall-clock limit per test case, in seconds.
+        memory_mb: memory limit of the program, in MiB.
     """
     cases = read_test_cases(answer)
     code = extract_code(messages[-1]["content"])
@@ -49,8 +52,11 @@ def code_reward(messages: list[dict], answer: Any, timeout_s: float = 5.0, memor
 
 
 def read_test_cases(answer: Any) -> list[dict[str, str]]:
-    """``[{"input": str, "output": str}, ...]`` from the shapes the module docstring lists (an input or output given
-    as a list of lines is joined with newlines). Raises ValueError naming what is wrong with any other shape."""
+    """``[{"input": str, "output": str}, ...]`` from the shapes the module docstring lists.
+
+    An input or output given as a list of lines is joined with newlines. Raises ValueError naming what is wrong with
+    any other shape.
+    """
     if isinstance(answer, str):
         try:
             answer = json.loads(answer)

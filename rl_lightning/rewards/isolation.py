@@ -3,12 +3,12 @@
 Levels, strongest first:
 
 - ``bwrap``: bubblewrap (``apt-get install bubblewrap``) puts the program in fresh user, PID, mount, network, IPC,
-  UTS and cgroup namespaces with every capability dropped and no way to create further user namespaces. Its filesystem is a private root holding read-only
-  binds of ``/usr`` (and the ``/lib*``/``/bin`` links into it) and of the Python installation only, a ``/proc`` that
-  shows only the sandbox's own processes, a minimal ``/dev`` and a size-capped tmpfs work directory (``/work``,
-  the only writable place); no variable of the trainer's environment reaches it. A seccomp filter refuses to create
-  processes (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``; threads still work), and killing the sandbox's
-  first process tears the whole PID namespace down, so nothing outlives a call.
+  UTS and cgroup namespaces with every capability dropped and no way to create further user namespaces. Its filesystem
+  is a private root holding read-only binds of ``/usr`` (and the ``/lib*``/``/bin`` links into it) and of the Python
+  installation only, a ``/proc`` that shows only the sandbox's own processes, a minimal ``/dev`` and a size-capped tmpfs
+  work directory (``/work``, the only writable place); no variable of the trainer's environment reaches it. A seccomp
+  filter refuses to create processes (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``; threads still work), and
+  killing the sandbox's first process tears the whole PID namespace down, so nothing outlives a call.
 - ``none``: a plain child process with resource limits and the in-interpreter audit hook. Neither is a security
   boundary: the program can read what the trainer can. Used only when the user opts in
   (``RL_LIGHTNING_UNISOLATED_CODE=1``), otherwise code rewards refuse to run.
@@ -54,8 +54,10 @@ def _read_only_paths() -> list[str]:
 
 def bwrap_command(python_args: list[str], workdir_bytes: int, seccomp_fd: int | None = None,
                   files: dict[str, int] | None = None) -> list[str]:
-    """The bubblewrap command line running ``interpreter() *python_args`` in the isolation described above, with
-    `files` (name in the work directory -> readable fd, passed to the child) copied into the work directory."""
+    """The bubblewrap command line running ``interpreter() *python_args`` in the isolation described above.
+
+    `files` (name in the work directory -> readable fd, passed to the child) are copied into the work directory.
+    """
     # --unshare-user explicitly: --unshare-all only tries it, and as root would otherwise skip it
     command = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
                "--cap-drop", "ALL", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
@@ -87,9 +89,11 @@ _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
 
 
 def seccomp_program() -> bytes | None:
-    """A compiled filter for this architecture (None where unknown): ``fork``/``vfork`` and ``clone`` without
-    ``CLONE_THREAD`` fail with EPERM; ``clone3`` fails with ENOSYS so the C library falls back to ``clone``, whose
-    flags a filter can read (threads keep working)."""
+    """A compiled filter for this architecture (None where unknown).
+
+    ``fork``/``vfork`` and ``clone`` without ``CLONE_THREAD`` fail with EPERM; ``clone3`` fails with ENOSYS so the C
+    library falls back to ``clone``, whose flags a filter can read (threads keep working).
+    """
     if platform.machine() not in _AUDIT_ARCH:
         return None
     arch, numbers = _AUDIT_ARCH[platform.machine()]
@@ -124,8 +128,10 @@ def isolation_level() -> str:
 
 @functools.lru_cache(maxsize=1)
 def require_isolation() -> str:
-    """The level code rewards will use, logged once per process; without real isolation raise unless the user
-    opted in."""
+    """The level code rewards will use, logged once per process.
+
+    Without real isolation, raise unless the user opted in.
+    """
     level = isolation_level()
     if level == "none" and os.environ.get(OPT_IN) != "1":
         isolation_level.cache_clear()  # installing bubblewrap and retrying must work without a restart

@@ -1,4 +1,4 @@
-"""Verifiable math rewards: the final answer (``\\boxed{...}``, or the last number) compared with the reference."""
+r"""Verifiable math rewards: the final answer (``\boxed{...}``, or the last number) compared with the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
+    r"""Content of the last ``\boxed{...}`` (balanced braces), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -43,8 +43,10 @@ def _as_number(text: str) -> Fraction | None:
 
 
 def answers_match(prediction: str | None, reference: Any) -> bool:
-    """Numerically equal when both parse as numbers (``1,000`` = ``1000.0`` = ``\\frac{2000}{2}``), else equal as
-    whitespace-normalised strings."""
+    r"""Numerically equal when both parse as numbers, else equal as whitespace-normalised strings.
+
+    For example ``1,000`` = ``1000.0`` = ``\frac{2000}{2}``.
+    """
     if prediction is None:
         return False
     a, b = _as_number(prediction), _as_number(str(reference))

@@ -26,9 +26,12 @@ def _is_number(text: str) -> bool:
 
 
 def extract_answer(text: str, reference: str = "") -> str | None:
-    """The answer in a completion, first match wins: the last ``<answer>…</answer>``, the last ``\\boxed{…}``, the
-    text after "the answer is" / "answer …is" / "answer:" on its line; then, for a numeric reference, the last number, else the last
-    non-empty line. Surrounding whitespace, ``**`` and a final period are dropped."""
+    r"""The answer in a completion, first match wins.
+
+    The last ``<answer>…</answer>``, the last ``\boxed{…}``, the text after "the answer is" / "answer …is" /
+    "answer:" on its line; then, for a numeric reference, the last number, else the last non-empty line. Surrounding
+    whitespace, ``**`` and a final period are dropped.
+    """
     candidate = None
     tags = _TAG.findall(text)
     if tags:

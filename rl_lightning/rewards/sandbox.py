@@ -96,6 +96,7 @@ class SandboxResult:
 
     @property
     def ok(self) -> bool:
+        """A clean exit: status 0, no timeout and an empty `reason`."""
         return self.returncode == 0 and not self.timed_out and not self.reason
 
 
@@ -169,8 +170,11 @@ def _popen(command: list[str], **kwargs) -> subprocess.Popen:
 
 
 def _communicate(process: subprocess.Popen, data: bytes, deadline: float, cap: int) -> tuple[bytes, bytes, str]:
-    """Feed stdin and collect stdout/stderr as they come, until both close, the deadline passes (``timeout``) or a
-    stream passes `cap` bytes (``output limit``); the trainer never buffers more than `cap` + one chunk."""
+    """Feed stdin and collect stdout/stderr as they come, until both close, the deadline passes or a stream is full.
+
+    The deadline is ``timeout``, a full stream one that passes `cap` bytes (``output limit``); the trainer never
+    buffers more than `cap` + one chunk.
+    """
     outputs = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     selector = selectors.DefaultSelector()
     for fd in outputs:
@@ -218,8 +222,11 @@ def _communicate(process: subprocess.Popen, data: bytes, deadline: float, cap: i
 
 
 def _kill(process: subprocess.Popen) -> None:
-    """Kill the sandbox's process group; under bwrap its first process dying tears the PID namespace down (every
-    process in it is killed by the kernel), so nothing survives and no pipe stays open."""
+    """Kill the sandbox's process group.
+
+    Under bwrap its first process dying tears the PID namespace down (every process in it is killed by the kernel), so
+    nothing survives and no pipe stays open.
+    """
     if process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
