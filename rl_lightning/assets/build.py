@@ -120,6 +120,7 @@ def _prompt(rng: random.Random, question: str) -> list[dict[str, str]]:
 
 
 def sft_rows(rng: random.Random, n: int) -> list[dict]:
+    """`n` arithmetic conversations for SFT, about 30% of them with a second user/assistant turn."""
     rows = []
     for _ in range(n):
         question, answer = _question(rng)
@@ -132,6 +133,7 @@ def sft_rows(rng: random.Random, n: int) -> list[dict]:
 
 
 def preference_rows(rng: random.Random, n: int) -> list[dict]:
+    """`n` arithmetic preference pairs: the right answer chosen, a wrong (half of them also hedged) one rejected."""
     rows = []
     for _ in range(n):
         question, answer = _question(rng)
@@ -144,6 +146,7 @@ def preference_rows(rng: random.Random, n: int) -> list[dict]:
 
 
 def prompt_rows(rng: random.Random, n: int) -> list[dict]:
+    """`n` arithmetic prompts with their reference answers, for RL."""
     rows = []
     for _ in range(n):
         question, answer = _question(rng)
@@ -152,8 +155,10 @@ def prompt_rows(rng: random.Random, n: int) -> list[dict]:
 
 
 def easy_questions(seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Every single-digit ``a + b`` and ``a - b`` as (question, answer), split by a seeded shuffle into 150 training
-    and 50 held-out questions."""
+    """Every single-digit ``a + b`` and ``a - b`` as (question, answer), split by a seeded shuffle.
+
+    The split is 150 training and 50 held-out questions.
+    """
     questions = [(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b))
                  for a in range(10) for b in range(10) for op in "+-"]
     random.Random(seed).shuffle(questions)
@@ -171,6 +176,7 @@ def easy_prompts(questions: list[tuple[str, str]]) -> list[tuple[list[dict[str, 
 
 
 def build_easy_data(out_dir: Path, seed: int) -> None:
+    """Write the single-digit files: ``easy_sft.jsonl``, ``easy.jsonl`` (RL prompts) and ``easy_test.jsonl``."""
     train, test = easy_questions(seed)
     train_prompts = easy_prompts(train)
     styles = random.Random(seed + 1)  # half the answers ignore "the number only" (see the module docstring)
@@ -182,6 +188,7 @@ def build_easy_data(out_dir: Path, seed: int) -> None:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write `rows` to `path`, one JSON object per line (creating the folder)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for row in rows:
@@ -189,6 +196,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def build_data(out_dir: Path, seed: int = 0) -> None:
+    """Write every demo data file (SFT, preference, RL prompts and their held-out sets) into `out_dir`, seeded."""
     write_jsonl(out_dir / "sft.jsonl", sft_rows(random.Random(seed), 2000))
     write_jsonl(out_dir / "preference.jsonl", preference_rows(random.Random(seed + 1), 1000))
     write_jsonl(out_dir / "arithmetic.jsonl", prompt_rows(random.Random(seed + 2), 1000))
@@ -197,6 +205,7 @@ def build_data(out_dir: Path, seed: int = 0) -> None:
 
 
 def build(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> None:
+    """Build the tiny tokenizer and random model into `model_dir` and the demo data into `data_dir`."""
     from transformers import AutoTokenizer
 
     build_tokenizer(model_dir)
@@ -209,15 +218,17 @@ def build(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR) -> None:
 
 def build_warm_start(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR, out_dir: Path = WARM_MODEL_DIR,
                      steps: int = WARM_START_STEPS, seed: int = 0) -> None:
-    """SFT the random model in `model_dir` on ``easy_sft.jsonl`` for `steps` seeded steps and export it to `out_dir`
-    (Hugging Face layout: safetensors, config, generation config, tokenizer)."""
+    """SFT the random model in `model_dir` on ``easy_sft.jsonl`` for `steps` seeded steps and export it to `out_dir`.
+
+    The export has the Hugging Face layout: safetensors, config, generation config, tokenizer.
+    """
     import lightning as L
     import torch
 
     from rl_lightning.data import SFTDataModule
-    from rl_lightning.export import export_hf
-    from rl_lightning.optim import OptimConfig
+    from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT
+    from rl_lightning.tracking.export import export_hf
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # reductions in a fixed order: the same machine rebuilds the same weights
@@ -235,6 +246,7 @@ def build_warm_start(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR, out
 
 
 def main() -> None:
+    """Command line: rebuild the tiny assets, the warm-started model (``--warm-start``) or the real one (``--real``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)

