@@ -1,25 +1,40 @@
-"""One-line command-line errors: jsonargparse's nested parse errors turned into a line a user can act on.
+"""One-line command-line errors: what is wrong with a config, found from the parser's structure, as one line.
 
 jsonargparse reports a typo or a bad value as a multi-line message (a task's own message indented inside the
-``Parser key "model"`` one) after the full usage (~60 lines). `one_line_error` rewrites it as::
+``Parser key "model"`` one) after the full usage (~60 lines). `one_line_error` replaces it with::
 
     model.lrr: not an option of SFT (value '1' on the command line); did you mean 'model.optim.lr'? — see `...`
 
 naming the key as the user writes it (no ``init_args``), the value, where it was set (the ``--config`` YAML that holds
 the key, or the command line), the closest valid key (difflib over the valid dotted keys of that class) and the
-``--help`` command that lists the options. A message it does not recognise is reduced to its first meaningful line.
+``--help`` command that lists the options.
+
+What is wrong is found from the parser's structure first (`rl_lightning.cli.config_check.diagnose`: the parser's
+actions and their types, the configs as the user wrote them, class paths resolved by import, the table of moved
+paths). Only what that does not find is read from jsonargparse's message (`parse_message`); those message shapes are
+pinned by the jsonargparse version range in pyproject.toml, with one test per shape run against the installed
+jsonargparse. A message of no known shape is reduced to its first meaningful line.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
-import importlib
 import os
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
+
+from rl_lightning.cli.config_check import (
+    COMMAND_LINE,
+    Problem,
+    diagnose,
+    import_class,
+    read_settings,
+    user_key,
+)
+
+__all__ = ["Problem", "first_line", "locate", "one_line_error", "parse_message", "suggest"]
 
 PROG = "python -m rl_lightning"
 SUBCOMMAND = "fit"
@@ -30,25 +45,7 @@ _NOT_KEYS = ("help", "config", "print_config", argparse.SUPPRESS)  # parser acti
 _NOISE = re.compile(r'Parser key "[^"]+":|Does not validate against|Subtypes:|Errors:|Given value|Expected a path but')
 
 
-@dataclasses.dataclass
-class Problem:
-    """What is wrong, parsed from a jsonargparse message.
-
-    Attributes:
-        key: The key as the user writes it (``model.optim.lr``; empty when the message names none).
-        what: What is wrong with it (``expected float``).
-        value: The value as the message shows it, when it shows one.
-        kind: ``"option"`` (no such key), ``"class"`` (a class path that does not resolve) or ``"value"``.
-        class_path: The class whose arguments ``key`` belongs to (``rl_lightning.tasks.SFT``).
-        prefix: Where that class sits (``model``), so ``key`` minus ``prefix`` is an argument of the class.
-    """
-
-    key: str
-    what: str
-    value: str | None = None
-    kind: Literal["value", "option", "class"] = "value"
-    class_path: str | None = None
-    prefix: str = ""
+# --- reading jsonargparse's message: what the structured check does not find --------------------------------------
 
 
 def parse_message(message: str) -> Problem | None:
@@ -64,7 +61,6 @@ def parse_message(message: str) -> Problem | None:
          lambda m: Problem(f"{m[1]}.{m[2]}", "unknown option", kind="option")),
         (r"Option '([^']+)' is not accepted", lambda m: Problem(m[1], "unknown option", kind="option")),
         (r"the following arguments are required: ([^\s,]+)", lambda m: Problem(m[1], "is required but not set")),
-        (r'Key "([^"]+)" is required', lambda m: Problem(m[1].replace(".init_args", ""), "is required but not set")),
         (r"--(\S+): Expected a dot import path string: (\S+)",
          lambda m: Problem(m[1], "class not found", m[2], kind="class")),
         (r"argument --(\S+): (.+)", lambda m: Problem(m[1], m[2])),
@@ -133,10 +129,17 @@ def first_line(message: str) -> str:
     return meaningful[0]
 
 
+# --- the suggestion, the help command, where a key was set -------------------------------------------------------
+
+
 def suggest(word: str, candidates: Sequence[str]) -> str | None:
-    """The candidate closest to ``word``, or None: among those whose difflib ratio to `word` is >= 0.6, the best
-    mean of that ratio and the ratio of the last dotted parts (a typo is usually in the key's last part: ``model.lrr``
-    means ``model.optim.lr`` more likely than ``model.lora``)."""
+    """The candidate closest to ``word``, or None.
+
+    Among the candidates whose difflib ratio to `word` is >= 0.6, the best mean of that ratio and the ratio of the
+    last dotted parts (a typo is usually in the key's last part: ``model.lrr`` means ``model.optim.lr`` more likely
+    than ``model.lora``).
+    """
+
     def ratio(a: str, b: str) -> float:
         return difflib.SequenceMatcher(None, a, b).ratio()
 
@@ -158,10 +161,6 @@ def parser_keys(parser: argparse.ArgumentParser) -> list[str]:
     return [k for k in keys if not any(other.startswith(k + ".") for other in keys)]  # drop groups ("optim")
 
 
-def import_class(class_path: str) -> Any:
-    """The class at a dotted path (``rl_lightning.tasks.SFT``)."""
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def class_keys(class_path: str) -> list[str]:
@@ -195,7 +194,7 @@ def suggestion_for(problem: Problem, parser: argparse.ArgumentParser) -> str | N
         base = CLASS_KEYS.get(problem.key.removesuffix(".help"))
         if base is None or not problem.value:
             return None
-        return suggest(problem.value.rsplit(".", 1)[-1], known_classes(base))
+        return suggest(str(problem.value).rsplit(".", 1)[-1], known_classes(base))
     if problem.kind != "option":
         return None
     try:
@@ -212,11 +211,6 @@ def help_command(problem: Problem) -> str:
     return f"{PROG} {SUBCOMMAND} --help"
 
 
-def _normalise(key: str) -> str:
-    """``data.init_args.max_length`` / ``model.class_path`` / ``trainer.callbacks+`` -> the key as we name it."""
-    return key.rstrip("+").replace(".init_args", "").removesuffix(".class_path")
-
-
 def _yaml_lookup(node: Any, parts: list[str]) -> Any:
     """The value at dotted ``parts`` in a loaded YAML, looking through ``init_args`` levels; `_NOT_FOUND` if absent."""
     if not parts:
@@ -230,32 +224,18 @@ def _yaml_lookup(node: Any, parts: list[str]) -> Any:
     return _yaml_lookup(node["init_args"], parts) if "init_args" in node else _NOT_FOUND
 
 
-def _read_yaml(path: str) -> Any:
-    import yaml
-
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return None
 
 
 def locate(key: str, argv: Sequence[str]) -> tuple[str | None, Any]:
     """Where ``key`` was last set, ``("command line" | <yaml path> | None, value)``, scanning ``argv`` in order."""
     where, value = None, _NOT_FOUND
-    argv = list(argv)
-    for i, arg in enumerate(argv):
-        if not arg.startswith("-"):
-            continue
-        name, has_inline, inline = arg.lstrip("-").partition("=")
-        following = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
-        given = inline if has_inline else following
-        if _normalise(name) == key:
-            where, value = "command line", given
-        elif name in ("config", "c") and given and key != "config":
-            found = _yaml_lookup(_read_yaml(given), key.split("."))
+    for setting in read_settings(argv):
+        if setting.where == COMMAND_LINE and user_key(setting.key).removesuffix(".class_path") == key:
+            where, value = COMMAND_LINE, setting.value
+        elif setting.where != COMMAND_LINE and key != "config":
+            found = _yaml_lookup(setting.value, key.split("."))
             if found is not _NOT_FOUND:
-                where, value = given, found
+                where, value = setting.where, found
     return where, value
 
 
@@ -277,17 +257,25 @@ def one_line_error(message: str, parser: argparse.ArgumentParser, argv: Sequence
     """The one line (without the ``rl_lightning: error:`` prefix) that replaces jsonargparse's usage + message.
 
     Args:
-        message: jsonargparse's error message.
+        message: jsonargparse's error message (read only when `diagnose` finds nothing).
         parser: The parser that reports it (the root parser or the ``fit`` one): its keys are the suggestions.
         argv: The command line, to tell where the bad key was set.
     """
-    problem = parse_message(message)
-    if problem is None or not problem.key:
-        at_root = any(getattr(action, "_name_parser_map", None) for action in parser._actions)
-        return f"{first_line(message)} — see `{PROG}{'' if at_root else ' ' + SUBCOMMAND} --help`"
-    if problem.what == "expected one argument":  # argparse names the group (--model) of `--model.model_name`
-        problem.key = _dangling_option(problem.key, argv)
-    where, value = locate(problem.key, argv)
+    try:
+        problem = diagnose(parser, argv)
+    except Exception:  # noqa: BLE001 - the structured check is best effort: the message is the fallback
+        problem = None
+    if problem is not None and problem.kind == "moved":
+        place = "on your command line" if problem.where == COMMAND_LINE else f"in your config ({problem.where})"
+        return f"{problem.key}: {problem.what}; change it {place}"
+    if problem is None:
+        problem = parse_message(message)
+        if problem is None or not problem.key:
+            at_root = any(getattr(action, "_name_parser_map", None) for action in parser._actions)
+            return f"{first_line(message)} — see `{PROG}{'' if at_root else ' ' + SUBCOMMAND} --help`"
+        if problem.what == "expected one argument":  # argparse names the group (--model) of `--model.model_name`
+            problem.key = _dangling_option(problem.key, argv)
+    where, value = (problem.where, problem.value) if problem.where else locate(problem.key, argv)
     if problem.kind == "class" or value is _NOT_FOUND or isinstance(value, dict):
         value = problem.value
     what = problem.what
@@ -295,7 +283,7 @@ def one_line_error(message: str, parser: argparse.ArgumentParser, argv: Sequence
         what = f"not an option of {short_name(problem.class_path)}"
     details = [f"value {_show(value)}"] if value is not None else []
     if where:
-        details.append("on the command line" if where == "command line" else f"in {where}")
+        details.append("on the command line" if where == COMMAND_LINE else f"in {where}")
     line = f"{problem.key}: {what}" + (f" ({' '.join(details)})" if details else "")
     if suggestion := suggestion_for(problem, parser):
         line += f"; did you mean '{suggestion}'?"
