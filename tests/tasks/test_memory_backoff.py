@@ -93,7 +93,10 @@ def test_gradients_of_a_failed_attempt_do_not_leak_into_the_retry(parity_env, ta
 
     fixed, _ = _ppo(parity_env, rollouts=2, max_length_per_device=160, **task_kwargs)
     for name, expected in _parameters(fixed).items():
-        assert_close(_parameters(backed_off)[name], expected)
+        # gae-kl: the reference log-probabilities and values were scored on the 320-token packing, the fixed run's
+        # on 160 tokens: packing changes their summation order only (max |diff| 1.4e-6 on this CPU, at commit 3308ccd
+        # already, before the package split)
+        assert_close(_parameters(backed_off)[name], expected, atol=1e-5 if task_kwargs else 1e-6)
 
 
 def test_a_trajectory_that_cannot_fit_fails_in_one_line():
@@ -128,14 +131,26 @@ def test_auto_is_refused_on_several_processes():
 
 def test_out_of_memory_is_raised_as_is_where_the_back_off_is_not_supported():
     """Under several processes a retry on one rank would leave the others in a collective: no retry."""
-    with mock.patch("rl_lightning.tasks.ppo.oom_backoff_supported", return_value=False), pytest.raises(
+    with mock.patch("rl_lightning.tasks.ppo.update.oom_backoff_supported", return_value=False), pytest.raises(
             torch.OutOfMemoryError, match="simulated: "):
         _ppo(callbacks=[SimulatedMemory(fail_at=1)], max_length_per_device=320)
 
 
+def _cli(args):
+    """The real CLI, parsed and instantiated without running (as tests/cli/test_cli.py's ``_cli``: that module is
+    importable only when tests/cli is collected in the same session)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from rl_lightning.cli.main import RLLightningCLI
+
+    return RLLightningCLI(
+        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+        save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
+    )
+
+
 def test_auto_from_the_command_line(workdir, monkeypatch):
     from conftest import TINY_MODEL
-    from test_cli import _cli
 
     monkeypatch.setattr(sys, "argv", ["rl_lightning"])  # LightningCLI warns when pytest's own argv is present
     args = ["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--model.model_name", str(TINY_MODEL)]

@@ -1,0 +1,352 @@
+"""The PPO LightningModule: one rollout per training batch, turned into ``update_per_rollout`` optimizer steps.
+
+`PPO.training_step` reads as the algorithm (see `rl_lightning.tasks.ppo`); the phases are in this package's
+modules: `minibatches` (packing), `scoring` (log-probabilities, values, advantages), `update` (optimizer steps and
+the out-of-memory back-off), `objective` (the losses), `metrics` (what is logged), `config` (the argument groups).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, is_dataclass
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS, OFF_POLICY_ESTIMATORS
+from rl_lightning.errors import ConfigError
+from rl_lightning.models.loading import load_causal_lm, load_reward_model, load_tokenizer, target_logprobs
+from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.memory import initial_budget
+from rl_lightning.models.optim import OptimConfig, configure_adamw, typed
+from rl_lightning.parallel.parallelize import parallelize_for
+from rl_lightning.parallel.strategy import ParallelStrategy
+from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
+from rl_lightning.rollout.trajectory import Rollout, Trajectory
+from rl_lightning.tasks.ppo import metrics, minibatches, scoring, update
+from rl_lightning.tasks.ppo.config import (
+    ConstraintConfig,
+    CorrectionConfig,
+    KLConfig,
+    argument_errors,
+    make_controllers,
+    start_up_errors,
+)
+from rl_lightning.tasks.ppo.objective import PolicyObjective, value_loss
+
+
+class PPO(L.LightningModule):
+    """PPO-family policy optimisation.
+
+    Args:
+        model_name: policy to train (HF folder, hub name, ``asset:<name>``); also the tokenizer and the reference.
+        rollout: how trajectories are sampled and scored (``model.rollout.*``, see
+            `rl_lightning.rollout.callback.RolloutConfig`).
+        max_rollouts: length of the run in rollouts (it stops there); sizes the learning-rate schedules. Null: the
+            run ends with ``trainer.max_epochs`` epochs of prompts.
+        advantage_estimator: ``drgrpo`` (group mean baseline), ``grpo`` (mean and std), ``rloo`` (leave-one-out),
+            ``reinforce_pp`` (REINFORCE++: global batch whitening); with a critic: ``gae`` (generalised advantage
+            estimation), ``vtrace`` (V-trace, corrects engine != trainer), ``retrace`` (Retrace(lam), likewise),
+            ``td_lambda`` (lambda-returns), ``nstep`` (n-step bootstrapped returns); see
+            `rl_lightning.algorithms.offpolicy`.
+        update_per_rollout: optimizer steps (minibatches) per rollout; must divide the trajectories per rank.
+        policy_loss: ``ppo`` (the clipped surrogate on token ratios), ``gspo`` (the clipped surrogate on each
+            sequence's ratio, the geometric mean of its token ratios: whole sequences clip; GSPO-token, see
+            `rl_lightning.algorithms.policy.gspo_policy_loss`; the paper aggregates with ``sequence_mean``) or
+            ``cispo`` (REINFORCE weighted by the clipped, stop-gradient token ratio: clipped tokens keep their
+            gradient). `clip_low`/`clip_high` bound the ratio at [1 - clip_low, 1 + clip_high] in each.
+        clip_low: lower ratio clip (1 - clip_low). ``gspo``: the paper's is 3e-4 (a sequence's geometric-mean
+            ratio moves far less than a token's); ``cispo``: MiniMax-M1 sets no lower bound (clip_low >= 1).
+        clip_high: upper ratio clip (1 + clip_high); DAPO's clip-higher uses 0.28; ``gspo``'s paper 4e-4;
+            ``cispo``: ScaleRL's bound of 5 is clip_high 4.
+        dual_clip: bound on the loss for negative advantages (c > 1), or null.
+        aggregation: ``token_mean`` (DAPO), ``sequence_mean`` (GRPO) or ``token_sum`` (Dr. GRPO's constant
+            normaliser); see the module docstring.
+        correction: rollout/trainer mismatch correction (``model.correction.*``, see `CorrectionConfig`): importance
+            weights pi_old / pi_engine per token or sequence, truncated (TIS) or masked (MIS, IcePop). Null
+            (default): none, as in verl, OpenRLHF, NeMo-RL and slime (opt-in there; TRL alone defaults to a
+            sequence mask with bound 3). ``train/mismatch_kl`` (k3 estimate of KL(engine || trainer) per token) and
+            ``train/engine_logprob_diff`` are logged either way; with a correction, ``train/mismatch_masked`` (the
+            fraction of tokens, or of trajectories at sequence levels, masked; 0 under ``truncate``).
+        skip_threshold: skip (zero loss weight, normaliser unchanged) every trajectory whose sequence-level ratio
+            pi_theta / pi_old, exp(its token mean of logprobs - old_logprobs), is above this or below its inverse;
+            ``train/skipped`` logs the skipped fraction of trajectories (> 1; null: off).
+        entropy_coef: entropy bonus weight.
+        kl: the KL term and its coefficient controller (``model.kl.*``).
+        constraints: Lagrangian entropy floor / KL ceiling (``model.constraints.*``).
+        gamma: discount over completion tokens (the critic estimators, ``reinforce_pp``).
+        lam: lambda of ``gae``, ``vtrace``, ``retrace``, ``td_lambda``.
+        vtrace_rho_bar: ``vtrace`` clip of the importance weights of the TD errors (rho-bar).
+        vtrace_c_bar: ``vtrace`` clip of the importance weights of the traces (c-bar, 0 < c-bar <= rho-bar).
+        nstep: steps n of ``nstep`` returns (>= 1).
+        critic_lr: peak learning rate of the critic (the critic estimators; it follows `optim`'s schedule).
+        value_clip: clip of the value update around the rollout-time value (critic); null disables.
+        freeze_steps: rollouts during which only the critic is trained (critic warm-up).
+        max_length_per_device: token budget of one packed micro-batch, or ``auto`` (start from 65536 tokens and let
+            the out-of-memory back-off find what fits). In a single process a micro-batch that runs out of memory
+            halves the budget, is re-packed and redone (``train/oom_retries``, ``train/max_length_per_device``);
+            see `rl_lightning.models.memory`.
+        optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
+        gradient_checkpointing: recompute activations in the backward pass.
+        attn_implementation: ``rl_varlen`` or a transformers implementation.
+        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
+            the reference is then the policy with its adapters disabled (no second model is loaded). A critic
+            stays a full model, fully trained. Null: full fine-tuning.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        rollout: RolloutConfig,
+        max_rollouts: int | None = None,
+        advantage_estimator: str = "drgrpo",
+        update_per_rollout: int = 1,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        aggregation: str = "token_mean",
+        policy_loss: str = "ppo",
+        correction: CorrectionConfig | None = None,
+        skip_threshold: float | None = None,
+        entropy_coef: float = 0.0,
+        kl: KLConfig = KLConfig(),
+        constraints: ConstraintConfig = ConstraintConfig(),
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        vtrace_rho_bar: float = 1.0,
+        vtrace_c_bar: float = 1.0,
+        nstep: int = 5,
+        critic_lr: float = 1e-5,
+        value_clip: float | None = 0.2,
+        freeze_steps: int = 0,
+        max_length_per_device: int | Literal["auto"] = 8192,
+        optim: OptimConfig = OptimConfig(lr=1e-6, lr_schedule="constant"),
+        gradient_checkpointing: bool = False,
+        attn_implementation: str = "rl_varlen",
+        lora: LoRAConfig | None = None,
+    ) -> None:
+        super().__init__()
+        rollout, kl = typed(RolloutConfig, rollout), typed(KLConfig, kl)
+        constraints, optim = typed(ConstraintConfig, constraints), typed(OptimConfig, optim)
+        correction = typed(CorrectionConfig, correction)
+        errors = argument_errors(
+            rollout=rollout, max_rollouts=max_rollouts, advantage_estimator=advantage_estimator,
+            update_per_rollout=update_per_rollout, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+            aggregation=aggregation, policy_loss=policy_loss, skip_threshold=skip_threshold,
+            vtrace_rho_bar=vtrace_rho_bar, vtrace_c_bar=vtrace_c_bar, nstep=nstep,
+            max_length_per_device=max_length_per_device)
+        if errors:
+            raise ConfigError("; ".join(errors))
+        self.save_hyperparameters(logger=False)
+        # checkpoints keep plain data: the argument groups as dicts (turned back into dataclasses above on loading)
+        self.hparams.update({k: asdict(v) for k, v in self.hparams.items() if is_dataclass(v)})
+        self.rollout_config, self.kl_config, self.optim = rollout, kl, optim
+        self.correction: CorrectionConfig | None = correction
+        self.objective = PolicyObjective(
+            policy_loss, clip_low, clip_high, dual_clip, aggregation, entropy_coef, skip_threshold, correction,
+            kl.estimator, kl_in_loss=kl.type == "loss", entropy_constrained=constraints.entropy_min is not None)
+        self.automatic_optimization = False
+        self.tokenizer = load_tokenizer(model_name)
+        self.model: Any = None
+        self.critic: Any = None
+        self._reference: Any = None  # not a submodule: frozen, out of the optimizer and checkpoints
+        self.rollouts = 0  # completed rollouts
+        self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
+        self.controllers = make_controllers(kl, constraints, max_rollouts)
+        self.rollout_callback = RolloutCallback(rollout)
+        self._val_sums: dict[int, torch.Tensor] | None = None  # per validation dataloader
+        self._val_names: list[str] = []
+        self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
+
+    @property
+    def model_name(self) -> str:
+        """The policy's name or folder (``model.model_name``)."""
+        return self.hparams.model_name
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a frozen reference is needed: a KL term or a KL ceiling."""
+        return self.kl_config.coef > 0 or self.hparams.constraints["kl_max"] is not None
+
+    @override
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [self.rollout_callback]
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Start-up checks that need the trainer and the data (before any model is loaded)."""
+        hp = self.hparams
+        errors = start_up_errors(self.trainer, stage, self.rollout_config, hp.max_rollouts, hp.update_per_rollout,
+                                 hp.max_length_per_device, self.max_length_per_device)
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+    @override
+    def configure_model(self) -> None:
+        hp = self.hparams
+        if self.model is None:
+            self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
+                                        gradient_checkpointing=hp.gradient_checkpointing)
+            if hp.lora is not None:
+                self.model = apply_lora(self.model, lora_config(hp.lora))
+        self.model = parallelize_for(self, self.model)
+        if hp.advantage_estimator in CRITIC_ESTIMATORS:
+            if self.critic is None:
+                self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
+                                                gradient_checkpointing=hp.gradient_checkpointing)
+            self.critic = parallelize_for(self, self.critic)
+        if hp.lora is not None and self.needs_reference:  # the base model: the policy with its adapters disabled
+            object.__setattr__(self, "_reference", AdaptersDisabled(self.model))
+        if self._reference is None and self.needs_reference:
+            reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
+            object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
+                                                                   trainable=False))
+
+    def run_rollouts(self) -> int:
+        """Rollouts this run takes: `max_rollouts`, or fewer when the trainer's epochs of prompts end first."""
+        by_epochs = self.trainer.estimated_stepping_batches  # one training batch = one rollout
+        total = min(self.hparams.max_rollouts or math.inf, by_epochs)
+        if math.isinf(total):
+            raise ConfigError("the run is unbounded (trainer.max_epochs=-1): set model.max_rollouts")
+        return int(total)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        rollouts = self.run_rollouts()
+        optimizer, schedule = configure_adamw(self.model, self.optim,
+                                              max(0, rollouts - hp.freeze_steps) * hp.update_per_rollout)
+        if self.critic is None:
+            return [optimizer], [schedule]
+        critic, critic_schedule = configure_adamw(self.critic, self.optim, rollouts * hp.update_per_rollout,
+                                                  lr=hp.critic_lr)
+        return [optimizer, critic], [schedule, critic_schedule]
+
+    @override
+    def on_fit_start(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ParallelStrategy) and strategy.cpu_offload:
+            return  # FSDP2 keeps the offloaded reference's shards on the CPU and streams them in
+        if self._reference is not None:
+            self._reference.to(self.device)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rollouts"] = self.rollouts
+        checkpoint["controllers"] = self.controllers.state_dict()
+        checkpoint["max_length_per_device"] = self.max_length_per_device
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.rollouts = checkpoint.get("rollouts", 0)
+        self.controllers.load_state_dict(checkpoint.get("controllers", {}))
+        self.max_length_per_device = min(self.max_length_per_device,  # a budget that ran out of memory stays down
+                                         checkpoint.get("max_length_per_device", self.max_length_per_device))
+
+    # ---------------------------------------------------------------------------------------------------- the step
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """One rollout: pack, score, advantages, one optimizer step per minibatch, controllers, logs."""
+        rollout: Rollout = batch["rollout"]
+        minibatches = self.pack(rollout.trajectories)  # 1. [(trajectory indices, micro-batches)] per minibatch
+        micro_batches = [mb for _, mbs in minibatches for mb in mbs]
+        self.score(minibatches)  # 2. old/ref log-probs, values
+        advantage_sums = self.assign_advantages(rollout, micro_batches)  # 3.
+        sums, logged = self.update(rollout, minibatches)  # 4. one optimizer step per minibatch
+        per_trajectory = ["skipped"]  # counts of trajectories, not per-token sums
+        if self.correction is not None and self.correction.level != "token":
+            per_trajectory.append("mismatch_masked")
+        means, trajectories = metrics.global_means(self.trainer, sums, len(rollout.trajectories), per_trajectory)
+        logged.update(self.controllers.update(  # 5. KL coefficient, Lagrange multipliers
+            {k: float(means[k]) for k in ("kl", "entropy") if k in means}, trajectories,
+            move_multipliers=self.rollouts >= self.hparams.freeze_steps))
+        self.rollouts += 1
+        self.log_rollout(rollout, means, advantage_sums, logged, len(micro_batches))  # 6.
+        if self.hparams.max_rollouts is not None and self.rollouts >= self.hparams.max_rollouts:
+            self.trainer.should_stop = True
+
+    def pack(self, trajectories: list[Trajectory]) -> list[minibatches.Minibatch]:
+        """This rank's trajectories in ``update_per_rollout`` strided minibatches of packed micro-batches."""
+        return minibatches.minibatches(trajectories, self.hparams.update_per_rollout, self.max_length_per_device,
+                                       self.tokenizer.pad_token_id, self.trainer, self.device)
+
+    def score(self, packed: list[minibatches.Minibatch]) -> None:
+        """Record the sampling policy's and the reference's log-probabilities and the critic's values."""
+        kl_reward = self.kl_config.type == "reward" and self._reference is not None
+        needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS
+        scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature, needed_now)
+
+    def assign_advantages(self, rollout: Rollout, micro_batches: list[minibatches.MicroBatch]) -> torch.Tensor:
+        """Per-token advantages (and returns) written into the micro-batches; their global (sum, sum sq, count)."""
+        hp = self.hparams
+        kl_reward = self.kl_config.type == "reward" and self._reference is not None
+        return scoring.assign_advantages(
+            self.trainer, rollout, micro_batches, self.device, estimator=hp.advantage_estimator,
+            critic=self.critic is not None, kl_reward_coef=self.controllers.kl_coef if kl_reward else None,
+            kl_estimator=self.kl_config.estimator, gamma=hp.gamma, lam=hp.lam, rho_bar=hp.vtrace_rho_bar,
+            c_bar=hp.vtrace_c_bar, nstep=hp.nstep)
+
+    def update(self, rollout: Rollout, packed: list[minibatches.Minibatch]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One actor (and critic) optimizer step per minibatch; this rank's metric sums and the values to log."""
+        return update.update(self, rollout, packed, self.rollouts >= self.hparams.freeze_steps,
+                             self.hparams.aggregation, self.rollout_config.max_completion_tokens)
+
+    def policy_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The policy's forward on `mb` and its share of the minibatch's policy loss, with metric sums."""
+        logprobs, entropy = target_logprobs(self.model, mb, self.rollout_config.temperature,
+                                            entropy="grad" if self.objective.entropy_needs_grad else "value")
+        if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
+            mb["old_logprobs"] = logprobs.detach()
+        return self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,
+                                   self.controllers.penalty)
+
+    def value_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The critic's forward on `mb` and its share of the minibatch's value loss, with metric sums."""
+        return value_loss(scoring.critic_values(self.critic, mb), mb, normaliser, self.hparams.value_clip)
+
+    def log_rollout(self, rollout: Rollout, means: dict[str, torch.Tensor], advantage_sums: torch.Tensor,
+                    logged: dict[str, Any], micro_batches: int) -> None:
+        """Log the rollout's global means, rewards and advantages, the controllers' values and the counters."""
+        self.log_dict({
+            **metrics.rollout_metrics(self.trainer, rollout, means, advantage_sums),
+            **{k if k.startswith("train/") else f"train/{k}": v for k, v in logged.items()},
+            "train/rollouts": float(self.rollouts), "train/micro_batches": float(micro_batches), **rollout.metrics})
+
+    # ---------------------------------------------------------------------------------------------- validation
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Held-out prompts (sampled by the rollout callback at `rollout.val_temperature`): accumulate reward sums.
+
+        One record per held-out set (``data.val_paths``: one dataloader each).
+        """
+        rollout: Rollout = batch["rollout"]
+        self._val_names = rollout.reward_names
+        if self._val_sums is None:
+            self._val_sums = {}
+        self._val_sums[dataloader_idx] = self._val_sums.get(dataloader_idx, 0) + metrics.validation_record(rollout)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/reward``, ``val/completion_length`` and ``val/reward/<component>`` (and per named set).
+
+        Means over every held-out trajectory (of all sets together: a set weighs by its trajectories); with named
+        sets also ``val/<name>/...``, the same means over that set's trajectories.
+        """
+        sums, self._val_sums = self._val_sums, None
+        if sums is None:
+            return
+        # "": the single data.val_path; dataloaders given without the prompts DataModule are named by their index
+        set_names = getattr(self.trainer.datamodule, "val_names", None) or (
+            [""] if max(sums) == 0 else [str(i) for i in range(max(sums) + 1)])
+        means = metrics.validation_means(self.trainer, sums, self._val_names, set_names, self.device)
+        self.validation_metrics = {k: float(v) for k, v in means.items()}  # the terminal's, sanity check included
+        if self.trainer.sanity_checking:  # Lightning drops sanity-check logs; keep the untrained policy's score
+            for logger in self.trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in means.items()}, step=0)
+        else:
+            self.log_dict(means)
