@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
@@ -90,6 +91,7 @@ class DPO(L.LightningModule):
         self._reference: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
 
+    @override
     def configure_model(self) -> None:
         hp = self.hparams
         if self.model is None:
@@ -109,10 +111,12 @@ class DPO(L.LightningModule):
             object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
                                                                    trainable=False))
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
         return [optimizer], [schedule]
 
+    @override
     def on_fit_start(self) -> None:
         strategy = self.trainer.strategy
         if isinstance(strategy, ParallelStrategy) and strategy.cpu_offload:
@@ -145,13 +149,16 @@ class DPO(L.LightningModule):
             loss = loss + 0.0 * logprobs.sum()
         return loss, metrics
 
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
         pairwise_step(self, micro_batches, self._pair_loss, self.reference_logprobs(micro_batches))
 
+    @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
         pairwise_validation(self._val, micro_batches, self._pair_loss, self.reference_logprobs(micro_batches))
 
+    @override
     def on_validation_epoch_end(self) -> None:
         log_validation_means(self, self._val)

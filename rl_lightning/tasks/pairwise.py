@@ -1,5 +1,8 @@
-"""The step shared by the pairwise-preference tasks (reward modelling, DPO): chosen and rejected sequences packed
-together, the loss averaged over the global number of pairs, metrics logged as global means per pair."""
+"""The step shared by the pairwise-preference tasks (reward modelling, DPO).
+
+Chosen and rejected sequences are packed together, the loss averaged over the global number of pairs, metrics logged
+as global means per pair.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ def log_global_means(module: Any, sums: dict[str, torch.Tensor], count: torch.Te
 
 
 def pairwise_step(module: Any, micro_batches: list[dict[str, Any]], pair_loss: Any, extras: list[Any]) -> None:
-    """One optimizer step: ``pair_loss(micro_batch, extra, normaliser) -> (loss, metric sums)`` per micro-batch
-    (`extras` aligned with them, e.g. reference log-probabilities), backward, step, and global-mean logging of the
-    metrics per pair."""
+    """One optimizer step: per-micro-batch pair loss, backward, step, and global-mean logging of the metrics per pair.
+
+    ``pair_loss(micro_batch, extra, normaliser) -> (loss, metric sums)`` runs per micro-batch (`extras` aligned with
+    them, e.g. reference log-probabilities).
+    """
     num_pairs = data_parallel_sum(module.trainer, sum(mb["num_units"] for mb in micro_batches))
     normaliser = num_pairs / grad_average_size(module.trainer)
     sums: dict[str, torch.Tensor] = {}

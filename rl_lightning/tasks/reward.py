@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from rl_lightning.algorithms import bradley_terry_loss
 from rl_lightning.models.loading import load_reward_model, model_inputs
@@ -62,6 +63,7 @@ class RewardModel(L.LightningModule):
         self.model: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
 
+    @override
     def configure_model(self) -> None:
         if self.model is None:
             hp = self.hparams
@@ -71,6 +73,7 @@ class RewardModel(L.LightningModule):
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
         return [optimizer], [schedule]
@@ -84,13 +87,16 @@ class RewardModel(L.LightningModule):
             loss = loss + 0.0 * rewards.sum()
         return loss, metrics
 
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
         pairwise_step(self, micro_batches, self._pair_loss, [None] * len(micro_batches))
 
+    @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
         pairwise_validation(self._val, micro_batches, self._pair_loss, [None] * len(micro_batches))
 
+    @override
     def on_validation_epoch_end(self) -> None:
         log_validation_means(self, self._val)

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from rl_lightning.algorithms import sft_loss
 from rl_lightning.models.loading import load_causal_lm, target_logprobs
@@ -60,6 +61,7 @@ class SFT(L.LightningModule):
         self.model: Any = None
         self._val_sums: list[torch.Tensor] = []
 
+    @override
     def configure_model(self) -> None:
         if self.model is None:
             hp = self.hparams
@@ -69,10 +71,12 @@ class SFT(L.LightningModule):
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
         return [optimizer], [schedule]
 
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches, layout = batch["micro_batches"], parallel_layout(self.trainer)
         num_tokens = data_parallel_sum(self.trainer, sum(mb["target_mask"].sum() for mb in micro_batches))
@@ -89,6 +93,7 @@ class SFT(L.LightningModule):
         self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
                        "train/micro_batches": float(len(micro_batches))})
 
+    @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         layout = parallel_layout(self.trainer)
         for micro_batch in batch["micro_batches"]:
@@ -96,6 +101,7 @@ class SFT(L.LightningModule):
             _, metrics = sft_loss(target_logprobs(self.model, local)[0], local["target_mask"], 1.0)
             self._val_sums.append(torch.stack([metrics["nll_sum"], metrics["num_tokens"]]))
 
+    @override
     def on_validation_epoch_end(self) -> None:
         if self._val_sums:
             nll_sum, num_tokens = shard_sum(self.trainer, torch.stack(self._val_sums).sum(0))
