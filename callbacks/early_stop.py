@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import lightning as L
+from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
 
@@ -55,29 +56,36 @@ class EarlyStopOnReward(L.Callback):
         self.stopped = False
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(metric=self.metric, mode=self.mode, threshold=self.threshold)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.count = state_dict.get("count", 0)
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # before a checkpoint's count is restored
             self.count, self.stopped = 0, False
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.metric.startswith("val/"):
             self.check(trainer)
 
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.metric.startswith("val/") and not trainer.sanity_checking:
             self.check(trainer)
 
     def reached(self, value: float) -> bool:
+        """Whether `value` is at or past the threshold (>= for ``max``, <= for ``min``; NaN never is)."""
         return value >= self.threshold if self.mode == "max" else value <= self.threshold
 
     def check(self, trainer: L.Trainer) -> None:

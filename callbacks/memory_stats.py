@@ -35,28 +35,35 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 MIB = 1 << 20
 
 
 class MemoryStats(L.Callback):
-    """Log host resident memory and, on CUDA, PyTorch's allocated/reserved/peak memory for the rollout and the
-    training step (see the module docstring). No arguments."""
+    """Log host resident memory and, on CUDA, PyTorch's allocated/reserved/peak memory.
+
+    Both are logged for the rollout and the training step (see the module docstring). No arguments.
+    """
 
     def __init__(self) -> None:
         self._rollout: dict[str, float] = {}
         self._peak_rss = 0.0  # MiB
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             _run_after_rollout_callback(self, trainer)
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _reset_peak(pl_module.device)
 
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _reset_peak(pl_module.device)  # validation's own rollouts stay out of the next rollout phase
 
+    @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
                              ) -> None:
         self._rollout = {}
@@ -64,6 +71,7 @@ class MemoryStats(L.Callback):
             self._rollout = {**_cuda_phase("rollout", pl_module.device), **self._rss("memory/rollout/rss_mib")}
         _reset_peak(pl_module.device)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         metrics = {**self._rollout, **_cuda_phase("train", pl_module.device), **self._rss("memory/rss_mib")}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
 
@@ -46,6 +47,7 @@ class RolloutDump(L.Callback):
         self._file: Path | None = None
         self._number = 0
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.dirpath is None:
             outputs = next((c for c in trainer.callbacks if type(c).__name__ == "RunOutputs"), None)
@@ -60,17 +62,20 @@ class RolloutDump(L.Callback):
         return sorted(self.dirpath.glob(f"rollouts-rank{self._rank}-*.jsonl"),
                       key=lambda p: int(p.stem.rsplit("-", 1)[1]))
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if isinstance(batch, dict) and "rollout" in batch:
             self.write(batch["rollout"], int(getattr(pl_module, "rollouts", 0)), trainer.global_step, "train")
 
+    @override
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.validation and isinstance(batch, dict) and "rollout" in batch:
             self.write(batch["rollout"], int(getattr(pl_module, "rollouts", 0)), trainer.global_step, "val")
 
     def write(self, rollout: Any, number: int, step: int, split: str) -> None:
+        """Append one JSON line per trajectory of `rollout` (rollout `number`, `step`, `split`) to this rank's file."""
         lines = "".join(json.dumps({
             "rollout": number, "step": step, "rank": self._rank, "split": split, "prompt_row": t.prompt.where,
             "messages": t.messages, "answer": t.prompt.answer, "reward": t.reward,

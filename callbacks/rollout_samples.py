@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
+from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
 
@@ -86,6 +87,7 @@ class RolloutSamples(L.Callback):
         self._seen = 0  # rollouts seen, for modules without a `rollouts` counter
         self._tables: dict[str, dict[str, list]] = {}  # run id -> the table written so far ({"columns", "data"})
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not isinstance(batch, dict) or "rollout" not in batch:
@@ -118,8 +120,11 @@ class RolloutSamples(L.Callback):
         client.log_dict(run_id, self._tables[run_id], ARTIFACT_FILE)
 
     def _sample_text(self, table: dict[str, list], i: int) -> str:
-        """One line: ``sample @ rollout 10: 'What is 1 + 0?' -> '1' (answer 1) · reward 1.5 (correct 1 · format 1) ·
-        2 tokens``; the prompt and the completion each cut at `max_chars`, newlines shown as ``\\n``."""
+        r"""Sample `i` as one line: prompt and completion each cut at `max_chars`, newlines shown as ``\n``.
+
+        For example ``sample @ rollout 10: 'What is 1 + 0?' -> '1' (answer 1) · reward 1.5 (correct 1 · format 1) · 2
+        tokens``.
+        """
         def text(name: str) -> str:
             return repr(_cut(str(table[name][i]).replace("\n", "\\n"), self.max_chars))
 
@@ -160,8 +165,11 @@ def _last_user_message(messages: list[dict]) -> str:
 
 
 def _completion(generated: list[dict]) -> str:
-    """The assistant text as is; in multi-turn conversations, other roles' messages (tool results) are prefixed with
-    their role, one message per line."""
+    """The assistant text as is.
+
+    In multi-turn conversations, other roles' messages (tool results) are prefixed with their role, one message per
+    line.
+    """
     return "\n".join(str(m.get("content", "")) if m.get("role") == "assistant" else f"[{m.get('role')}] "
                      f"{m.get('content', '')}" for m in generated)
 

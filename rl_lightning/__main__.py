@@ -1,3 +1,5 @@
+"""``python -m rl_lightning``: ``tune ...`` runs an Optuna search (`rl_lightning.cli.tune`); anything else, the LightningCLI."""
+
 import sys
 
 if __name__ == "__main__":
