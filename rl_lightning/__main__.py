@@ -1,4 +1,4 @@
-"""``python -m rl_lightning``: ``tune ...`` runs an Optuna search (`rl_lightning.cli.tune`); anything else, the LightningCLI."""
+"""Entry point of ``python -m rl_lightning``: ``tune ...`` runs `rl_lightning.cli.tune`, anything else the LightningCLI."""
 
 import sys
 
