@@ -1,4 +1,4 @@
-"""Entry point of ``python -m rl_lightning``: ``tune ...`` runs `rl_lightning.cli.tune`, anything else the LightningCLI."""
+"""``python -m rl_lightning``: ``tune ...`` runs `rl_lightning.cli.tune`, anything else the LightningCLI."""
 
 import sys
 
