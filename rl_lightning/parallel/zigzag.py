@@ -114,8 +114,8 @@ def shard_micro_batch(micro_batch: dict[str, Any], rank: int, size: int, group: 
 def gather_tokens(local: torch.Tensor, layout: ZigzagLayout) -> torch.Tensor:
     """(1, n, ...) per-token values of this rank -> (1, N, ...) for the whole original row, in order.
 
-    Differentiable, but meant for outputs every rank then uses differently or not at all (e.g. logging, rollout logprobs): a loss
-    computed identically on every rank from the gathered row would count each gradient `size` times.
+    Differentiable, but meant for outputs every rank then uses differently or not at all (e.g. logging, rollout
+    logprobs): a loss computed identically on every rank from the gathered row would count each gradient `size` times.
     """
     parts = all_gather(local, layout.group)  # (size, 1, n, ...)
     padded = torch.zeros((1, len(layout.source), *local.shape[2:]), dtype=local.dtype, device=local.device)
