@@ -4,12 +4,15 @@ And --help tells the truth: no --optimizer/--lr_scheduler, the task classes name
 
 import subprocess
 import sys
+import typing
 
 import pytest
 import yaml
+from conftest import REPO
 
 import rl_lightning.data
 import rl_lightning.tasks
+from rl_lightning.cli.config_check import hint_name
 from rl_lightning.cli.config_errors import Problem, first_line, locate, one_line_error, parse_message, suggest
 from rl_lightning.cli.main import main
 
@@ -226,3 +229,181 @@ def test_locate_reports_the_last_place_a_key_is_set(tmp_path):
     assert locate("data.max_lenght", [*argv, "--data.init_args.max_lenght=3"]) == ("command line", "3")
     assert locate("model.lr", argv) == (str(second), 2)
     assert locate("model.other", argv)[0] is None
+
+
+# --- the line comes from the parser's structure, not from jsonargparse's message text ---------------------------------
+
+
+def _without_message_text(monkeypatch):
+    """Make reading jsonargparse's message a no-op that records each call: a line built without it is structured."""
+    import rl_lightning.cli.config_errors as config_errors
+
+    calls = []
+    monkeypatch.setattr(config_errors, "parse_message", lambda message: calls.append(message))
+    return calls
+
+
+@pytest.mark.parametrize("case", list(COMMAND_LINE))
+def test_command_line_mistake_without_the_message_text(case, workdir, capsys, monkeypatch):
+    calls = _without_message_text(monkeypatch)
+    test_command_line_mistake_is_one_line(case, workdir, capsys)
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", list(YAML))
+def test_yaml_mistake_without_the_message_text(case, workdir, capsys, monkeypatch):
+    calls = _without_message_text(monkeypatch)
+    test_yaml_mistake_names_the_file(case, workdir, capsys)
+    assert calls == []
+
+
+def test_missing_required_argument_without_the_message_text(workdir, capsys, monkeypatch):
+    calls = _without_message_text(monkeypatch)
+    test_missing_required_argument_is_one_line(workdir, capsys)
+    assert calls == []
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml")))
+def test_every_recipe_passes_the_structured_check(recipe, workdir, capsys, monkeypatch):
+    """No false alarm: walking a whole shipped recipe, the check passes every key and reports the one real mistake."""
+    calls = _without_message_text(monkeypatch)
+    line = _error_line(["--config", recipe, "--zz", "1"], capsys)
+    assert line == f"rl_lightning: error: zz: unknown option (value '1' on the command line) — see {HELP_FIT}"
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config", "missing.yaml"], "config: file does not exist (value 'missing.yaml' on the command line)"),
+        (["--config", "list.yaml"], "config: not a mapping of keys (a YAML list) (value 'list.yaml' on the command line)"),
+        (["--model.model_name"], "model.model_name: expected one argument (on the command line)"),
+        (["--config", "nested.yaml"], "model.lora.rr: not an option of LoRAConfig (value 4 in nested.yaml); did you "
+                                      "mean 'model.lora.r'?"),
+        (["--trainer.logger.init_args.run_namee", "x"], "trainer.logger.run_namee: not an option of "
+         "lightning.pytorch.loggers.MLFlowLogger (value 'x' on the command line); did you mean 'trainer.logger.run_name'?"),
+        (["--config", "callback.yaml"], "trainer.callbacks[0].monitr: not an option of "
+         "lightning.pytorch.callbacks.EarlyStopping (value 'x' in callback.yaml); did you mean "
+         "'trainer.callbacks[0].monitor'?"),
+        (["--model", "rl_lightning.data.SFTDataModule"], "model: expected LightningModule (value "
+                                                         "'rl_lightning.data.SFTDataModule' on the command line)"),
+    ],
+    ids=["missing-config", "config-not-a-mapping", "no-value", "nested-class", "default-logger-class", "callback-item",
+         "wrong-base-class"],
+)
+def test_more_mistakes_from_the_structure(args, expected, workdir, capsys, monkeypatch):
+    (workdir / "list.yaml").write_text("- 1\n- 2\n")
+    (workdir / "nested.yaml").write_text("model:\n  init_args:\n    lora:\n      rr: 4\n")
+    (workdir / "callback.yaml").write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks."
+                                           "EarlyStopping\n      init_args:\n        monitr: x\n")
+    calls = _without_message_text(monkeypatch)
+    line = _error_line(args, capsys)
+    assert line.startswith(f"rl_lightning: error: {expected} — see `"), line
+    assert calls == []
+
+
+def test_hint_name():
+    assert hint_name(float) == "float" and hint_name(int | None) == "int"
+    assert hint_name(typing.Literal[64, 32] | typing.Literal["bf16-true"] | None) == "one of 64, 32, 'bf16-true'"
+    assert hint_name(typing.Union[float, int, None]) == "float or int"  # noqa: UP007 - the typing form, as Lightning's
+
+
+# --- what the text fallback reads: each message shape, produced by the installed jsonargparse ---------------------
+# A jsonargparse release that words one of these differently fails here: update `parse_message` (and this test's
+# expectation) before widening the jsonargparse range pinned in pyproject.toml.
+
+
+def _message(parse):
+    """jsonargparse's error message for a parse that fails."""
+    from jsonargparse import ArgumentError
+
+    with pytest.raises(ArgumentError) as info:
+        parse()
+    return str(info.value)
+
+
+def _parser(**types):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    for name, hint in types.items():
+        parser.add_argument(f"--{name}", type=hint)
+    return parser
+
+
+def _class_parser(cls):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls)
+    return parser
+
+
+def _subcommand_parser():
+    from jsonargparse import ArgumentParser
+
+    root = _parser()
+    fit = ArgumentParser(exit_on_error=False)
+    fit.add_argument("--trainer.max_steps", type=int)
+    root.add_subcommands().add_subcommand("fit", fit)
+    return root
+
+
+def _shapes():
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.loggers import Logger
+
+    model, sft = typing.Optional[LightningModule], rl_lightning.tasks.SFT  # noqa: UP045 - as LightningCLI adds it
+    task = ["--model", "rl_lightning.tasks.SFT", "--model.model_name", "x"]
+    return {
+        "nested-value": (lambda: _parser(model=model).parse_args([*task, "--model.optim.lr", "abc"]),
+                         Problem("model.optim.lr", "expected float", "abc", "value", "rl_lightning.tasks.SFT", "model")),
+        "nested-option": (lambda: _parser(model=model).parse_args([*task, "--model.lrr", "1"]),
+                          Problem("model.lrr", "unknown option", None, "option", "rl_lightning.tasks.SFT", "model")),
+        "class-import": (lambda: _parser(logger=Logger | bool | None).parse_args(["--logger", "foo.Bar"]),
+                         Problem("logger", "class not found: No module named 'foo'", "foo.Bar", "class")),
+        "short-class": (lambda: _parser(model=model).parse_args(["--model", "SFTT"]),
+                        Problem("model", "class not found", "SFTT", "class")),
+        "help-class": (lambda: _parser(model=model).parse_args(["--model.help", "SFTT"]),
+                       Problem("model.help", "class not found", "SFTT", "class")),
+        "unrecognized": (lambda: _class_parser(sft).parse_args(["--model_name", "x", "--nope", "3"]),
+                         Problem("nope", "unknown option", "3", "option")),
+        "group": (lambda: _class_parser(sft).parse_object({"model_name": "x", "optim": {"lrr": 1}}),
+                  Problem("optim.lrr", "unknown option", kind="option")),
+        "option": (lambda: _class_parser(sft).parse_object({"model_name": "x", "lrr": 1}),
+                   Problem("lrr", "unknown option", kind="option")),
+        "subcommand": (lambda: _subcommand_parser().parse_object({"fit": {"trainr": {"max_steps": 3}}}),
+                       Problem("trainr.max_steps", "unknown option", kind="option")),
+        "required": (lambda: _class_parser(sft).parse_args([]), Problem("model_name", "is required but not set")),
+        "literals": (lambda: _parser(precision=typing.Literal[64, 32] | typing.Literal["bf16-true"] | None)
+                     .parse_args(["--precision", "17"]), Problem("precision", "expected one of 64, 32, 'bf16-true'", "17")),
+        "no-value": (lambda: _class_parser(sft).parse_args(["--model_name"]),
+                     Problem("model_name", "expected one argument")),
+    }
+
+
+@pytest.mark.parametrize("shape", ["nested-value", "nested-option", "class-import", "short-class", "help-class",
+                                   "unrecognized", "group", "option", "subcommand", "required", "literals", "no-value"])
+def test_message_shape_of_the_installed_jsonargparse(shape):
+    parse, expected = _shapes()[shape]
+    assert parse_message(_message(parse)) == expected
+
+
+def test_union_report_shape_of_the_installed_jsonargparse():
+    from lightning.pytorch.loggers import Logger
+
+    message = _message(lambda: _parser(logger=Logger | bool | None).parse_args(["--logger", "foo.Bar"]))
+    assert first_line(message) == "Problem with given class_path 'foo.Bar': No module named 'foo'"
+
+
+def test_installed_jsonargparse_is_in_the_pinned_range():
+    """The shapes above were checked against the installed jsonargparse: it must be one the pin allows."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [Requirement(d) for d in dependencies if Requirement(d).name == "jsonargparse"]
+    assert pin.specifier.contains(version("jsonargparse")) and pin.specifier.contains("4.53.0")
+    assert not pin.specifier.contains("4.54.0")  # widen only after the shape tests pass on the new release

@@ -13,6 +13,7 @@ import pytest
 from conftest import DEMO_DATA, TINY_MODEL
 
 from rl_lightning.cli.main import main
+from rl_lightning.cli.moved_paths import MOVED, new_path, resolves
 from rl_lightning.data import SFTDataModule
 from rl_lightning.data.loading import Rows
 from rl_lightning.data.rows import check_preference_rows
@@ -117,3 +118,79 @@ def test_parallel_layout_error_is_printed_once_by_the_real_cli(workdir):
     assert errors == ["rl_lightning: error: strategy sizes data_parallel_size=2 x context_parallel_size=1 x "
                       "tensor_parallel_size=1 = 2, but the job has 3 processes (trainer.devices x trainer.num_nodes); "
                       "make the product equal the world size"], result.stderr[-3000:]
+
+
+# --- dotted paths from before the packages (issue 24): one line naming the key and the new path -------------------
+
+MOVED_IN_YAML = {
+    "callback": ("trainer:\n  callbacks:\n    - class_path: rl_lightning.export.HFExport\n",
+                 "trainer.callbacks[0].class_path: rl_lightning.export.HFExport moved to "
+                 "rl_lightning.tracking.export.HFExport"),
+    "model-init-arg": ("model:\n  init_args:\n    lora:\n      class_path: rl_lightning.lora.LoRAConfig\n"
+                       "      init_args:\n        r: 4\n",
+                       "model.lora.class_path: rl_lightning.lora.LoRAConfig moved to "
+                       "rl_lightning.models.lora.LoRAConfig"),
+    "second-callback": ("trainer:\n  callbacks:\n    - class_path: rl_lightning.cli.progress.RunProgress\n"
+                        "    - class_path: rl_lightning.tracking.MLflowTracking\n",
+                        "trainer.callbacks[1].class_path: rl_lightning.tracking.MLflowTracking moved to "
+                        "rl_lightning.tracking.mlflow_run.MLflowTracking"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOVED_IN_YAML))
+def test_moved_path_in_a_config_names_the_key_and_the_new_path(case, workdir, capsys):
+    content, expected = MOVED_IN_YAML[case]
+    (workdir / "old.yaml").write_text(content)
+    error = _fit_error(workdir, capsys, "sft.yaml", "--config", "old.yaml")
+    assert error == f"{expected}; change it in your config (old.yaml)"
+
+
+def test_moved_path_on_the_command_line(workdir, capsys):
+    error = _fit_error(workdir, capsys, "sft.yaml", "--trainer.callbacks+=rl_lightning.outputs.RunOutputs")
+    assert error == ("trainer.callbacks: rl_lightning.outputs.RunOutputs moved to rl_lightning.cli.outputs.RunOutputs; "
+                     "change it on your command line")
+
+
+def test_moved_path_from_a_real_process(workdir):
+    (workdir / "old.yaml").write_text(MOVED_IN_YAML["callback"][0])
+    result = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--config",
+                             "old.yaml"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "rl_lightning: error: trainer.callbacks[0].class_path: rl_lightning.export.HFExport moved to "
+        "rl_lightning.tracking.export.HFExport; change it in your config (old.yaml)"]
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("rl_lightning.export.HFExport", "rl_lightning.tracking.export.HFExport"),
+    ("rl_lightning.tracking.MLflowTracking", "rl_lightning.tracking.mlflow_run.MLflowTracking"),
+    ("rl_lightning.outputs.RunOutputs", "rl_lightning.cli.outputs.RunOutputs"),
+    ("rl_lightning.progress.RunProgress", "rl_lightning.cli.progress.RunProgress"),
+    ("rl_lightning.tune.Pruning", "rl_lightning.cli.tune.Pruning"),
+    ("rl_lightning.lora.LoRAConfig", "rl_lightning.models.lora.LoRAConfig"),
+    ("rl_lightning.optim.OptimConfig", "rl_lightning.models.optim.OptimConfig"),
+    ("rl_lightning.models.load_causal_lm", "rl_lightning.models.loading.load_causal_lm"),
+    ("rl_lightning.cli.RLLightningCLI", "rl_lightning.cli.main.RLLightningCLI"),
+    ("rl_lightning.attention.packed_sdpa", "rl_lightning.models.attention.packed_sdpa"),
+    ("rl_lightning.attention.merge_partials", "rl_lightning.models.kernels.merge_partials"),  # the block kernels
+])
+def test_new_path_of_each_moved_name(old, new):
+    assert new_path(old) == new and resolves(new) and not resolves(old)
+
+
+@pytest.mark.parametrize("path", ["rl_lightning.tracking.export.HFExport", "rl_lightning.models.loading.load_causal_lm",
+                                  "rl_lightning.cli.main.main", "rl_lightning.tasks.SFT", "rl_lightning.tasks.ppo.PPO",
+                                  "lightning.pytorch.callbacks.ModelCheckpoint", "rl_lightning.export"])
+def test_current_paths_did_not_move(path):
+    assert new_path(path) is None
+
+
+def test_every_moved_module_is_gone_and_every_new_one_imports():
+    import importlib
+    import importlib.util
+
+    for old, news in MOVED.items():
+        spec = importlib.util.find_spec(old)
+        assert spec is None or spec.submodule_search_locations is not None, old  # gone, or a package now
+        for new in news:
+            importlib.import_module(new)
