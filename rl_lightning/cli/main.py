@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from typing_extensions import override
 
 from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_line_error
 from rl_lightning.errors import UserError
@@ -64,21 +65,24 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
 
 
 class ConfigLogger(SaveConfigCallback):
-    """Write the resolved config as ``config.yaml`` into the run's output folder at setup, and log it to every logger
-    at train start (after the start-up checks): MLflow gets params (one per key) and ``config.yaml`` as an artifact.
+    """Write the resolved config into the run's folder at setup, and log it to every logger at train start.
 
-    Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
+    ``config.yaml`` goes into the run's output folder at setup; at train start (after the start-up checks) MLflow gets
+    params (one per key) and ``config.yaml`` as an artifact. Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
     (Lightning issue #19441); this writes ``config.yaml`` into the log_dir of loggers that have one.
     """
 
+    @override
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         from rl_lightning.cli.outputs import RunOutputs
 
         text = self.parser.dump(self.config, skip_none=False)
-        for callback in trainer.callbacks:  # RunOutputs.setup has run: it comes before this callback
+        # RunOutputs.setup has run: it comes before this callback (`callbacks` is set by Lightning's connector)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, RunOutputs) and callback.dirpath is not None:
                 (callback.dirpath / self.config_filename).write_text(text)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
@@ -115,6 +119,7 @@ class RLArgumentParser(LightningArgumentParser):
 
     argv: Sequence[str] = ()  # the command line (set by RLLightningCLI.parse_arguments): tells where a bad key was set
 
+    @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or jsonargparse_debug():  # a nested parser raises: its caller reports
             super().error(message, ex)
@@ -126,15 +131,15 @@ class RLArgumentParser(LightningArgumentParser):
 
 
 class RLLightningCLI(LightningCLI):
-    """LightningCLI with task/data selection by class path, linked tokenizer, shared trainer defaults (MLflow logger,
-    progress bar, last checkpoint, Hugging Face export) and one-line errors.
+    """LightningCLI with tasks by class path, a linked tokenizer, shared trainer defaults and one-line errors.
 
-    A run is named after its recipe (``recipes/grpo.yaml`` -> ``grpo``) unless ``trainer.logger.init_args.run_name``
+    The trainer defaults: MLflow logger, progress bar, last checkpoint, Hugging Face export. A run is named after its recipe (``recipes/grpo.yaml`` -> ``grpo``) unless ``trainer.logger.init_args.run_name``
     says otherwise; its checkpoints, export and config go to its own folder ``outputs/<run>/<time>/``
     (`rl_lightning.cli.outputs`), ``--ckpt_path last`` resumes ``outputs/<run>/latest`` (same folder, same MLflow run),
     and the MLflow experiment is ``rl_lightning/<task family>`` unless ``experiment_name`` is set anywhere.
     """
 
+    @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         # Imported, the tasks and DataModules resolve by short name (`--model SFT`, `--data.help SFTDataModule`,
         # `class_path: SFT`) and --help lists them as known subclasses.
@@ -149,10 +154,12 @@ class RLLightningCLI(LightningCLI):
                                     f"{', '.join(data)}. Their options: --model.help SFT, --data.help SFTDataModule.")
         return super().init_parser(**kwargs)
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
         parser.set_defaults(TRAINER_DEFAULTS)
 
+    @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # the recipe's path, which the parsed namespace does not keep under a subcommand
         raw = [str(a) for a in (sys.argv[1:] if args is None else args)] if isinstance(args, list | None) else []
@@ -167,6 +174,7 @@ class RLLightningCLI(LightningCLI):
             each.argv = raw
         super().parse_arguments(parser, args)
 
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         trainer = config.get("trainer")
@@ -196,8 +204,11 @@ class RLLightningCLI(LightningCLI):
 
     @staticmethod
     def place_outputs(trainer: Any, logger: Any, ckpt_path: str | None) -> None:
-        """Name the run's output folder after the run; when resuming (``--ckpt_path last`` or a checkpoint inside a
-        run folder) reuse that folder, its checkpoint/export paths and its MLflow run."""
+        """Name the run's output folder after the run.
+
+        When resuming (``--ckpt_path last`` or a checkpoint inside a run folder), reuse that folder, its
+        checkpoint/export paths and its MLflow run.
+        """
         from rl_lightning.cli.outputs import read_run_file, resume_dir
 
         outputs = [c for c in trainer.callbacks if str(c.get("class_path", "")).endswith(".RunOutputs")]
@@ -221,13 +232,17 @@ class RLLightningCLI(LightningCLI):
             logger.init_args.run_id = read_run_file(resumed).get("mlflow_run_id")
 
     @staticmethod
+    @override
     def subcommands() -> dict[str, set[str]]:
         return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
 
 
 def run_name(config_path: str) -> str:
-    """A run's default name from its recipe: the path below ``recipes/`` without the extension, ``/`` -> ``-``
-    (``recipes/real/grpo.yaml`` -> ``real-grpo``); other files: their stem."""
+    """A run's default name from its recipe.
+
+    The path below ``recipes/`` without the extension, ``/`` -> ``-`` (``recipes/real/grpo.yaml`` -> ``real-grpo``);
+    other files: their stem.
+    """
     parts = os.path.normpath(os.path.splitext(config_path)[0]).split(os.sep)
     if "recipes" in parts[:-1]:
         parts = parts[len(parts) - 1 - parts[::-1].index("recipes") + 1 :]
@@ -236,9 +251,11 @@ def run_name(config_path: str) -> str:
 
 
 def merge_callbacks(callbacks: list[Any], progress_bar: bool | None, checkpointing: bool | None) -> list[Any]:
-    """The defaults followed by the configs' callbacks, an entry of a class already listed replacing that one in
-    place; one progress bar (the last listed: a user's own replaces `RunProgress`); none of the progress bar or the
-    checkpoint when ``enable_progress_bar`` / ``enable_checkpointing`` is false."""
+    """The defaults followed by the configs' callbacks, an entry of a class already listed replacing that one in place.
+
+    One progress bar (the last listed: a user's own replaces `RunProgress`); none of the progress bar or the
+    checkpoint when ``enable_progress_bar`` / ``enable_checkpointing`` is false.
+    """
     merged: dict[str, Any] = {}
     for callback in callbacks:
         path = str(callback.get("class_path", ""))
@@ -251,9 +268,11 @@ def merge_callbacks(callbacks: list[Any], progress_bar: bool | None, checkpointi
 
 
 def _callbacks_add_in_config_files() -> None:
-    """Make ``trainer: {callbacks: [...]}`` in any config file append (jsonargparse's ``callbacks+``) instead of
-    replacing the list: an overlay that adds a callback keeps the recipe's and the defaults' (checkpoint, export, the
-    rollout's). ``--trainer.callbacks '[...]'`` on the command line still replaces the whole list."""
+    """Make ``trainer: {callbacks: [...]}`` in any config file append (jsonargparse's ``callbacks+``).
+
+    An overlay that adds a callback keeps the recipe's and the defaults' (checkpoint, export, the rollout's) instead
+    of replacing the list. ``--trainer.callbacks '[...]'`` on the command line still replaces the whole list.
+    """
     from jsonargparse import get_loader, set_loader
     from jsonargparse._loaders_dumpers import get_loader_exceptions
     from jsonargparse._optionals import get_omegaconf_loader  # the stock "omegaconf+" loader, wrapped below
@@ -272,11 +291,12 @@ def _callbacks_add_in_config_files() -> None:
             trainer["callbacks+"] = trainer.pop("callbacks")
         return loaded
 
-    load.adds_callbacks = True
+    load.adds_callbacks = True  # type: ignore[attr-defined]  # marks the loader as installed
     set_loader("omegaconf+", load, get_loader_exceptions("yaml"))
 
 
 def main(args: list[str] | None = None) -> None:
+    """Run the command line (``args``, default ``sys.argv[1:]``); a `UserError` ends in one line and exit status 2."""
     from rl_lightning.cli.progress import quiet
 
     # Recipes may name user code (callbacks, environments) by dotted path relative to where the job is launched.
