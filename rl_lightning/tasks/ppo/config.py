@@ -242,6 +242,6 @@ def make_controllers(kl: KLConfig, constraints: ConstraintConfig, max_rollouts: 
         The controllers, at their initial values.
     """
     return Controllers(
-        kl.controller, kl.coef, kl.target, kl.horizon, kl.rate, tuple(kl.pid), kl.final_coef,
+        kl.controller, kl.coef, kl.target, kl.horizon, kl.rate, kl.pid, kl.final_coef,
         kl.total_rollouts or max_rollouts or 1, constraints.entropy_min, constraints.kl_max,
         constraints.multiplier_lr, constraints.multiplier_init)

@@ -60,7 +60,7 @@ def rollout_metrics(trainer: Any, rollout: Rollout, means: dict[str, torch.Tenso
     n = count.clamp(min=1)  # dynamic sampling may keep no trajectory at all
     reward_mean, reward_std = moments_from_sums(reward_sum, reward_sq, count)
     advantage_mean, advantage_std = moments_from_sums(*advantage_sums)
-    metrics = {f"train/{k}": v for k, v in means.items() if k != "tokens"}
+    metrics: dict[str, Any] = {f"train/{k}": v for k, v in means.items() if k != "tokens"}
     metrics.update({f"train/reward/{c}": component_sums[i] / n for i, c in enumerate(names)})
     metrics.update({"train/reward": reward_mean, "train/reward_std": reward_std,
                     "train/completion_length": length_sum / n,

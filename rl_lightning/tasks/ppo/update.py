@@ -117,7 +117,7 @@ def minibatch_backward(task: Learner, micro_batches: list[MicroBatch], tokens: t
     size = grad_average_size(task.trainer)
     sums: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
-        metric_sums = {}
+        metric_sums: dict[str, torch.Tensor] = {}
         if train_actor:
             loss, metric_sums = task.policy_loss(mb, policy_count / size)
             task.manual_backward(loss)
