@@ -18,16 +18,17 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from rl_lightning.errors import ConfigError, UserError
 
 KEY = "model.rollout.reward_model"
+RETRY_STATUS = (429,)  # and every 5xx: the server is busy or failing, a later try may be answered
 
 
 class RewardModelError(UserError):
@@ -54,9 +55,9 @@ class RewardModelConfig:
         weight: its weight in the combined reward (added to a scalar ``reward_fn``'s value, or one more component of
             ``reward_weights``' combination).
         batch_size: conversations per request (``url``) or forward pass (``path``).
-        timeout_s: ``url``: seconds to wait for one request before retrying.
+        timeout_s: ``url``: seconds to wait to connect, to send, and for the answer, before retrying.
         retries: ``url``: further attempts after a connection failure, timeout, 429 or 5xx answer (exponential
-            backoff from 0.5 s).
+            backoff from 0.5 s; see `RewardModelClient`).
         concurrency: ``url``: requests in flight at once.
         on_error: a batch the server did not score: ``raise`` (stop with the URL and the fix) or ``zero`` (its
             trajectories get 0 for this component and count as reward failures).
@@ -98,12 +99,14 @@ class RewardModelConfig:
         if self.url is not None:
             return RewardModelClient(self.url, self.model, self.tokenizer, self.batch_size, self.timeout_s,
                                      self.retries, self.concurrency)
-        return LocalRewardModel(self.path, self.tokenizer, self.batch_size)
+        return LocalRewardModel(str(self.path), self.tokenizer, self.batch_size)  # __post_init__: one of them is set
 
 
 def conversation_tokens(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """The token ids the RM task trains on for the conversation `messages` (prompt and assistant turns): the chat
-    template's rendering, tokenised message by message (`rl_lightning.data.preference.PreferenceDataModule`)."""
+    """The token ids the RM task trains on for the conversation `messages` (prompt and assistant turns).
+
+    The chat template's rendering, tokenised message by message (`rl_lightning.data.preference.PreferenceDataModule`).
+    """
     from rl_lightning.data.tokenization import tokenize_messages
 
     return tokenize_messages(tokenizer, messages, last_turn_only=True).input_ids
@@ -114,15 +117,22 @@ def _chunks(items: list, size: int) -> list[list]:
 
 
 class RewardModelClient:
-    """A reward model served by vLLM (``vllm serve <rm folder> --runner pooling``), scored over HTTP (std-lib only).
+    """A reward model served by vLLM (``vllm serve <rm folder> --runner pooling``), scored over HTTP with httpx.
 
     Conversations are tokenised here with the RM's tokenizer and sent as token ids to ``POST /classify`` with
-    ``use_activation: false`` (the raw score), `batch_size` per request, `concurrency` requests at once; a request
-    that cannot connect, times out (`timeout_s`) or gets a 429/5xx answer is retried `retries` times with exponential
-    backoff, other HTTP errors are not. `start` checks the server (``GET /v1/models``) and loads the tokenizer.
+    ``use_activation: false`` (the raw score), `batch_size` per request, `concurrency` requests at once over one
+    pooled `httpx.Client` (`concurrency` connections, kept alive between requests). `timeout_s` bounds connecting,
+    sending and each wait for the answer. A request is tried at most ``1 + retries`` times:
 
-    In a ``reward_fn``: ``client = RewardModelClient("http://localhost:8000")`` at module level, then
-    ``client.score([messages])[0]`` (it starts itself on first use).
+    - a connection that cannot be made (refused, or not made within `timeout_s`) is retried by the transport
+      (``httpx.HTTPTransport(retries=retries)``, with httpcore's backoff of 0 s, 0.5 s, 1 s...);
+    - an answer that does not come within `timeout_s`, a connection dropped mid-request, and a 429 or 5xx answer are
+      retried here (`RETRY_STATUS`), after ``backoff_s * 2 ** (attempt - 1)`` seconds;
+    - any other HTTP error is not retried.
+
+    `start` checks the server (``GET /v1/models``) and loads the tokenizer. In a ``reward_fn``:
+    ``client = RewardModelClient("http://localhost:8000")`` at module level, then ``client.score([messages])[0]`` (it
+    starts itself on first use).
     """
 
     def __init__(self, url: str, model: str | None = None, tokenizer: str | None = None, batch_size: int = 32,
@@ -133,10 +143,30 @@ class RewardModelClient:
         self.batch_size, self.timeout_s, self.retries, self.concurrency = batch_size, timeout_s, retries, concurrency
         self.backoff_s = backoff_s
         self.tokenizer: Any = None
+        self._http: httpx.Client | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_http": None}  # a connection pool does not travel: the copy opens its own
+
+    def http(self) -> httpx.Client:
+        """The pooled HTTP client (made on first use), with the transport that retries connections."""
+        if self._http is None:
+            limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+            self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(self.timeout_s),
+                                      transport=httpx.HTTPTransport(retries=self.retries, limits=limits))
+        return self._http
+
+    def close(self) -> None:
+        """Close the pooled connections (a later request opens new ones)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     def start(self, device: Any = None) -> None:
-        """Check the server lists the model (one-line `ConfigError` otherwise) and load the tokenizer; `device` is
-        ignored (the server has its own)."""
+        """Check the server lists the model (one-line `ConfigError` otherwise) and load the tokenizer.
+
+        `device` is ignored (the server has its own).
+        """
         if self.tokenizer is not None:
             return
         try:
@@ -155,13 +185,15 @@ class RewardModelClient:
         self.tokenizer = load_tokenizer(self.tokenizer_name or self.model)
 
     def score(self, conversations: list[list[dict]]) -> list[float]:
-        """The reward of each conversation (prompt messages and the assistant's turns); raises `RewardModelError`
-        if a batch could not be scored."""
+        """The reward of each conversation (prompt messages and the assistant's turns).
+
+        Raises `RewardModelError` if a batch could not be scored.
+        """
         scores = self.score_each(conversations)
         for value in scores:
             if isinstance(value, RewardModelError):
                 raise value
-        return scores
+        return [value for value in scores if not isinstance(value, RewardModelError)]
 
     def score_each(self, conversations: list[list[dict]]) -> list[float | RewardModelError]:
         """Like `score`, but a batch that could not be scored gives its error in place of each of its scores."""
@@ -189,28 +221,34 @@ class RewardModelClient:
         return [float(row["probs"][0]) for row in rows]
 
     def _request(self, method: str, route: str, body: Any, timeout_s: float, startup: bool = False) -> Any:
-        """One JSON request with retries; `RewardModelError` (one line: URL, cause, key, fix) when all failed."""
-        url, data = self.url + route, None if body is None else json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
+        """One JSON request under the retry policy; `RewardModelError` (one line: URL, cause, key, fix) if all failed."""
+        attempts, timed_out, cause = 0, False, ""
+        while attempts <= self.retries:
+            if attempts:
+                time.sleep(self.backoff_s * 2 ** (attempts - 1))
+            attempts += 1
             try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as e:
-                cause, timed_out = f"HTTP {e.code}: {_first_line(e.read().decode(errors='replace'))}", False
-                if e.code != 429 and e.code < 500:
-                    break
-            except (TimeoutError, urllib.error.URLError, OSError) as e:
-                reason = getattr(e, "reason", e)
-                timed_out = isinstance(reason, TimeoutError)
-                cause = f"no answer within timeout_s={timeout_s}" if timed_out else f"cannot connect ({reason})"
+                response = self.http().request(method, route, json=body, timeout=timeout_s)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # the transport has spent the retries on it
+                timed_out, attempts = isinstance(e, httpx.ConnectTimeout), attempts + self.retries
+                cause = f"no answer within timeout_s={timeout_s}" if timed_out else f"cannot connect ({e})"
+                break
+            except httpx.TimeoutException:
+                timed_out, cause = True, f"no answer within timeout_s={timeout_s}"
+                continue
+            except httpx.TransportError as e:  # the connection dropped mid-request
+                timed_out, cause = False, f"cannot connect ({e})"
+                continue
+            if response.is_success:
+                return response.json()
+            timed_out, cause = False, f"HTTP {response.status_code}: {_first_line(response.text)}"
+            if response.status_code not in RETRY_STATUS and response.status_code < 500:
+                break
         fix = (f"raise {self.key}.timeout_s or check the server" if timed_out else
                f"check {self.key}.url and that the server runs (vllm serve <rm folder> --runner pooling)")
         if not startup:  # the start-up check always stops: a run must not train on zeros from a wrong URL
             fix += f", or set {self.key}.on_error: zero to score such trajectories 0"
-        raise RewardModelError(f"reward model at {url}: {cause} after {attempt + 1} attempt(s) ({self.key}.url="
+        raise RewardModelError(f"reward model at {self.url}{route}: {cause} after {attempts} attempt(s) ({self.key}.url="
                                f"{self.url}, timeout_s={timeout_s}); {fix}", timed_out)
 
 
@@ -223,9 +261,11 @@ def _first_line(text: str) -> str:
 
 
 class LocalRewardModel:
-    """An RM folder (``AutoModelForSequenceClassification``, one label) scored in this process, without gradients,
-    `batch_size` conversations per forward (right-padded, read where transformers pools: the last non-pad token,
-    as the RM task trains). `start` loads it on `device` (the trainer's)."""
+    """An RM folder (``AutoModelForSequenceClassification``, one label) scored in this process, without gradients.
+
+    `batch_size` conversations per forward (right-padded, read where transformers pools: the last non-pad token, as
+    the RM task trains). `start` loads it on `device` (the trainer's).
+    """
 
     def __init__(self, path: str, tokenizer: str | None = None, batch_size: int = 8) -> None:
         self.path, self.tokenizer_name, self.batch_size = path, tokenizer, batch_size

@@ -5,6 +5,7 @@ local HTTP servers."""
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -92,27 +93,34 @@ def vllm_server(rm_folder, tmp_path_factory):
 
 
 class FakeServer:
-    """A real HTTP server on localhost standing in for vLLM: lists `model`, answers ``/classify`` with the length of
-    each sequence as its score (rows in reverse order, as a server may), after `delay_s`, with `status` for the first
-    `fail_first` requests."""
+    """A real HTTP/1.1 server on localhost standing in for vLLM: lists `model`, answers ``/classify`` with the length
+    of each sequence as its score (rows in reverse order, as a server may), after `delay_s` (for the first `slow_first`
+    requests only, when set), with `status` for the first `fail_first` requests; keeps connections alive and records
+    the client address of each request in `connections`."""
 
-    def __init__(self, delay_s=0.0, fail_first=0, status=503, model=str(TINY_MODEL)):
+    def __init__(self, delay_s=0.0, fail_first=0, status=503, model=str(TINY_MODEL), slow_first=None):
         self.delay_s, self.fail_first, self.status, self.model, self.requests = delay_s, fail_first, status, model, 0
+        self.slow_first, self.connections = slow_first, []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: a pooled client reuses its connections
+
             def log_message(self, *args):
                 pass
 
             def do_GET(self):
+                fake.connections.append(self.client_address)
                 self._reply(200, {"object": "list", "data": [{"id": fake.model, "object": "model"}]})
 
             def do_POST(self):
+                fake.connections.append(self.client_address)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.requests += 1
                 if fake.requests <= fake.fail_first:
                     return self._reply(fake.status, {"error": {"message": f"busy (request {fake.requests})"}})
-                time.sleep(fake.delay_s)
+                if fake.slow_first is None or fake.requests <= fake.slow_first:
+                    time.sleep(fake.delay_s)
                 rows = [{"index": i, "label": None, "probs": [float(len(ids))], "num_classes": 1}
                         for i, ids in enumerate(body["input"])]
                 self._reply(200, {"object": "list", "model": body["model"], "data": rows[::-1]})
@@ -305,3 +313,38 @@ def test_start_up_check_and_config_errors(tmp_path):
         RewardModelConfig(url="http://x", batch_size=0)
     with pytest.raises(ConfigError, match=r"reward_model.name='length' is also a component of reward_weights"):
         _env(tmp_path, LENGTH_ENV, url="http://x", name="length")
+
+
+def test_requests_share_pooled_connections():
+    """One pooled httpx client: sequential requests (the start-up check, then one batch per request) reuse one kept-alive
+    connection instead of opening one each, and a copy (pickled, as a worker would get it) opens its own pool."""
+    with FakeServer() as server:
+        client = RewardModelClient(server.url, batch_size=1, concurrency=1)
+        scores = client.score(CONVERSATIONS)
+        assert len(server.connections) == 1 + len(CONVERSATIONS) and len(set(server.connections)) == 1
+        copy = pickle.loads(pickle.dumps(client))
+        assert copy.score(CONVERSATIONS[:2]) == scores[:2]
+        assert len(set(server.connections)) == 2  # the copy's own connection
+        client.close()
+        assert client.score(CONVERSATIONS[:1]) == scores[:1]  # closed: the next request opens a new pool
+
+
+def test_an_answer_that_times_out_is_retried():
+    """A read timeout is retried by the client's own policy (not the transport's, which retries connecting only)."""
+    with FakeServer(delay_s=2.0, slow_first=1) as server:
+        client = RewardModelClient(server.url, timeout_s=0.5, retries=1, backoff_s=0.01)
+        client.start()
+        assert client.score(CONVERSATIONS[:1]) == [float(len(conversation_tokens(client.tokenizer,
+                                                                                   CONVERSATIONS[0])))]
+        assert server.requests == 2
+
+
+def test_connection_failures_are_retried_by_the_transport():
+    """Nothing listens: the transport tries to connect 1 + retries times (httpcore's backoff 0 s, 0.5 s), then one
+    line says so; the client's own loop does not retry a connection the transport already gave up on."""
+    url = f"http://127.0.0.1:{free_port()}"
+    client = RewardModelClient(url, retries=2, backoff_s=10.0)  # a retry of the client's own would sleep 10 s
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"/v1/models: cannot connect \(.*\) after 3 attempt\(s\)"):
+        client.start()
+    assert 0.5 <= time.monotonic() - start < 5.0
