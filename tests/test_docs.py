@@ -243,3 +243,16 @@ def test_every_recipe_is_documented():
     docs = "\n".join(page.read_text() for page in PAGES)
     missing = [recipe for recipe in recipes if recipe not in docs]
     assert not missing, f"recipes no docs page names: {missing}"
+
+
+def test_every_module_has_an_api_page():
+    """Every module of the package and of callbacks/ is rendered by a ``:::`` line on a page of docs/api/."""
+    rendered = {line[4:].strip() for page in (DOCS / "api").glob("*.md") for line in page.read_text().splitlines()
+                if line.startswith("::: ")}
+    modules = set()
+    for root in ("rl_lightning", "callbacks"):
+        for path in (REPO / root).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    missing = sorted(modules - rendered - {"rl_lightning", "rl_lightning.__main__", "callbacks"})
+    assert missing == [], f"add a ::: line to a page of docs/api/ for {missing}"
