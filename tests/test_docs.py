@@ -256,3 +256,41 @@ def test_every_module_has_an_api_page():
             modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     missing = sorted(modules - rendered - {"rl_lightning", "rl_lightning.__main__", "callbacks"})
     assert missing == [], f"add a ::: line to a page of docs/api/ for {missing}"
+
+
+def _readme_block(language: str, marker: str) -> str:
+    blocks = re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_the_readme_environment_works_as_written(tmp_path):
+    """The README's reward environment, loaded as a run loads it: components scored, the tool answers, then stops."""
+    from rl_lightning.rollout.env import load_environment
+
+    path = tmp_path / "my_env.py"
+    path.write_text(_readme_block("python", "def reward_fn"))
+    env = load_environment(str(path), weights={"correct": 1.0, "short": 0.2})
+    reward, components = env.score([{"role": "assistant", "content": "The answer is 12."}], "12", where="row 0")
+    assert components == {"correct": 1.0, "short": 1.0} and reward == pytest.approx(1.2)
+    _, components = env.score([{"role": "assistant", "content": "The answer is 13, " + "x" * 40}], "12", where="row 1")
+    assert components == {"correct": 0.0, "short": 0.0}
+    assert env.interact([{"role": "assistant", "content": "<calc> 6 * -7 </calc>"}]) == [
+        {"role": "tool", "content": "-42"}]
+    assert env.interact([{"role": "assistant", "content": "42"}]) == []
+
+
+def test_the_readme_callback_prints_the_longest_completion(capsys):
+    """The README's callback, run on a rollout-shaped batch: it prints the longest completion every `every` rollouts."""
+    from types import SimpleNamespace
+
+    namespace: dict = {}
+    exec(_readme_block("python", "class LongestCompletion"), namespace)
+    callback = namespace["LongestCompletion"](every=5)
+    short = SimpleNamespace(completion_length=2, reward=0.0, messages=[{"content": "no"}])
+    long = SimpleNamespace(completion_length=9, reward=1.0, messages=[{"content": "yes, 42"}])
+    batch = {"rollout": SimpleNamespace(trajectories=[short, long])}
+    trainer = SimpleNamespace(is_global_zero=True)
+    callback.on_train_batch_end(trainer, SimpleNamespace(rollouts=10), None, batch, 0)
+    callback.on_train_batch_end(trainer, SimpleNamespace(rollouts=11), None, batch, 0)
+    assert capsys.readouterr().out == "rollout 10: 1.00 'yes, 42'\n"
