@@ -18,14 +18,32 @@ from rl_lightning.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every DTensor (FSDP2/TP shard) gathered to a full CPU tensor.
 
-    Collective under FSDP2/TP: every rank must call it.
+    Collective under FSDP2/TP: every rank must call it. Tensors are gathered one at a time; a rank with `keep` false
+    (every rank but the one that writes) drops each full tensor as soon as it is gathered and returns an empty dict,
+    so only the writer ever holds the whole model (torch's ``StateDictOptions(full_state_dict=True,
+    cpu_offload=True)`` semantics). Tied weights (one parameter under two names) are gathered once and share the
+    returned tensor.
     """
     from rl_lightning.rollout.weights import full_tensor
 
-    return {name: full_tensor(tensor).detach().cpu() for name, tensor in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    gathered: dict[int, str] = {}  # id of the parameter -> the first name it was gathered under
+    # keep_vars: the parameters themselves, so a tie is the same object on every rank (the collectives stay in step)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in gathered:  # a tied weight: gathered once
+            if keep:
+                state[name] = state[gathered[id(tensor)]]
+            continue
+        gathered[id(tensor)] = name
+        with torch.no_grad():
+            full = full_tensor(tensor)
+        if keep:
+            state[name] = (full.detach() if full is tensor else full).cpu()
+        del full
+    return state
 
 
 def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool = True) -> None:
@@ -37,7 +55,7 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
     from rl_lightning.models.loading import load_tokenizer
     from rl_lightning.models.lora import is_peft
 
-    state = full_state_dict(model)
+    state = full_state_dict(model, keep=is_global_zero)  # only the writer holds the gathered model
     if is_global_zero:
         if is_peft(model):
             export_lora(model, state, Path(dirpath))
