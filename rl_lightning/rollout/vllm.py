@@ -156,6 +156,8 @@ class VLLMEngine:
         rank: this process's global rank (default: from torch.distributed, else 0).
         local_rank: this process's rank on its node (default: `rank`).
         world_size: processes in the job (default: from torch.distributed, else 1).
+        sleep_mode: False: never sleep, even on CUDA (an engine on a device of its own, e.g. in
+            `rl_lightning.rollout.engine_process`); None: sleep on CUDA (colocated with the trainer).
         **llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_num_seqs``).
     """
 
@@ -172,6 +174,7 @@ class VLLMEngine:
         rank: int | None = None,
         local_rank: int | None = None,
         world_size: int | None = None,
+        sleep_mode: bool | None = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
@@ -190,7 +193,7 @@ class VLLMEngine:
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         self.tp_size, self.tp_rank = tensor_parallel_size, self.rank % tensor_parallel_size
         self.tp_group = _contiguous_subgroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
-        self.sleep_mode = device_type == "cuda"
+        self.sleep_mode = device_type == "cuda" and sleep_mode is not False
         kwargs: dict[str, Any] = {
             "model": resolve_model(model_path), "load_format": "dummy", "distributed_executor_backend": "external_launcher",
             "tensor_parallel_size": tensor_parallel_size, "seed": self.rank // tensor_parallel_size,
@@ -204,7 +207,7 @@ class VLLMEngine:
             kwargs.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_memory_bytes or 1 << 30,
                           enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         else:
-            kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
+            kwargs.update(enable_sleep_mode=self.sleep_mode, gpu_memory_utilization=gpu_memory_utilization)
             if kv_cache_memory_bytes:
                 kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         if lora_rank is not None:
