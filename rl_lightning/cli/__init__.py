@@ -3,6 +3,7 @@
 - `main`: ``python -m rl_lightning fit|validate|test --config ...``, the LightningCLI subclass and its defaults;
 - `config_check`, `config_errors`, `moved_paths`: a bad config as one line naming the key, the value and the fix,
   found from the parser's structure (message text only as the fallback); old dotted paths name their new home;
+- `device_check`: the devices a config asks for against the machine's CUDA devices, before any model loads;
 - `progress`: the terminal progress line; `outputs`: each run's own output folder;
 - `tune` and `search_space`: ``python -m rl_lightning tune``, the Optuna search over recipe keys.
 

@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from typing_extensions import override
 
 from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_line_error
+from rl_lightning.cli.device_check import check_trainer_devices
 from rl_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class RLLightningCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
+        check_trainer_devices(trainer)  # a GPU recipe on a machine without CUDA: one line, before any model loads
         trainer.callbacks = merge_callbacks(trainer.get("callbacks") or [], trainer.get("enable_progress_bar"),
                                             trainer.get("enable_checkpointing"))
         sources = config.get("config") or []
