@@ -6,7 +6,8 @@ from conftest import REPO
 
 from rl_lightning.rollout.env import load_environment
 
-EXAMPLE_RECIPES = sorted((REPO / "examples").rglob("*.yaml"))
+EXAMPLE_RECIPES = sorted(p for p in (REPO / "examples").rglob("*.yaml") if p.parent.name != "gpu")
+GPU_SMOKE = REPO / "examples" / "gpu" / "smoke.yaml"  # an overlay on recipes/real/grpo.yaml (docs/gpu.md)
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +32,20 @@ def test_example_recipes_instantiate(workdir):
     for recipe in EXAMPLE_RECIPES:
         cli = _cli(["--config", str(recipe)])
         assert cli.model.hparams.model_name == cli.datamodule.hparams.tokenizer_name
+
+
+def test_gpu_smoke_overlay_instantiates_on_the_real_recipe(workdir):
+    """The GPU checklist's smoke command parses and builds (here with the CPU accelerator: the overlay's values, the
+    strategy and the engine are what the GPU run gets)."""
+    from helpers import parse_cli as _cli
+
+    from rl_lightning.parallel import ParallelStrategy
+
+    cli = _cli(["--config", "recipes/real/grpo.yaml", "--config", str(GPU_SMOKE), "--trainer.accelerator", "cpu"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ParallelStrategy)
+    assert strategy.dp_size == 2
+    assert strategy.mixed_precision == "bf16"
+    rollout = cli.model.hparams.rollout  # as parsed: a dict of the rollout config's keys
+    assert (rollout["engine"], rollout["kv_cache_memory_bytes"], cli.model.hparams.max_rollouts) == ("hf", None, 3)
+    assert cli.model.hparams.model_name == "asset:SmolLM2-135M-Instruct"
