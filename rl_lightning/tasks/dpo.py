@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import load_causal_lm, target_logprobs
+from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
@@ -26,9 +26,10 @@ from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
 
 
-def completion_logprobs(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
-    """(S,) summed log-probabilities of each sequence's completion tokens."""
-    return sequence_sums(target_logprobs(model, micro_batch)[0], micro_batch["target_mask"], micro_batch)
+def completion_logprobs(model: Any, micro_batch: dict[str, Any], lm_head_chunk: int | None = None) -> torch.Tensor:
+    """(S,) summed log-probabilities of each sequence's completion tokens (the head in chunks of `lm_head_chunk`)."""
+    logprobs = target_logprobs(model, micro_batch, chunk_size=lm_head_chunk)[0]
+    return sequence_sums(logprobs, micro_batch["target_mask"], micro_batch)
 
 
 class DPO(L.LightningModule):
@@ -50,6 +51,9 @@ class DPO(L.LightningModule):
         lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
             the reference is then the policy with its adapters disabled (no second model; `ref_model_name` and
             `reference_offload` must be left unset). Null: full fine-tuning.
+        lm_head_chunk: positions per chunk of the output head (policy and reference): the (tokens x vocabulary)
+            logits are never built whole, only (lm_head_chunk x vocabulary) at a time, in the forward and the backward
+            (same values); null: the full logits (more memory, sometimes faster on small batches).
     """
 
     def __init__(
@@ -65,8 +69,10 @@ class DPO(L.LightningModule):
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
+        lm_head_chunk: int | None = 1024,
     ) -> None:
         super().__init__()
+        check_lm_head_chunk(lm_head_chunk)
         errors = []
         if loss_type not in DPO_LOSSES:
             errors.append(f"model.loss_type must be one of {', '.join(DPO_LOSSES)}, got '{loss_type}'")
@@ -132,14 +138,16 @@ class DPO(L.LightningModule):
         if self.hparams.reference_offload:
             self._reference.to(self.device)
         layout = parallel_layout(self.trainer)
-        logprobs = [completion_logprobs(self._reference, local_micro_batch(layout, mb)) for mb in micro_batches]
+        logprobs = [completion_logprobs(self._reference, local_micro_batch(layout, mb), self.hparams.lm_head_chunk)
+                    for mb in micro_batches]
         if self.hparams.reference_offload:
             self._reference.to("cpu")
         return logprobs
 
     def _pair_loss(self, micro_batch: dict, ref_logprobs: torch.Tensor, normaliser: Any) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
-        logprobs = completion_logprobs(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
+        logprobs = completion_logprobs(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch),
+                                       hp.lm_head_chunk)  # (S,)
         num_pairs = int(micro_batch["num_units"])
         chosen, rejected = pair_slices(logprobs, num_pairs)
         ref_chosen, ref_rejected = pair_slices(ref_logprobs, num_pairs)

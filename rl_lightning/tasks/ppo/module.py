@@ -17,7 +17,13 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS, OFF_POLICY_ESTIMATORS
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import load_causal_lm, load_reward_model, load_tokenizer, target_logprobs
+from rl_lightning.models.loading import (
+    check_lm_head_chunk,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    target_logprobs,
+)
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.memory import initial_budget
 from rl_lightning.models.optim import OptimConfig, configure_adamw, typed
@@ -94,6 +100,10 @@ class PPO(L.LightningModule):
         lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
             the reference is then the policy with its adapters disabled (no second model is loaded). A critic
             stays a full model, fully trained. Null: full fine-tuning.
+        lm_head_chunk: positions per chunk of the output head (training, old-policy and reference passes): the
+            (tokens x vocabulary) logits are never built whole, only (lm_head_chunk x vocabulary) at a time, in the
+            forward and the backward (same values); null: the full logits (more memory, sometimes faster on small
+            batches).
     """
 
     def __init__(
@@ -126,8 +136,10 @@ class PPO(L.LightningModule):
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
+        lm_head_chunk: int | None = 1024,
     ) -> None:
         super().__init__()
+        check_lm_head_chunk(lm_head_chunk)
         rollout, kl = typed(RolloutConfig, rollout), typed(KLConfig, kl)
         constraints, optim = typed(ConstraintConfig, constraints), typed(OptimConfig, optim)
         correction = typed(CorrectionConfig, correction)
@@ -277,7 +289,8 @@ class PPO(L.LightningModule):
         """Record the sampling policy's and the reference's log-probabilities and the critic's values."""
         kl_reward = self.kl_config.type == "reward" and self._reference is not None
         needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS
-        scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature, needed_now)
+        scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature, needed_now,
+                      self.hparams.lm_head_chunk)
 
     def assign_advantages(self, rollout: Rollout, micro_batches: list[minibatches.MicroBatch]) -> torch.Tensor:
         """Per-token advantages (and returns) written into the micro-batches; their global (sum, sum sq, count)."""
@@ -298,7 +311,8 @@ class PPO(L.LightningModule):
     def policy_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The policy's forward on `mb` and its share of the minibatch's policy loss, with metric sums."""
         logprobs, entropy = target_logprobs(self.model, mb, self.rollout_config.temperature,
-                                            entropy="grad" if self.objective.entropy_needs_grad else "value")
+                                            entropy="grad" if self.objective.entropy_needs_grad else "value",
+                                            chunk_size=self.hparams.lm_head_chunk)
         if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
             mb["old_logprobs"] = logprobs.detach()
         return self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,

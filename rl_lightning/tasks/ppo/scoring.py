@@ -36,7 +36,7 @@ def critic_values(critic: Any, micro_batch: MicroBatch) -> torch.Tensor:
 
 @torch.no_grad()
 def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any, temperature: float,
-          first_minibatch: bool) -> None:
+          first_minibatch: bool, lm_head_chunk: int | None = None) -> None:
     """Record, on this rank's tokens, the sampling policy's and the reference's log-probabilities and the values.
 
     Nothing has changed the policy since it sampled, so its log-probabilities are ``old_logprobs``. The first
@@ -51,13 +51,14 @@ def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any,
         temperature: the sampling temperature the log-probabilities are taken at.
         first_minibatch: record ``old_logprobs`` for the first minibatch too (KL as a reward, the off-policy
             estimators).
+        lm_head_chunk: positions per chunk of the output head (`target_logprobs`' `chunk_size`); None: full logits.
     """
     for k, (_, micro_batches) in enumerate(minibatches):
         for mb in micro_batches:
             if k > 0 or first_minibatch:
-                mb["old_logprobs"] = target_logprobs(model, mb, temperature)[0]
+                mb["old_logprobs"] = target_logprobs(model, mb, temperature, chunk_size=lm_head_chunk)[0]
             if reference is not None:
-                mb["ref_logprobs"] = target_logprobs(reference, mb, temperature)[0]
+                mb["ref_logprobs"] = target_logprobs(reference, mb, temperature, chunk_size=lm_head_chunk)[0]
             if critic is not None:
                 mb["old_values"] = critic_values(critic, mb)
 
