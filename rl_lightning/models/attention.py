@@ -8,6 +8,11 @@ path builds an N x N block-diagonal mask and attends over the whole row: O(N^2) 
   torch >= 2.10): one kernel call for the whole row, sequences delimited by ``cu_seqlens``;
 - anywhere else (CPU, fp32, older torch, attention dropout): causal SDPA on each sequence in a Python loop.
 
+The kernel is chosen from the query's dtype, so q, k and v are first brought to one dtype
+(`kernels.autocast_inputs`: under bf16-mixed the rotary embedding hands back fp32 q and k). Where the sequences are
+(`packed_row`: offsets on the host and on the device, the longest length) is worked out once per forward, at the
+first layer, and reused by the others: the later layers make no host syncs and no host-to-device copies.
+
 Padded batches and cached generation go to SDPA with their mask: transformers' own path on CUDA, and off CUDA
 `padded_sdpa`, which keeps grouped K/V heads as they are instead of copying them per query head. When the forward
 carries a ``cp_layout`` (a context-parallel shard), it runs zigzag ring attention over the context-parallel group
@@ -18,6 +23,9 @@ explicit `register_varlen_attention()` call (in `rl_lightning.models.loading`), 
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,12 +36,42 @@ from rl_lightning.models import kernels
 NAME = "rl_varlen"
 
 
-def sequence_starts(position_ids: torch.Tensor) -> list[int] | None:
-    """Start offsets of the packed sequences of one row, or None if the row is not a packed training row."""
+@dataclass(frozen=True)
+class PackedRow:
+    """Where the sequences of a packed row are: ``bounds`` (S + 1 offsets) on the host and on the row's device."""
+
+    bounds: tuple[int, ...]
+    cu_seqlens: torch.Tensor  # (S + 1,) int32, on the row's device
+    max_len: int
+
+
+# The last row's metadata: (weak reference to its position_ids, their version counter, the metadata).
+_last_row: tuple[weakref.ref, int | None, PackedRow | None] | None = None
+
+
+def packed_row(position_ids: torch.Tensor, layer_idx: int | None = None) -> PackedRow | None:
+    """The sequences of a packed training row (one row, position ids restarting at 0), or None for any other row.
+
+    Computed once per forward, at layer 0, and reused by the other layers (which see the same position_ids tensor):
+    the two host syncs it takes (``nonzero``, one ``tolist``) are the forward's, not every layer's. A row whose
+    tensor or version changed, or a module without ``layer_idx``, is computed afresh.
+    """
+    global _last_row
+    version = None if position_ids.is_inference() else position_ids._version
+    cached = _last_row
+    if (cached is not None and layer_idx not in (None, 0) and cached[0]() is position_ids
+            and cached[1] == version):
+        return cached[2]
     row = position_ids[0]
-    if row[0].item() != 0:
-        return None
-    return (row == 0).nonzero().flatten().tolist()
+    starts = (row == 0).nonzero().flatten()  # (S,) on the row's device
+    bounds = torch.cat([starts, starts.new_full((1,), row.shape[0])])  # (S + 1,) no host-to-device copy
+    first, *host = torch.cat([row[:1], bounds]).tolist()
+    metadata = None
+    if first == 0:
+        metadata = PackedRow(tuple(host), bounds.to(torch.int32),
+                             max(e - s for s, e in zip(host[:-1], host[1:], strict=True)))
+    _last_row = (weakref.ref(position_ids), version, metadata)
+    return metadata
 
 
 def packed_backend(query: torch.Tensor, dropout: float = 0.0) -> str:
@@ -41,16 +79,17 @@ def packed_backend(query: torch.Tensor, dropout: float = 0.0) -> str:
     return "varlen_attn" if dropout == 0.0 and kernels.uses_flash_kernels(query) else "sdpa"
 
 
-def packed_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
-                       scaling: float | None) -> torch.Tensor:
+def packed_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: Sequence[int],
+                       scaling: float | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """One flash call for the whole packed row.
 
     Query (1, H, N, D), key/value (1, H_kv, N, D), `bounds` the S + 1 sequence offsets -> (1, N, H, D). Causal is
-    ``window_size=(-1, 0)`` in varlen_attn's API.
+    ``window_size=(-1, 0)`` in varlen_attn's API. `cu_seqlens`: `bounds` as int32 on the device already (`PackedRow`);
+    without it they are copied there.
     """
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    cu = cu_seqlens if cu_seqlens is not None else torch.tensor(bounds, dtype=torch.int32, device=query.device)
     max_len = max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
     gqa = {}
     if key.shape[1] != query.shape[1]:
@@ -75,7 +114,7 @@ def _varlen_has_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: Sequence[int],
                 scaling: float | None, dropout: float = 0.0) -> torch.Tensor:
     """Causal SDPA per sequence (any device, dtype, dropout): shapes as `packed_varlen_attn`.
 
@@ -122,6 +161,7 @@ def varlen_attention(
     """Transformers attention function: query (B, H, N, D), key/value (B, H_kv, N, D) -> output (B, N, H, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    query, key, value = kernels.autocast_inputs(query, key, value)  # before any kernel is chosen from their dtype
     layout = kwargs.get("cp_layout")
     if layout is not None:  # a context-parallel shard of a packed row (rl_lightning.parallel.ring_attention)
         from rl_lightning.parallel.ring_attention import ring_attention
@@ -132,17 +172,16 @@ def varlen_attention(
         attention_mask is None and position_ids is not None and query.shape[0] == 1
         and query.shape[2] == key.shape[2] > 1
     )
-    starts = sequence_starts(position_ids) if packed else None
-    if starts is None:
+    row = packed_row(position_ids, getattr(module, "layer_idx", None)) if packed else None
+    if row is None:
         if query.is_cuda:  # masked GQA would fall back to SDPA's math kernel: transformers repeats K/V instead
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
         return padded_sdpa(query, key, value, attention_mask, dropout if module.training else 0.0, scaling), None
-    bounds = starts + [query.shape[2]]
     dropout = dropout if module.training else 0.0
     if packed_backend(query, dropout) == "varlen_attn":
-        return packed_varlen_attn(query, key, value, bounds, scaling), None
-    return packed_sdpa(query, key, value, bounds, scaling, dropout), None
+        return packed_varlen_attn(query, key, value, row.bounds, scaling, row.cu_seqlens), None
+    return packed_sdpa(query, key, value, row.bounds, scaling, dropout), None
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:

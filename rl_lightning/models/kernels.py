@@ -28,14 +28,42 @@ def flash_varlen_available(device: torch.device) -> bool:
     return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def flash_inputs_supported(query: torch.Tensor) -> bool:
+    """Whether a flash kernel (torch's or flash-attn's) takes `query`: CUDA, fp16/bf16 (no fp32), head size % 8, <= 256.
+
+    Whether the kernels are there is another question (`flash_varlen_available`, and for ring-flash-attn
+    `rl_lightning.parallel.ring_attention.flash_attn_status`).
+    """
+    head_dim = query.shape[-1]
+    return query.device.type == "cuda" and query.dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
+
+
 def uses_flash_kernels(query: torch.Tensor) -> bool:
-    """Whether torch's flash kernels can take `query`: CUDA, fp16/bf16 (flash has no fp32), a head size they support.
+    """Whether torch's flash kernels can take `query`: `flash_inputs_supported` and `flash_varlen_available`.
 
     Never true on CPU, whatever `flash_varlen_available` says.
     """
-    head_dim = query.shape[-1]
-    return (query.device.type == "cuda" and query.dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
-            and flash_varlen_available(query.device))
+    return flash_inputs_supported(query) and flash_varlen_available(query.device)
+
+
+def autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value in one dtype, before a kernel is chosen from query's dtype.
+
+    Inside autocast (``precision: bf16-mixed``) that is the autocast dtype: with fp32 parameters transformers' rotary
+    embedding hands back fp32 q and k next to a bf16 v, which would keep every flash kernel away. Outside autocast
+    it is the three dtypes' promotion (a no-op when they agree). As autocast, fp64 is left alone.
+    """
+    device_type = query.device.type
+    dtype = None
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif not query.dtype == key.dtype == value.dtype:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    if dtype is None:
+        return query, key, value
+    q, k, v = (t.to(dtype) if t.dtype != dtype and t.dtype != torch.float64 else t for t in (query, key, value))
+    return q, k, v
 
 
 # Block kernels with log-sum-exp, for ring attention. Layout is varlen's: q (n_q, H, D), k/v (n_k, H_kv, D),

@@ -4,8 +4,10 @@ Layout: the zigzag share of `rl_lightning.parallel.zigzag` (as RL2 and ring-flas
 expect): context-parallel rank r keeps chunks r and ``2cp - 1 - r`` of every packed sequence, so each rank holds the
 same share of early (cheap) and late (expensive) causal queries.
 
-Attention is a P2P ring. With ring-flash-attn and flash-attn importable on CUDA (fp16/bf16) it is their
-``zigzag_ring_flash_attn_varlen_func``; otherwise it is this module's ring (`ring_attention`):
+Attention is a P2P ring. On CUDA with fp16/bf16 q, k, v (inside autocast they are first cast to its dtype) of a
+head size flash supports, and ring-flash-attn and flash-attn that really import (`flash_attn_status`; an unusable
+install is one warning line and a fallback), it is their ``zigzag_ring_flash_attn_varlen_func``; otherwise it is this
+module's ring (`ring_attention`). Either way the offsets come from the layout's row sets, made once per micro-batch:
 
 - Forward: each rank keeps its local K/V and passes it round the ring (``batch_isend_irecv`` to rank r + 1, from
   rank r - 1, sub-group ranks translated with ``get_global_rank``). At step i it attends its queries to the block
@@ -25,75 +27,81 @@ which runs the same loop in one process so one GPU can check the kernels and the
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rl_lightning.models import kernels
 from rl_lightning.models.kernels import block_backward, block_forward, merge_partials
-from rl_lightning.parallel.zigzag import ZigzagLayout
 
-# The layout lives in `rl_lightning.parallel.zigzag`; its functions stay importable from here (explicit re-exports).
+# The layout lives in `rl_lightning.parallel.zigzag`; its names stay importable from here (explicit re-exports).
+from rl_lightning.parallel.zigzag import ZigzagBlocks as ZigzagBlocks
+from rl_lightning.parallel.zigzag import ZigzagLayout as ZigzagLayout
 from rl_lightning.parallel.zigzag import gather_tokens as gather_tokens
 from rl_lightning.parallel.zigzag import shard_micro_batch as shard_micro_batch
 from rl_lightning.parallel.zigzag import shard_tokens as shard_tokens
+from rl_lightning.parallel.zigzag import zigzag_blocks as zigzag_blocks
 from rl_lightning.parallel.zigzag import zigzag_layout as zigzag_layout
 
+log = logging.getLogger(__name__)
 
-def _flash_ring_available(query: torch.Tensor) -> bool:
-    """CUDA, a dtype flash-attn supports (fp16/bf16; fp32 falls back to the exact torch path) and both libraries."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    import importlib.util
-
-    return all(importlib.util.find_spec(name) is not None for name in ("flash_attn", "ring_flash_attn"))
+_FLASH_PACKAGES = {"flash_attn": "flash-attn", "ring_flash_attn": "ring-flash-attn"}  # module -> pip name
 
 
-def _flash_ring(query, key, value, layout: ZigzagLayout, scaling: float | None) -> torch.Tensor:
-    # ring-flash-attn 0.1.8 imports a helper transformers 5 moved (shared/reference apis.md §3.1); shim it first.
+def _shim_transformers() -> None:
+    """ring-flash-attn 0.1.8 imports a helper transformers 5 moved (shared/reference apis.md §3.1): put it back."""
     import transformers.modeling_flash_attention_utils as flash_utils
     import transformers.utils
 
     if not hasattr(flash_utils, "is_flash_attn_greater_or_equal_2_10"):
         flash_utils.is_flash_attn_greater_or_equal_2_10 = transformers.utils.is_flash_attn_greater_or_equal_2_10
+
+
+@functools.cache
+def flash_attn_status() -> tuple[bool, str]:
+    """Whether ring-flash-attn's kernel can run here: (usable, why not), from a real import of both packages.
+
+    Installed is not enough: a flash-attn wheel built for another torch or CUDA fails at import (``undefined
+    symbol``: ImportError; a missing CUDA library: OSError; RuntimeError, ...). A package that is installed but
+    does not import is logged once, as one warning line naming it, the error and the fix; context parallelism then
+    runs the exact torch ring (`ring_attention`), so nothing fails mid-forward. A start-up check can call this to
+    warn, or to stop when flash kernels are a requirement. Cached: the probe imports once per process.
+    """
+    for module, package in _FLASH_PACKAGES.items():
+        if importlib.util.find_spec(module) is None:
+            return False, f"{package} is not installed (pip install rl_lightning[gpu])"
+        try:
+            if module == "ring_flash_attn":
+                _shim_transformers()
+            importlib.import_module(module)
+        except Exception as error:  # any failure of a compiled extension's import means unusable
+            message = " ".join(f"{type(error).__name__}: {error}".split())  # one line
+            reason = (f"{package} is installed but cannot be imported ({message}); fix: pip install {package} built "
+                      f"for torch {torch.__version__} (CUDA {torch.version.cuda}), or pip uninstall {package}")
+            log.warning("%s; context-parallel attention falls back to the exact torch ring (slower)", reason)
+            return False, reason
+    return True, "flash-attn and ring-flash-attn import"
+
+
+def _flash_ring_available(query: torch.Tensor) -> bool:
+    """Flash kernels take `query` (CUDA, fp16/bf16, head size % 8 and <= 256) and both libraries import."""
+    return kernels.flash_inputs_supported(query) and flash_attn_status()[0]
+
+
+def _flash_ring(query, key, value, blocks: ZigzagBlocks, layout: ZigzagLayout, scaling: float | None) -> torch.Tensor:
+    _shim_transformers()
     from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
 
-    cu = layout.local_cu_seqlens.to(query.device)
-    max_seqlen = int((cu[1:] - cu[:-1]).max())
-    out = zigzag_ring_flash_attn_varlen_func(
+    out = zigzag_ring_flash_attn_varlen_func(  # offsets and longest length from the layout: no host sync here
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),  # (n, H, D)
-        cu, max_seqlen, softmax_scale=scaling, causal=True, group=layout.group,
+        blocks.cu, blocks.max_len, softmax_scale=scaling, causal=True, group=layout.group,
     )
     return out.unsqueeze(0)  # (1, n, H, D)
-
-
-@dataclass
-class ZigzagBlocks:
-    """Row sets of a rank's zigzag share, the same on every rank.
-
-    Sequence s is local rows ``cu[s]:cu[s+1]``, its early chunk first, then its late chunk, each `chunk_cu`-sized.
-    """
-
-    cu: torch.Tensor  # (S + 1,) int32
-    chunk_cu: torch.Tensor  # (S + 1,) int32: half of `cu`
-    max_len: int
-    max_chunk: int
-    early: torch.Tensor  # (n / 2,) rows of the early chunks
-    late: torch.Tensor  # (n / 2,) rows of the late chunks
-
-
-def zigzag_blocks(local_cu_seqlens: torch.Tensor, device: torch.device | str = "cpu") -> ZigzagBlocks:
-    """The row sets from ``layout.local_cu_seqlens`` (S + 1,), indices on `device`.
-
-    The varlen kernels want int32 offsets, maximum lengths as Python ints so no kernel call waits on the GPU.
-    """
-    cu = local_cu_seqlens.to(torch.int32).cpu()
-    starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
-    early = [torch.arange(s, s + n // 2) for s, n in zip(starts, lengths, strict=True)]
-    late = [torch.arange(s + n // 2, s + n) for s, n in zip(starts, lengths, strict=True)]
-    return ZigzagBlocks(cu.to(device), (cu // 2).to(device), max(lengths), max(lengths) // 2,
-                        torch.cat(early).to(device), torch.cat(late).to(device))
 
 
 def step_kind(rank: int, source: int) -> str:
@@ -284,9 +292,12 @@ def ring_attention(
     Returns:
         (1, n, H, D) attention output for the local tokens.
     """
+    query, key, value = kernels.autocast_inputs(query, key, value)  # before the kernel is chosen from their dtype
+    blocks = layout.blocks  # made once per micro-batch (`shard_micro_batch`)
+    if blocks is None or blocks.cu.device != query.device:
+        blocks = zigzag_blocks(layout.local_cu_seqlens, query.device)
     if _flash_ring_available(query):
-        return _flash_ring(query, key, value, layout, scaling)
+        return _flash_ring(query, key, value, blocks, layout, scaling)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    blocks = zigzag_blocks(layout.local_cu_seqlens, query.device)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (1, n, H, D), (1, n, H_kv, D)
     return _RingAttention.apply(q, k, v, blocks, _P2PRing(layout.rank, layout.size, layout.group), scale)

@@ -4,7 +4,8 @@ Layout (as RL2 and ring-flash-attn's zigzag varlen kernel expect): every packed 
 ``2 * cp`` tokens and cut into ``2 * cp`` equal chunks; context-parallel rank r keeps chunks r and ``2cp - 1 - r``, so
 each rank holds the same share of early (cheap) and late (expensive) causal queries. `shard_micro_batch` applies it
 to every per-token tensor of a micro-batch (targets already sit at the token that predicts them, so slicing is
-exact); `gather_tokens` undoes it for per-token outputs. `rl_lightning.parallel.ring_attention` attends over it.
+exact); `gather_tokens` undoes it for per-token outputs. `rl_lightning.parallel.ring_attention` attends over it, with
+the row sets of `zigzag_blocks` (made once per micro-batch and carried by the layout).
 """
 
 from __future__ import annotations
@@ -13,6 +14,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass
+class ZigzagBlocks:
+    """Row sets of a rank's zigzag share, the same on every rank.
+
+    Sequence s is local rows ``cu[s]:cu[s+1]``, its early chunk first, then its late chunk, each `chunk_cu`-sized.
+    """
+
+    cu: torch.Tensor  # (S + 1,) int32
+    chunk_cu: torch.Tensor  # (S + 1,) int32: half of `cu`
+    max_len: int
+    max_chunk: int
+    early: torch.Tensor  # (n / 2,) rows of the early chunks
+    late: torch.Tensor  # (n / 2,) rows of the late chunks
+
+
+def zigzag_blocks(local_cu_seqlens: torch.Tensor, device: torch.device | str = "cpu") -> ZigzagBlocks:
+    """The row sets from ``layout.local_cu_seqlens`` (S + 1,), indices on `device`.
+
+    The varlen kernels want int32 offsets, maximum lengths as Python ints so no kernel call waits on the GPU.
+    """
+    cu = local_cu_seqlens.to(torch.int32).cpu()
+    starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
+    early = [torch.arange(s, s + n // 2) for s, n in zip(starts, lengths, strict=True)]
+    late = [torch.arange(s + n // 2, s + n) for s, n in zip(starts, lengths, strict=True)]
+    return ZigzagBlocks(cu.to(device), (cu // 2).to(device), max(lengths), max(lengths) // 2,
+                        torch.cat(early).to(device), torch.cat(late).to(device))
 
 
 @dataclass
@@ -31,6 +60,7 @@ class ZigzagLayout:
     rank: int
     size: int
     group: Any
+    blocks: ZigzagBlocks | None = None  # the ring's row sets, made once per micro-batch on its device
 
 
 class _AllGather(torch.autograd.Function):
@@ -79,6 +109,7 @@ def zigzag_layout(cu_seqlens: torch.Tensor, rank: int, size: int, group: Any = N
     layout = ZigzagLayout(torch.empty(0, dtype=torch.long), torch.cat(sources), local_cu, padded_lengths, rank, size,
                           group)
     layout.local_index = _local_index(layout, rank)
+    layout.blocks = zigzag_blocks(local_cu)
     return layout
 
 
@@ -97,7 +128,8 @@ def _pad_row(row: torch.Tensor, source: torch.Tensor, key: str, padded_lengths: 
 def shard_micro_batch(micro_batch: dict[str, Any], rank: int, size: int, group: Any) -> dict[str, Any]:
     """This context-parallel rank's zigzag share of a packed micro-batch (per-token tensors sliced, scalars kept).
 
-    It also carries ``cp_layout`` for the attention and for `gather_tokens`.
+    It also carries ``cp_layout`` for the attention and for `gather_tokens`, with the ring's row sets (`blocks`)
+    already on the micro-batch's device, so that no layer's attention copies or syncs for them.
     """
     layout = zigzag_layout(micro_batch["cu_seqlens"].cpu(), rank, size, group)
     local = dict(micro_batch)
@@ -107,6 +139,9 @@ def shard_micro_batch(micro_batch: dict[str, Any], rank: int, size: int, group: 
         row = micro_batch[key]
         padded = _pad_row(row, layout.source.to(row.device), key, layout.padded_lengths)
         local[key] = padded[:, layout.local_index.to(row.device)]
+    device = micro_batch["input_ids"].device
+    if device.type != "cpu":  # once per micro-batch, not per layer (zigzag_layout made them on the host)
+        layout.blocks = zigzag_blocks(layout.local_cu_seqlens, device)
     local["cp_layout"] = layout
     return local
 
