@@ -26,7 +26,7 @@ from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_pena
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum
 from rl_lightning.rollout.async_rollout import ThreadGenerator, read_ahead
-from rl_lightning.rollout.config import RolloutConfig
+from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.pareto_archive import ParetoArchive
@@ -69,6 +69,7 @@ class RolloutCallback(L.Callback):
         self.weight_sync: WeightSync | None = None
         self.adapter_sync = False  # set with the vLLM engine: LoRA adapter-only weight sync
         self.engine: Any = None
+        self.engine_devices: list[int] | None = None  # engine: vllm_process on GPU (checked in `setup`)
         self.refills = 0
         # one-step-off-policy rollouts
         self.generator: ThreadGenerator | None = ThreadGenerator() if c.async_steps else None
@@ -76,6 +77,20 @@ class RolloutCallback(L.Callback):
             self.env.component_names, c.pareto_archive_size, c.pareto_reference)
 
     # ------------------------------------------------------------------------------------------- start and end
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Start-up checks of ``engine: vllm_process`` (before any model loads): one training process, GPUs of its own."""
+        c = self.config
+        if c.engine != "vllm_process" or stage != "fit":
+            return
+        if trainer.world_size > 1:
+            raise ConfigError(f"model.rollout.engine=vllm_process serves one training process for now (got "
+                              f"{trainer.world_size}): use engine: vllm (one colocated engine per rank)")
+        device_type = trainer.strategy.root_device.type
+        count = torch.cuda.device_count() if device_type == "cuda" else 0
+        self.engine_devices = engine_process_devices(c.engine_devices, device_type, count, trainer.device_ids,
+                                                     c.engine_tp_size)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -90,9 +105,6 @@ class RolloutCallback(L.Callback):
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices)
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
-        if c.engine == "vllm_process" and trainer.world_size > 1:
-            raise ConfigError(f"model.rollout.engine=vllm_process serves one training process for now (got "
-                              f"{trainer.world_size}): use engine: vllm (one colocated engine per rank)")
         if c.engine == "hf":
             from rl_lightning.rollout.hf import HFEngine
 
@@ -128,7 +140,8 @@ class RolloutCallback(L.Callback):
             from rl_lightning.rollout.engine_process import EngineProcess
 
             self.adapter_sync = False
-            return EngineProcess(model_path=task.model_name, tensor_parallel_size=c.engine_tp_size,
+            return EngineProcess(devices=self.engine_devices, timeout_s=c.engine_timeout_s,
+                                 model_path=task.model_name, tensor_parallel_size=c.engine_tp_size,
                                  max_model_len=self._max_model_len(trainer, task), device_type=device_type,
                                  gpu_memory_utilization=c.gpu_memory_utilization,
                                  kv_cache_memory_bytes=c.kv_cache_memory_bytes)

@@ -7,11 +7,13 @@ the `rl_lightning.rollout.callback.RolloutCallback` then runs it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rl_lightning.errors import ConfigError
 from rl_lightning.rewards.reward_model import RewardModelConfig
 from rl_lightning.rollout.async_rollout import async_errors
+from rl_lightning.rollout.engine_process import DEFAULT_TIMEOUT_S
 from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
 
 ENGINES = ("hf", "vllm", "vllm_process")
@@ -38,6 +40,13 @@ class RolloutConfig:
             `rl_lightning.rollout.engine_process`).
         engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
             must divide the number of processes; consecutive ranks share an engine).
+        engine_devices: ``vllm_process`` on GPU: the engine process's GPUs, numbered as the trainer sees them (one per
+            `engine_tp_size` rank); the child sees only these (``CUDA_VISIBLE_DEVICES``). They must exist and not be
+            the trainer's (checked at start-up, see `engine_process_devices`). Default: the first GPUs the trainer
+            does not use (``trainer.devices: 1`` -> GPU 1).
+        engine_timeout_s: ``vllm_process``: the longest wait for the engine process (its start, joining the weights
+            group, one generate, one weight load, its close) before it is stopped with a one-line error; an engine
+            process that died is reported at once, whatever this says.
         max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
             ``max_new_tokens`` (single turn) or the model's ``max_position_embeddings`` (multi-turn).
         kv_cache_memory_bytes: ``vllm``: KV-cache size in bytes; on CPU it is always explicit (default 1 GiB), on GPU
@@ -100,6 +109,8 @@ class RolloutConfig:
     max_new_tokens: int = 256
     engine: str = "hf"
     engine_tp_size: int = 1
+    engine_devices: list[int] | None = None
+    engine_timeout_s: float = DEFAULT_TIMEOUT_S
     max_model_len: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
@@ -137,7 +148,7 @@ class RolloutConfig:
             errors.append(f"max_turns must be >= 1, got {self.max_turns}")
         if self.engine not in ENGINES:
             errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
-        errors += _vllm_errors(self) + _pareto_errors(self) + async_errors(self)
+        errors += _vllm_errors(self) + _process_errors(self) + _pareto_errors(self) + async_errors(self)
         if self.temperature <= 0 or self.max_new_tokens < 1:
             errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
                           f"{self.temperature}, {self.max_new_tokens}")
@@ -199,3 +210,63 @@ def _vllm_errors(c: RolloutConfig) -> list[str]:
                       f"(max_turns={c.max_turns}) or dynamic sampling (filter_range={c.filter_range}) yet; use "
                       "engine_tp_size: 1")
     return errors
+
+
+def _process_errors(c: RolloutConfig) -> list[str]:
+    """The engine process's own settings (`engine_process_devices` checks its devices against the machine)."""
+    errors = []
+    devices = c.engine_devices
+    if devices is not None and c.engine != "vllm_process":
+        errors.append(f"engine_devices={devices} places the engine process, which needs engine: vllm_process (got "
+                      f"engine '{c.engine}'); set engine_devices: null")
+    elif devices is not None and (len(devices) != c.engine_tp_size or len(set(devices)) != len(devices) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)):
+        errors.append(f"engine_devices={devices} must list {c.engine_tp_size} distinct GPU index(es) >= 0, one per "
+                      f"engine_tp_size={c.engine_tp_size} rank (e.g. [1]), or be null (the first GPUs the trainer "
+                      "does not use)")
+    if not c.engine_timeout_s > 0:
+        errors.append(f"engine_timeout_s must be > 0 (seconds), got {c.engine_timeout_s}")
+    return errors
+
+
+def engine_process_devices(devices: Sequence[int] | None, device_type: str, device_count: int,
+                           trainer_devices: Sequence[int], tp_size: int = 1) -> list[int] | None:
+    """The GPUs of the ``vllm_process`` engine (``model.rollout.engine_devices``), checked against the machine.
+
+    Args:
+        devices: ``model.rollout.engine_devices`` (None: the first `tp_size` GPUs the trainer does not use).
+        device_type: the trainer's device type (``cuda``, ``cpu``).
+        device_count: the GPUs this process sees (``torch.cuda.device_count()``).
+        trainer_devices: the trainer's GPU indices on this node (``trainer.device_ids``).
+        tp_size: GPUs per engine (``model.rollout.engine_tp_size``).
+
+    Returns:
+        The engine's GPU indices (numbered as this process sees them); None off CUDA (the engine process shares
+        the host).
+
+    Raises:
+        ConfigError: one line naming ``model.rollout.engine_devices``, its value and the fix: GPUs named off CUDA,
+            a GPU that does not exist, one of the trainer's, or none left free for the default.
+    """
+    key, trainer = "model.rollout.engine_devices", sorted(set(trainer_devices))
+    if device_type != "cuda":
+        if devices is not None:
+            raise ConfigError(f"{key}={list(devices)} names GPUs, but the trainer runs on {device_type}: set {key}: "
+                              "null (the engine process then shares the host)")
+        return None
+    free = [d for d in range(device_count) if d not in trainer]
+    if devices is None:
+        if len(free) < tp_size:
+            raise ConfigError(f"{key}=null needs {tp_size} GPU(s) the trainer does not use, but the trainer uses "
+                              f"{trainer} of the {device_count} visible: train on fewer (trainer.devices), make "
+                              "more GPUs visible (CUDA_VISIBLE_DEVICES), or use engine: vllm (colocated)")
+        return free[:tp_size]
+    missing = [d for d in devices if not 0 <= d < device_count]
+    if missing:
+        raise ConfigError(f"{key}={list(devices)} names GPU(s) {missing} that do not exist: this process sees "
+                          f"{device_count} (0..{device_count - 1}); pick among the free ones {free}")
+    shared = sorted(set(devices) & set(trainer))
+    if shared:
+        raise ConfigError(f"{key}={list(devices)} overlaps the trainer's GPUs {trainer} (GPU(s) {shared}): the "
+                          f"engine needs GPUs of its own; pick among the free ones {free}")
+    return list(devices)

@@ -3,31 +3,81 @@
 `EngineProcess` is a `rl_lightning.rollout.engine.RolloutEngine` whose `rl_lightning.rollout.vllm.VLLMEngine` runs in
 a spawned process (not a trainer rank: it joins no trainer group). Prompts, sampling parameters and completions
 travel over a pipe; weights are broadcast from the trainer process over a two-member gloo group built from a
-`TCPStore` of its own, separate from the trainer's default group (on GPU the same scheme works with NCCL between the
-trainer's rank 0 and engine GPUs). The trainer waiting on the pipe holds no GIL, so with the asynchronous rollouts
-of `rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
+`TCPStore` of its own, separate from the trainer's default group (host tensors; on GPU the engine copies them onto
+its device). The trainer waiting on the pipe holds no GIL, so with the asynchronous rollouts of
+`rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
 
 Selected with ``model.rollout.engine: vllm_process`` (one training process and one engine for now: several trainer
 ranks would broadcast from the gathered weights, and adapter-only sync is not wired through the pipe). Tested on CPU:
 log-probabilities equal the trainer's, and an asynchronous run samples the same tokens as with the colocated engine.
 The weights of one push are staged in host memory before the broadcast (one extra copy of the model on the host).
+
+Devices: the engine owns its device, so it never sleeps (``VLLMEngine(sleep_mode=False)``: a sleeping vLLM 0.32
+engine keeps its scheduler paused until fully awake). On CUDA the child sees only its own GPUs
+(``CUDA_VISIBLE_DEVICES``, from ``model.rollout.engine_devices``: by default the first GPUs the trainer does not
+use; see `rl_lightning.rollout.config.engine_devices`).
+
+Waiting: every wait on the child (its start, the weights group, completions, a weight load, its close) is bounded by
+``model.rollout.engine_timeout_s``, and a child that died is noticed at once (its exit code, and its error when it
+could send one): either ends in one `EngineProcessError` line naming what the trainer waited for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
-TIMEOUT = timedelta(minutes=10)
+DEFAULT_TIMEOUT_S = 1800.0
+POLL_S = 0.2  # how often a wait checks that the child still lives
+JOINED = "rl_lightning-engine-joined"  # the child's key in the store: it is joining the weights group
+TIMEOUT_KEY = "model.rollout.engine_timeout_s"
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process died, failed or did not answer in time (one line: what the trainer waited for, and why)."""
+
+
+def visible_devices(devices: Sequence[int], parent_visible: str | None) -> str:
+    """The child's ``CUDA_VISIBLE_DEVICES`` for `devices`, indices among the GPUs this process sees.
+
+    Args:
+        devices: GPU indices as this process numbers them (``cuda:<i>``).
+        parent_visible: this process's ``CUDA_VISIBLE_DEVICES`` (None: unset, every GPU visible).
+
+    Returns:
+        The comma-separated ids to give the child: through `parent_visible` when it is set (``"4,5"`` and [1]:
+        ``"5"``), else the indices themselves.
+    """
+    if parent_visible is None:
+        return ",".join(str(d) for d in devices)
+    ids = [part.strip() for part in parent_visible.split(",") if part.strip()]
+    return ",".join(ids[d] for d in devices)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set `values` in this process's environment for the block (a spawned child inherits them), then restore."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _free_port() -> int:
@@ -36,21 +86,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _weights_group(port: int, rank: int) -> Any:
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT)
-    return store, dist.ProcessGroupGloo(dist.PrefixStore("rl_lightning-weights", store), rank, 2, TIMEOUT)
+def _group(store: Any, rank: int, timeout_s: float) -> Any:
+    return dist.ProcessGroupGloo(dist.PrefixStore("rl_lightning-weights", store), rank, 2, timedelta(seconds=timeout_s))
 
 
-def _serve(connection: Any, port: int, engine_kwargs: dict[str, Any]) -> None:
-    """The engine process: join the weights group, build the engine, answer commands until ``close``."""
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _serve(connection: Any, port: int, engine_kwargs: dict[str, Any], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """The engine process: join the weights group, build the engine (it never sleeps), answer until ``close``.
+
+    A failure is sent to the trainer as one ``("error", line)`` message before the process exits with it.
+    """
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(key, None)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})  # vLLM's own one-rank group
-    from rl_lightning.rollout.vllm import VLLMEngine
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=timeout_s))
+        store.set(JOINED, "1")
+        group = _group(store, 1, timeout_s)
+        from rl_lightning.rollout.vllm import VLLMEngine
 
-    _store, group = _weights_group(port, 1)
-    engine = VLLMEngine(**engine_kwargs, rank=0, local_rank=0, world_size=1)
-    connection.send(("ready", str(engine.dtype)))
+        # its device is its own: awake from the start (a sleeping vLLM 0.32 engine pauses its scheduler)
+        engine = VLLMEngine(**engine_kwargs, rank=0, local_rank=0, world_size=1, sleep_mode=False)
+        connection.send(("ready", {"dtype": str(engine.dtype),
+                                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+        _answer(connection, group, engine)
+    except Exception as e:
+        with contextlib.suppress(OSError):  # the trainer may be gone
+            connection.send(("error", _one_line(e)))
+        raise
+
+
+def _answer(connection: Any, group: Any, engine: Any) -> None:
+    """Answer the trainer's commands until ``close``."""
     while True:
         command, payload = connection.recv()
         if command == "close":
@@ -70,47 +141,145 @@ def _serve(connection: Any, port: int, engine_kwargs: dict[str, Any]) -> None:
 
 
 class EngineProcess:
-    """A `VLLMEngine` (built with `engine_kwargs`) in a spawned process; the same methods as the in-process one."""
+    """A `VLLMEngine` (built with `engine_kwargs`) in a spawned process; the same methods as the in-process one.
 
-    def __init__(self, **engine_kwargs: Any) -> None:
+    Args:
+        devices: GPUs of the engine, indices among those this process sees (the child gets them as its
+            ``CUDA_VISIBLE_DEVICES``); None: the child inherits this process's devices (CPU).
+        timeout_s: the longest wait for any answer of the engine process (its start, a generate, a weight load,
+            its close) before it is stopped and `EngineProcessError` raised.
+        **engine_kwargs: passed to `VLLMEngine` in the child (rank, local_rank, world_size and sleep_mode are set
+            there).
+    """
+
+    def __init__(self, *, devices: Sequence[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 **engine_kwargs: Any) -> None:
+        self.timeout_s = timeout_s
         port = _free_port()
-        self.connection, child = mp.get_context("spawn").Pipe()
-        self.process = mp.get_context("spawn").Process(target=_serve, args=(child, port, engine_kwargs), daemon=True)
-        self.process.start()
-        self._store, self.group = _weights_group(port, 0)
-        _, dtype = self._receive("ready")
-        self.dtype = getattr(torch, dtype.removeprefix("torch."))
+        context = mp.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, port, engine_kwargs, timeout_s), daemon=True)
+        child_env = {} if devices is None else {
+            "CUDA_VISIBLE_DEVICES": visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+        with _environment(child_env):
+            self.process.start()
+        child.close()  # the child holds its end now: the pipe reads EOF once the child is gone
+        self._store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        self._wait("join the weights group", lambda: self._store.check([JOINED]))
+        self.group = self._guarded("join the weights group", lambda: _group(self._store, 0, timeout_s))
+        ready = self._receive("ready", "start (build its vLLM engine)")
+        self.dtype = getattr(torch, ready["dtype"].removeprefix("torch."))
+        self.cuda_visible_devices: str | None = ready["cuda_visible_devices"]  # as the child saw it
         self.needs_weights = True
 
-    def _receive(self, expected: str) -> Any:
-        kind, payload = self.connection.recv()
+    # ------------------------------------------------------------------------------------------------ waiting
+
+    def _wait(self, what: str, done: Callable[[], bool]) -> None:
+        """Until `done()`, checking every `POLL_S` that the child lives; at most `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        while not done():
+            if not self.process.is_alive():
+                self._died(what)
+            if time.monotonic() >= deadline:
+                self._timed_out(what)
+            time.sleep(POLL_S)
+
+    def _receive(self, expected: str, what: str) -> Any:
+        """The payload of the child's next message, which must be `expected` (waiting at most `timeout_s`)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.connection.poll(POLL_S):
+            if not self.process.is_alive() and not self.connection.poll(0):
+                self._died(what)
+            if time.monotonic() >= deadline:
+                self._timed_out(what)
+        try:
+            kind, payload = self.connection.recv()
+        except (EOFError, OSError):
+            self._died(what)
+        if kind == "error":
+            self._stop(grace_s=5)  # it is exiting with the error (its traceback goes to stderr)
+            raise EngineProcessError(f"EngineProcess: the engine process failed to {what}: {payload}")
         if kind != expected:
-            raise RuntimeError(f"EngineProcess: expected '{expected}' from the engine process, got '{kind}'")
-        return kind, payload
+            raise EngineProcessError(f"EngineProcess: expected '{expected}' from the engine process (to {what}), "
+                                     f"got '{kind}'")
+        return payload
+
+    def _send(self, message: tuple[str, Any], what: str) -> None:
+        try:
+            self.connection.send(message)
+        except OSError:  # a broken pipe: the child is gone
+            self._died(what)
+
+    def _guarded(self, what: str, action: Callable[[], Any]) -> Any:
+        """`action()`, a collective with the child (bounded by the group's timeout); its failure in one line."""
+        try:
+            return action()
+        except RuntimeError as e:
+            if not self.process.is_alive():
+                self._died(what)
+            self._stop()
+            raise EngineProcessError(f"EngineProcess: the engine process did not {what} ({_one_line(e)}; it waited "
+                                     f"up to {TIMEOUT_KEY}={self.timeout_s:g} s); it was stopped") from None
+
+    def _died(self, what: str) -> NoReturn:
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        error = ""
+        with contextlib.suppress(EOFError, OSError, ValueError):
+            if self.connection.poll(0):
+                kind, payload = self.connection.recv()
+                error = f": {payload}" if kind == "error" else ""
+        raise EngineProcessError(f"EngineProcess: the engine process {how} while the trainer waited for it to "
+                                 f"{what}{error or ' (its traceback, if any, is on stderr above)'}")
+
+    def _timed_out(self, what: str) -> NoReturn:
+        self._stop()
+        raise EngineProcessError(f"EngineProcess: the engine process did not {what} within {TIMEOUT_KEY}="
+                                 f"{self.timeout_s:g} s (it was stopped); raise {TIMEOUT_KEY} if it is merely slow "
+                                 "(a large model's start-up, a long rollout)")
+
+    def _stop(self, grace_s: float = 0) -> None:
+        """Kill the child (it failed or hangs) unless it exits within `grace_s`, and reap it."""
+        self.process.join(timeout=grace_s)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+
+    # ------------------------------------------------------------------------------------------------ engine
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions per prompt, generated in the engine process (prompts and completions go by pipe)."""
-        self.connection.send(("generate", (prompts, params)))
-        return self._receive("completions")[1]
+        self._send(("generate", (prompts, params)), "generate completions")
+        completions: list[list[Completion]] = self._receive("completions", "generate completions")
+        return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors by Hugging Face name: the names, shapes and dtypes over the pipe, the data broadcast."""
         tensors = [(name, tensor.detach().to("cpu", self.dtype).contiguous()) for name, tensor in named_tensors]
-        self.connection.send(("weights", [(name, tuple(t.shape), t.dtype) for name, t in tensors]))
-        for _, tensor in tensors:
-            self.group.broadcast(tensor, 0).wait()
-        self._receive("loaded")
+        self._send(("weights", [(name, tuple(t.shape), t.dtype) for name, t in tensors]), "receive weights")
+
+        def broadcast() -> None:
+            for _, tensor in tensors:
+                self.group.broadcast(tensor, 0).wait()
+
+        self._guarded("receive the weights broadcast", broadcast)
+        self._receive("loaded", "load the broadcast weights")
         self.needs_weights = False
 
     def wake(self) -> None:
-        """The engine owns its device: nothing to wake."""
+        """The engine owns its device and never sleeps: nothing to wake."""
 
     def sleep(self) -> None:
         """The engine owns its device: it never sleeps."""
 
     def shutdown(self) -> None:
-        """Close the engine and wait (up to 60 s) for its process to exit."""
+        """Close the engine and wait (up to `timeout_s` each) for its answer and for its process to exit."""
         if self.process.is_alive():
-            self.connection.send(("close", None))
-            self._receive("closed")
-        self.process.join(timeout=60)
+            self._send(("close", None), "close its engine")
+            self._receive("closed", "close its engine")
+            self.process.join(timeout=self.timeout_s)
+            if self.process.is_alive():
+                self._timed_out("exit after closing its engine")
+        self.process.join(timeout=5)

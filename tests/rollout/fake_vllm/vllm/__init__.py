@@ -1,0 +1,104 @@
+"""A stand-in for vLLM 0.32's ``vllm`` package, for the engine-process contract tests (no GPU, no real engine).
+
+``LLM`` keeps vLLM 0.32's sleep/wake rules: ``sleep`` needs ``enable_sleep_mode`` and puts the weights and the KV cache
+to sleep and pauses the scheduler; ``wake_up(tags)`` wakes those tags and resumes the scheduler only once nothing is
+asleep (vllm/v1/engine/core.py ``wake_up``). A paused real engine never finishes ``generate`` (it spins); this one
+refuses with an error instead, so a test fails rather than hangs. ``reload_weights`` while the weights are asleep is
+refused too.
+
+Every call is appended, as one JSON line, to the file given as the ``call_log`` argument (engine kwargs reach
+``LLM``), with what is asleep at that moment; ``init`` also records the process's ``CUDA_VISIBLE_DEVICES``.
+``fake_hang`` / ``fake_exit`` (``"init"`` or ``"generate"``) make that call never return / end the process with exit
+code 17.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__version__ = "0.32.0-fake"
+TAGS = ("weights", "kv_cache")
+EXIT_CODE = 17
+
+
+class SamplingParams:
+    """Keeps its keyword arguments as attributes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+
+
+class LLM:
+    """Records its calls; generates only when fully awake (see the module docstring)."""
+
+    def __init__(self, model: str, *, call_log: str, enable_sleep_mode: bool = False, fake_hang: str | None = None,
+                 fake_exit: str | None = None, **kwargs: Any) -> None:
+        self.call_log, self.sleep_mode, self.hang, self.exit = call_log, enable_sleep_mode, fake_hang, fake_exit
+        self.asleep: set[str] = set()
+        self.paused = False
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32),
+                                          engine_core=SimpleNamespace(shutdown=lambda: self._record("shutdown")))
+        self._record("init", sleep_mode=enable_sleep_mode, pid=os.getpid(),
+                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self._stall("init")
+
+    def _record(self, call: str, **details: Any) -> None:
+        with open(self.call_log, "a") as f:
+            f.write(json.dumps({"call": call, "asleep": sorted(self.asleep), "paused": self.paused, **details}) + "\n")
+
+    def _stall(self, where: str) -> None:
+        if self.hang == where:
+            time.sleep(3600)
+        if self.exit == where:
+            os._exit(EXIT_CODE)
+
+    def sleep(self, level: int = 1) -> None:
+        self._record("sleep", level=level)
+        if not self.sleep_mode:
+            raise ValueError("fake vLLM: sleep mode is not enabled (LLM(enable_sleep_mode=True))")
+        self.asleep, self.paused = set(TAGS), True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self._record("wake_up", tags=tags)
+        self.asleep -= set(TAGS if tags is None else tags)
+        self.paused = self.paused and bool(self.asleep)
+        return not self.asleep
+
+    def reset_prefix_cache(self) -> bool:
+        self._record("reset_prefix_cache")
+        return True
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        if "weights" in self.asleep:
+            self._record(f"{method}_refused")
+            raise RuntimeError(f"fake vLLM: {method} while the weights are asleep")
+        tensors = list(kwargs["weights_iterator"])
+        self._record(method, tensors=len(tensors))
+        return []
+
+    def apply_model(self, fn: Any) -> list[Any]:
+        self._record("apply_model")
+        return []
+
+    def generate(self, inputs: list[dict], sampling: list[SamplingParams], use_tqdm: bool = False,
+                 lora_request: Any = None) -> list[Any]:
+        self._stall("generate")
+        if self.paused or self.asleep:
+            self._record("generate_refused", prompts=len(inputs))
+            raise RuntimeError(f"fake vLLM 0.32: generate while {sorted(self.asleep)} asleep: the scheduler stays "
+                               "paused until the engine is fully awake, so a real engine would spin forever")
+        self._record("generate", prompts=len(inputs))
+        return [SimpleNamespace(outputs=[_output(request["prompt_token_ids"], params, k) for k in range(params.n)])
+                for request, params in zip(inputs, sampling, strict=True)]
+
+
+def _output(prompt: list[int], params: SamplingParams, sample: int) -> Any:
+    tokens = [(sum(prompt) + sample + i) % 97 for i in range(params.max_tokens)]
+    return SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in tokens],
+                           finish_reason="length")
