@@ -29,7 +29,8 @@ actually sampled with. A request's seed is ``params.request_seed(prompt index)``
 (vLLM derives the n samples' seeds from it: ``seed + sample index``).
 
 Process-wide side effects of vLLM (they are vLLM's, listed so nobody is surprised): on CPU it replaces
-``torch.set_num_threads`` with a no-op and binds memory to one NUMA node; it seeds torch's global RNG at construction;
+``torch.set_num_threads`` with a no-op and binds memory to one NUMA node; it seeds torch's global RNG at construction
+(its worker also sets the float32 matmul precision to "highest", which `VLLMEngine` undoes: the trainer's stays);
 and its shutdown (`VLLMEngine.shutdown`, garbage collection of the engine, interpreter exit) destroys
 torch.distributed's default process group, which is the trainer's: keep the engine alive for the whole run.
 """
@@ -216,7 +217,11 @@ class VLLMEngine:
         self.adapter_root = _adapter_root(self.rank) if lora_rank is not None else None
         self._remove_adapters = (weakref.finalize(self, shutil.rmtree, self.adapter_root, True)
                                  if self.adapter_root is not None else None)
-        self.llm = vllm.LLM(**{**kwargs, **llm_kwargs})
+        precision = torch.get_float32_matmul_precision()  # vLLM's worker sets "highest" for the whole process
+        try:
+            self.llm = vllm.LLM(**{**kwargs, **llm_kwargs})
+        finally:
+            torch.set_float32_matmul_precision(precision)  # the trainer's choice (e.g. TF32) stays
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
         self.needs_weights = True  # dummy weights until the first push
         self._asleep: set[str] = set()
