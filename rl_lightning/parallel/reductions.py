@@ -10,6 +10,12 @@ the gradient of the global-batch loss.
 
 Outside `rl_lightning.parallel.ParallelStrategy` (single process, DDP, Lightning's ModelParallelStrategy) every rank is
 a data-parallel rank and there is no context parallelism.
+
+Device rule (DESIGN.md section 4): every tensor that meets a collective lives on `root_device` (the strategy's
+``root_device``; NCCL rejects host tensors with "No backend type associated with device type cpu", gloo accepts them,
+so CPU CI alone cannot see a slip). The reductions take a tensor or a plain number, put it on `root_device` before any
+collective, and return the result there, in a single process too; callers build their counts there in the first place
+(``torch.tensor(..., device=root_device(trainer))``) and read plain numbers back with ``int()``/``float()``.
 """
 
 from __future__ import annotations
@@ -66,8 +72,23 @@ def local_micro_batch(layout: Layout, micro_batch: dict[str, Any]) -> dict[str, 
     return shard_micro_batch(micro_batch, layout.cp_rank, layout.cp_size, layout.cp_group)
 
 
-def _all_reduce(trainer: Any, value: torch.Tensor, meshes: tuple[str, ...], op: str) -> torch.Tensor:
-    value = value.detach().float().clone()
+def root_device(trainer: Any) -> torch.device:
+    """Where tensors that meet a collective or a model input live: the strategy's root device.
+
+    Under ``strategy.cpu_offload`` too: FSDP2 keeps the parameters on the CPU but computes (and moves forward inputs)
+    on the root device. The CPU without a trainer (or with a stand-in strategy that names no device).
+    """
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    return torch.device("cpu") if device is None else device
+
+
+def _all_reduce(trainer: Any, value: torch.Tensor | float, meshes: tuple[str, ...], op: str) -> torch.Tensor:
+    """All-reduce a detached float copy of `value` over `meshes` (or the whole world), on `root_device`."""
+    device = root_device(trainer)
+    if torch.is_tensor(value):  # a copy: the collective works in place
+        value = value.detach().to(device=device, dtype=torch.float32, copy=True)
+    else:
+        value = torch.tensor(float(value), device=device)
     strategy = trainer.strategy
     if getattr(strategy, "dp_mesh", None) is None:  # no context parallelism: every rank is a data-parallel rank
         return strategy.reduce(value, reduce_op=op) if trainer.world_size > 1 else value
@@ -79,21 +100,21 @@ def _all_reduce(trainer: Any, value: torch.Tensor, meshes: tuple[str, ...], op: 
     return value
 
 
-def data_parallel_sum(trainer: Any, value: torch.Tensor) -> torch.Tensor:
-    """Sum a detached count of whole micro-batches over data-parallel ranks.
+def data_parallel_sum(trainer: Any, value: torch.Tensor | float) -> torch.Tensor:
+    """Sum a detached count of whole micro-batches over data-parallel ranks (float32, on `root_device`).
 
     Context/tensor-parallel peers hold the same micro-batches.
     """
     return _all_reduce(trainer, value, ("dp_mesh",), "sum")
 
 
-def data_parallel_max(trainer: Any, value: torch.Tensor) -> torch.Tensor:
-    """Max of a detached value over data-parallel ranks (e.g. a micro-batch count every rank must run)."""
+def data_parallel_max(trainer: Any, value: torch.Tensor | float) -> torch.Tensor:
+    """Max of a detached value over data-parallel ranks (float32, on `root_device`), e.g. a micro-batch count."""
     return _all_reduce(trainer, value, ("dp_mesh",), "max")
 
 
-def shard_sum(trainer: Any, value: torch.Tensor) -> torch.Tensor:
-    """Sum a detached quantity measured on this rank's tokens over data x context parallel ranks.
+def shard_sum(trainer: Any, value: torch.Tensor | float) -> torch.Tensor:
+    """Sum a detached quantity measured on this rank's tokens over data x context parallel ranks (on `root_device`).
 
     Tensor-parallel peers hold the same tokens.
     """

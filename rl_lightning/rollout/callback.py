@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_penalty
 from rl_lightning.errors import ConfigError
-from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum
+from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum, root_device
 from rl_lightning.rollout.async_rollout import ThreadGenerator, read_ahead
 from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
 from rl_lightning.rollout.engine import SamplingParams
@@ -108,7 +108,8 @@ class RolloutCallback(L.Callback):
         if c.engine == "hf":
             from rl_lightning.rollout.hf import HFEngine
 
-            self.engine = HFEngine(task.model, task.tokenizer.pad_token_id)
+            # the strategy's device, not the parameters': under strategy.cpu_offload they stay on the CPU
+            self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, root_device(trainer))
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             self.engine = self._vllm_engine(trainer, task)
@@ -269,8 +270,9 @@ class RolloutCallback(L.Callback):
             return {}
         names = pareto.names
         per_rank = torch.tensor([float(len(trajectories)), *(sum(t.reward_components[n] for t in trajectories)
-                                                              for n in names)], dtype=torch.float64)
-        count, *sums = data_parallel_sum(trainer, per_rank.to(task.device)).cpu().tolist()
+                                                              for n in names)], dtype=torch.float64,
+                                device=root_device(trainer))
+        count, *sums = data_parallel_sum(trainer, per_rank).tolist()
         if count > 0 and pareto.add([s / count for s in sums], task.rollouts + 1, trainer.global_step):
             if trainer.is_global_zero:
                 from lightning.pytorch.loggers import MLFlowLogger

@@ -31,10 +31,15 @@ class HFEngine:
     Args:
         model: the policy (a transformers causal LM), used in eval mode during generation.
         pad_token_id: filler for left padding.
+        device: where the policy computes: the strategy's root device, where the prompts, the sampled tokens and the
+            per-prompt generators live. Under ``strategy.cpu_offload`` the parameters stay on the CPU while FSDP2
+            computes on the root device, so the parameters cannot say. Default: the first parameter's device (an
+            unsharded model used outside a Trainer).
     """
 
-    def __init__(self, model: Any, pad_token_id: int) -> None:
+    def __init__(self, model: Any, pad_token_id: int, device: torch.device | str | None = None) -> None:
         self.model, self.pad_token_id = model, pad_token_id
+        self.device = None if device is None else torch.device(device)
 
     def wake(self) -> None:
         """No-op: the engine is the policy module, always resident."""
@@ -63,14 +68,14 @@ class HFEngine:
         A prompt's rows leave the batch (and the KV cache) once all of them have stopped; until then a stopped row
         keeps decoding, so the prompt's draws stay exactly ``generate``'s, and `_completion` cuts it at its stop.
         """
-        device = next(self.model.parameters()).device
+        device = self.device if self.device is not None else next(self.model.parameters()).device
         n, width, steps = params.n, max(len(p) for p in prompts), params.max_new_tokens
-        input_ids = torch.full((len(prompts) * n, width), self.pad_token_id, dtype=torch.long)
+        input_ids = torch.full((len(prompts) * n, width), self.pad_token_id, dtype=torch.long)  # built on the host
         attention_mask = torch.zeros_like(input_ids)
         for i, prompt in enumerate(prompts):
             input_ids[i * n : (i + 1) * n, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[i * n : (i + 1) * n, width - len(prompt) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)  # then moved, once
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         generators = [self._generator(params.request_seed(i), device) for i in range(len(prompts))]
         stops = torch.tensor(params.stop_token_ids or [-1], device=device)

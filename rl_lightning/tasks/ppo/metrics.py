@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rl_lightning.algorithms.advantages import moments_from_sums
-from rl_lightning.parallel.reductions import data_parallel_sum, shard_sum_dict
+from rl_lightning.parallel.reductions import data_parallel_sum, root_device, shard_sum_dict
 from rl_lightning.rollout.trajectory import Rollout
 
 
@@ -30,7 +30,7 @@ def global_means(trainer: Any, sums: dict[str, torch.Tensor], trajectories: int,
     """
     totals = shard_sum_dict(trainer, sums)  # measured on this rank's tokens: over data x context ranks
     means = {k: v / totals["tokens"].clamp(min=1) for k, v in totals.items()}
-    count = int(data_parallel_sum(trainer, torch.tensor(float(trajectories))))
+    count = int(data_parallel_sum(trainer, torch.tensor(float(trajectories), device=root_device(trainer))))
     for k in per_trajectory:
         if k in totals:
             means[k] = totals[k] / max(1, count)
@@ -50,12 +50,13 @@ def rollout_metrics(trainer: Any, rollout: Rollout, means: dict[str, torch.Tenso
     Returns:
         Metrics by logged name (the caller adds its counters).
     """
-    trajectories, names = rollout.trajectories, rollout.reward_names
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    lengths = torch.tensor([float(t.completion_length) for t in trajectories])
-    per_rank = torch.stack([rewards.sum(), (rewards**2).sum(), lengths.sum(), torch.tensor(float(len(rewards))),
-                            *(torch.tensor(sum(t.reward_components[c] for t in trajectories), dtype=torch.float32)
-                              for c in names)])
+    trajectories, names, device = rollout.trajectories, rollout.reward_names, root_device(trainer)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=device)
+    lengths = torch.tensor([float(t.completion_length) for t in trajectories], device=device)
+    per_rank = torch.stack([rewards.sum(), (rewards**2).sum(), lengths.sum(),
+                            torch.tensor(float(len(rewards)), device=device),
+                            *(torch.tensor(sum(t.reward_components[c] for t in trajectories), dtype=torch.float32,
+                                           device=device) for c in names)])
     reward_sum, reward_sq, length_sum, count, *component_sums = data_parallel_sum(trainer, per_rank)
     n = count.clamp(min=1)  # dynamic sampling may keep no trajectory at all
     reward_mean, reward_std = moments_from_sums(reward_sum, reward_sq, count)

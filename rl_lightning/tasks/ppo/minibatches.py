@@ -17,7 +17,7 @@ from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
-from rl_lightning.parallel.reductions import data_parallel_max, local_micro_batch, parallel_layout
+from rl_lightning.parallel.reductions import data_parallel_max, local_micro_batch, parallel_layout, root_device
 from rl_lightning.rollout.trajectory import Trajectory
 
 MicroBatch = dict[str, Any]
@@ -80,7 +80,7 @@ def micro_batches(trajectories: list[Trajectory], part: list[int], budget: int, 
         if all(sum(lengths[i] for i in p) <= budget for p in plan):
             break
         count += 1
-    count = int(data_parallel_max(trainer, torch.tensor(float(max(1, count)))))
+    count = int(data_parallel_max(trainer, torch.tensor(float(max(1, count)), device=root_device(trainer))))
     layout = parallel_layout(trainer)
     return [local_micro_batch(layout, {k: v.to(device) if torch.is_tensor(v) else v for k, v in
                                        pack([units[i] for i in p], pad_token_id).items()})

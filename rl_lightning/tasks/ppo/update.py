@@ -16,7 +16,7 @@ import torch
 from rl_lightning.algorithms.policy import policy_loss_normaliser
 from rl_lightning.models.memory import free_after_oom, oom_backoff_supported, smaller_budget
 from rl_lightning.models.optim import optimizer_step
-from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size
+from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size, root_device
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.ppo.minibatches import MicroBatch, Minibatch, repack
 
@@ -168,5 +168,5 @@ def loss_counts(trainer: Any, trajectories: list[Trajectory], part: list[int], a
     tokens = float(sum(trajectories[i].completion_length for i in part))
     policy = policy_loss_normaliser(aggregation, completions, tokens, max_completion_tokens)
     # clamp: a minibatch whose completions were all masked out (truncated) has nothing to learn, not a NaN
-    counts = data_parallel_sum(trainer, torch.tensor([tokens, policy])).clamp(min=1)
+    counts = data_parallel_sum(trainer, torch.tensor([tokens, policy], device=root_device(trainer))).clamp(min=1)
     return counts[0], counts[1]
