@@ -47,6 +47,9 @@ def chunked_token_logprobs(
     The logits are computed in the dtype ``F.linear`` gives them (autocast's under autocast; the backward recomputes
     them in that dtype too) and upcast to fp32, as the full path does. Gradients flow to `hidden`, `weight` and
     `bias` when they require them; the weight's gradient is accumulated over the chunks in the weight's dtype.
+    When only `hidden` needs a gradient (a frozen head: LoRA, a reference) the forward also computes each chunk's
+    (C, H) gradient per unit of upstream gradient, (onehot - softmax) / T @ weight (and the entropy's), so the
+    backward is a row scaling with no recomputation: the head's matmuls are then as many as the full path's.
 
     Args:
         hidden: (N, H) hidden states of the N positions.
@@ -64,7 +67,7 @@ def chunked_token_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     logprobs, entropies = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_size),
-                                             entropy)
+                                             entropy, torch.is_grad_enabled())
     return logprobs, entropies if entropy is not None else None
 
 
@@ -108,12 +111,17 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, temperature: float, chunk_size: int, entropy: str | None) -> Any:
+                labels: torch.Tensor, temperature: float, chunk_size: int, entropy: str | None,
+                grad_enabled: bool) -> Any:
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         entropies = hidden.new_zeros(n if entropy else 0, dtype=torch.float32)
         lse1 = hidden.new_empty(n if entropy else 0, dtype=torch.float32)
+        # a frozen head: the hidden states' gradient per unit of upstream gradient, made now (see the docstring)
+        frozen = grad_enabled and ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        unit_grads = [hidden.new_empty(n if frozen else 0, hidden.shape[1], dtype=torch.float32),
+                      hidden.new_empty(n if frozen and entropy == "grad" else 0, hidden.shape[1], dtype=torch.float32)]
         compute_dtype = hidden.dtype
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
@@ -123,8 +131,11 @@ class _ChunkedHead(torch.autograd.Function):
                 logits, labels[rows], temperature, entropy is not None)
             if chunk_entropy is not None and chunk_lse1 is not None:
                 entropies[rows], lse1[rows] = chunk_entropy, chunk_lse1
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropies, lse1)
-        ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
+            if frozen:
+                _unit_grads(logits, weight, labels[rows], temperature, lse[rows], entropies[rows], lse1[rows],
+                            [g[rows] for g in unit_grads if len(g)])
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropies, lse1, *unit_grads)
+        ctx.temperature, ctx.chunk_size, ctx.compute_dtype, ctx.frozen = temperature, chunk_size, compute_dtype, frozen
         ctx.set_materialize_grads(False)
         if entropy != "grad":
             ctx.mark_non_differentiable(entropies)
@@ -132,7 +143,14 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> Any:
-        hidden, weight, bias, labels, lse, entropies, lse1 = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropies, lse1, unit_logprobs, unit_entropy = ctx.saved_tensors
+        if ctx.frozen:  # d loss / d hidden = sum over outputs of (upstream gradient x unit gradient), row by row
+            grad = torch.zeros_like(hidden, dtype=torch.float32)
+            if grad_logprobs is not None:
+                grad += grad_logprobs.unsqueeze(-1) * unit_logprobs
+            if grad_entropy is not None and len(unit_entropy):
+                grad += grad_entropy.unsqueeze(-1) * unit_entropy
+            return grad.to(hidden.dtype), None, None, None, None, None, None, None
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         dtype, temperature = ctx.compute_dtype, ctx.temperature
         w = weight.to(dtype)  # a copy only under autocast (what autocast's own backward multiplies by)
@@ -159,4 +177,17 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_weight += grad.T @ h  # autocast: bf16 products summed into the fp32 weight's gradient
         if grad_bias is not None and bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _unit_grads(logits: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                lse: torch.Tensor, entropies: torch.Tensor, lse1: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """Write a chunk's (C, H) d logp / d hidden (and d H / d hidden) per unit upstream gradient into `out`.
+
+    The (C, V) `logits` are overwritten (they are not needed after this).
+    """
+    ones, dtype = torch.ones_like(lse), logits.dtype
+    w = weight.to(dtype)
+    if len(out) == 2:  # the entropy's first: it leaves the logits as they are
+        out[1].copy_(_chunk_grad(logits, labels, temperature, lse, None, (ones, entropies, lse1)).to(dtype) @ w)
+    out[0].copy_(_chunk_grad(logits, labels, temperature, lse, ones, None).to(dtype) @ w)

@@ -15,11 +15,11 @@ from rl_lightning.algorithms.policy import entropy_from_logits
 N, H, V = 24, 16, 50
 
 
-def _inputs(bias, seed=0, dtype=torch.float32):
+def _inputs(bias, seed=0, dtype=torch.float32, frozen=False):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=gen, dtype=dtype).requires_grad_()
-    weight = (torch.randn(V, H, generator=gen, dtype=dtype) / H**0.5).requires_grad_()  # logits of std 1
-    b = torch.randn(V, generator=gen, dtype=dtype).requires_grad_() if bias else None
+    weight = (torch.randn(V, H, generator=gen, dtype=dtype) / H**0.5).requires_grad_(not frozen)  # logits of std 1
+    b = torch.randn(V, generator=gen, dtype=dtype).requires_grad_(not frozen) if bias else None
     labels = torch.randint(0, V, (N,), generator=gen)
     return hidden, weight, b, labels
 
@@ -40,7 +40,7 @@ def _grads(fn, inputs, entropy, seed=1):
     loss = (torch.randn(N, generator=gen) * logprobs).sum() / N  # a mean over tokens, as the losses take
     if entropy == "grad":
         loss = loss + (torch.randn(N, generator=gen) * entropies).sum() / N
-    params = [p for p in (hidden, weight, bias) if p is not None]
+    params = [p for p in (hidden, weight, bias) if p is not None and p.requires_grad]
     return logprobs, entropies, torch.autograd.grad(loss, params)
 
 
@@ -48,8 +48,10 @@ def _grads(fn, inputs, entropy, seed=1):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("entropy", [None, "value", "grad"])
-def test_chunked_equals_full_values_and_gradients(chunk_size, temperature, bias, entropy):
-    inputs = _inputs(bias)
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+def test_chunked_equals_full_values_and_gradients(chunk_size, temperature, bias, entropy, frozen):
+    """A frozen head (LoRA, references) takes the other backward: gradients made in the forward, scaled per row."""
+    inputs = _inputs(bias, frozen=frozen)
     expected = _grads(lambda *a: _full(*a, temperature, entropy), inputs, entropy)
     actual = _grads(lambda *a: chunked_token_logprobs(*a, temperature, chunk_size, entropy), inputs, entropy)
     assert_close(actual[0], expected[0])
@@ -58,7 +60,7 @@ def test_chunked_equals_full_values_and_gradients(chunk_size, temperature, bias,
     else:
         assert_close(actual[1], expected[1])
         assert actual[1].requires_grad == (entropy == "grad")
-    assert len(actual[2]) == len(expected[2]) == (3 if bias else 2)
+    assert len(actual[2]) == len(expected[2]) == (1 if frozen else 3 if bias else 2)
     for got, want in zip(actual[2], expected[2], strict=True):
         assert_close(got, want)
 

@@ -122,7 +122,8 @@ class _HeadTensors(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("lora", [None, LORAS["lora-on-head"]], ids=["fused", "module-calls"])
+@pytest.mark.parametrize("lora", [None, LORAS["lora"], LORAS["lora-on-head"]],
+                         ids=["fused", "fused-frozen-head", "module-calls"])
 def test_no_head_tensor_larger_than_a_chunk(lora):
     """Forward and backward (the loss, entropy gradient included): with chunks of 16 positions nothing with a
     vocabulary dimension is larger than (16, V); the full path makes (1, N, V) for the N = 221 target positions."""
