@@ -13,7 +13,9 @@ The tasks shard their models through `rl_lightning.parallel.parallelize.parallel
 
 Lightning hand-offs relied on (pinned by tests/test_strategy.py): ``ModelParallelStrategy._setup_distributed()``
 initialises the process group; ``lightning_module._device_mesh`` is what ``LightningModule.device_mesh`` returns;
-``distributed_sampler_kwargs`` is the only place Lightning reads the data-parallel layout.
+``distributed_sampler_kwargs`` is the only place Lightning reads the data-parallel layout; under ``cpu_offload``
+``device_dtype_mixin._update_properties`` records the root device as the module's (pinned by
+tests/parallel/test_device_rules.py).
 """
 
 from __future__ import annotations
@@ -142,8 +144,18 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        if not self.cpu_offload:  # offloaded FSDP2 parameters must stay on the CPU
+        """Move the module to `root_device`; under `cpu_offload` only record it there.
+
+        Offloaded FSDP2 parameters must stay on the CPU, but the compute device is still the root device (FSDP2 moves
+        forward inputs there): ``pl_module.device``, which tasks put micro-batches, labels and counts on, must say so.
+        """
+        if not self.cpu_offload:
             super().model_to_device()
+            return
+        from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+
+        assert self.model is not None
+        _update_properties(self.model, device=self.root_device)  # the modules' device records, no tensor moves
 
     @override
     def teardown(self) -> None:

@@ -214,3 +214,107 @@ def test_data_parallel_grpo_keeps_every_collective_on_the_device(tmp_path):
     assert step["train/pareto_size"] == 1.0 and step["train/micro_batches"] >= 1.0
     assert 0.0 <= step["train/reward/format"] <= 1.0 and step["train/kl"] >= 0.0
     assert set(out["val"]) >= {"val/reward", "val/completion_length", "val/reward/correct", "val/reward/format"}
+
+
+# ----------------------------------------------------------------------------------- 3. strategy.cpu_offload
+
+COMPARED = ("train/reward", "train/entropy", "train/kl", "train/grad_norm", "train/approx_kl", "train/kl_coef")
+ROOT = torch.device("cpu", 0)  # a root device that differs from the parameters' (torch.device("cpu") != "cpu:0")
+
+
+class Devices(L.Callback):
+    """Where the task computes, what the strategy says, where the engine samples and where the parameters are."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append({"module": pl_module.device, "root": trainer.strategy.root_device,
+                          "engine": pl_module.rollout_callback.engine.device,
+                          "parameters": {p.device for p in pl_module.model.parameters()}})
+
+
+def _offload_worker(rank, env, out_path):
+    """dp=2 PPO with and without cpu_offload, the root device named ``cpu:0``: on a CPU the parameters' device and the
+    root device then differ as they do on a GPU (``cpu`` vs ``cuda:0``), so a device read off the parameters shows."""
+    out = {}
+    for offload in (True, False):
+        L.seed_everything(0)
+        model = ppo_task(env, max_rollouts=1, kl={"coef": 0.05})
+        strategy = ParallelStrategy(data_parallel_size=2, cpu_offload=offload)
+        strategy.parallel_devices = [ROOT, ROOT]  # Lightning keeps the devices a strategy brings
+        devices, metrics = Devices(), Metrics(COMPARED)
+        with device_rules(ROOT):
+            fit(model, prompts(2), -1, [devices, metrics], devices=2, strategy=strategy)
+        out[offload] = {"devices": devices.seen, "metrics": metrics.history}
+    if rank == 0:
+        torch.save(out, out_path)
+
+
+def test_cpu_offload_computes_on_the_root_device_and_matches(parity_env, tmp_path):
+    """Under cpu_offload the parameters stay on the CPU, but the module's device (micro-batches, labels, counts) and
+    the HF engine's (prompts, sampled tokens, generators) are the strategy's root device, under `DeviceRules`, and the
+    step equals the non-offloaded one. Before the fix the engine read ``cpu`` off the offloaded parameters (on a GPU:
+    CPU generators against CUDA probabilities)."""
+    run_on_cpu_ranks(_offload_worker, 2, parity_env, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt")
+    for offload in (True, False):
+        (seen,) = out[offload]["devices"]
+        assert (seen["module"], seen["root"], seen["engine"]) == (ROOT, ROOT, ROOT), offload
+    assert out[True]["devices"][0]["parameters"] == {torch.device("cpu")}  # offloaded: the CPU, not the root
+    (offloaded,), (resident,) = out[True]["metrics"], out[False]["metrics"]
+    assert set(offloaded) == set(COMPARED) and offloaded["train/grad_norm"] > 0
+    for key in COMPARED:
+        assert abs(offloaded[key] - resident[key]) < 1e-5, (key, offloaded, resident)
+
+
+def test_model_to_device_under_cpu_offload_records_the_root_device():
+    """Offloaded parameters stay where FSDP2 keeps them; the module's device still says the root device (Lightning's
+    setup hook sets it early as a stand-in, which the move makes real; ParallelStrategy records it without the move,
+    through Lightning's ``device_dtype_mixin._update_properties``)."""
+    for offload in (True, False):
+        module = L.LightningModule()
+        module.layer = torch.nn.Linear(2, 2)
+        strategy = ParallelStrategy(cpu_offload=offload)
+        strategy.parallel_devices = [ROOT]
+        strategy.connect(module)
+        assert module.device == torch.device("cpu")  # Lightning's default before setup
+        strategy.model_to_device()
+        assert (module.device, module.layer.weight.device) == (ROOT, torch.device("cpu")), offload
+
+
+class ParametersElsewhere(torch.nn.Module):
+    """The policy as an offloaded FSDP2 module looks to whoever asks its parameters: they live on another device
+    (here ``meta``) than the one it computes on."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def parameters(self, recurse=True):
+        yield torch.nn.Parameter(torch.empty(0, device="meta"))
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_hf_engine_samples_on_the_device_it_is_given(tokenizer):
+    """The engine takes its device from the caller (the strategy's root device), not from the parameters: given the
+    compute device it samples exactly what the plain engine samples; reading the parameters' device (the old
+    behaviour) builds the prompts and generators on the wrong device and fails."""
+    from conftest import TINY_MODEL
+
+    from rl_lightning.models.loading import load_causal_lm
+    from rl_lightning.rollout.engine import SamplingParams
+    from rl_lightning.rollout.hf import HFEngine
+
+    model = load_causal_lm(str(TINY_MODEL))
+    prompts = [tokenizer("1 + 2 =")["input_ids"], tokenizer("3 + 4 = ")["input_ids"]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seeds=[5, 6])
+    expected = HFEngine(model, tokenizer.pad_token_id).generate(prompts, params)
+    elsewhere = ParametersElsewhere(model)
+    with device_rules("cpu"):
+        given = HFEngine(elsewhere, tokenizer.pad_token_id, torch.device("cpu")).generate(prompts, params)
+    assert given == expected and [len(g) for g in given] == [2, 2]
+    with pytest.raises(RuntimeError, match="device"):  # here: a generator on meta; on a GPU: a CPU one for CUDA
+        HFEngine(elsewhere, tokenizer.pad_token_id).generate(prompts, params)
