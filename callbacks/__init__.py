@@ -3,8 +3,9 @@
 Nothing here is needed to train. Callbacks the tasks cannot run without live in the package (PPO's rollout callback,
 `rl_lightning.rollout.callback.RolloutCallback`, which the task adds itself through ``configure_callbacks``); this
 folder holds the optional ones: `rollout_samples.RolloutSamples` (a table of sampled completions in MLflow),
-`memory_stats.MemoryStats` (host and CUDA memory per phase), `early_stop.EarlyStopOnReward` (stop once a metric
-reaches a threshold) and `rollout_dump.RolloutDump` (every trajectory as JSONL, rotated by size).
+`memory_stats.MemoryStats` (host and CUDA memory per step), `memory_profile.MemoryProfile` (each phase's own
+memory peak: generation, weight sync, scoring, forward, backward, optimizer step, checkpoint, export),
+`early_stop.EarlyStopOnReward` (stop once a metric reaches a threshold) and `rollout_dump.RolloutDump` (every trajectory as JSONL, rotated by size).
 
 **Using one.** A recipe or an overlay lists it under ``trainer.callbacks`` by dotted path; the CLI puts the working
 directory (the repo root) on ``sys.path``, so ``callbacks.*`` and your own modules next to it import::

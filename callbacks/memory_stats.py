@@ -37,6 +37,8 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from rl_lightning.models.memory_phases import cuda_peak_mib, process_peak_mib, reset_cuda_peak
+
 MIB = 1 << 20
 
 
@@ -112,9 +114,12 @@ def current_rss_bytes() -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """The process's peak resident memory so far (``ru_maxrss``: KiB on Linux, bytes on macOS).
+
+    Includes what `callbacks.memory_profile.MemoryProfile`'s per-phase resets of the kernel's high-water mark hid.
+    """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return max(peak if sys.platform == "darwin" else peak * 1024, int(process_peak_mib() * MIB))
 
 
 def _cuda_phase(phase: str, device: torch.device) -> dict[str, float]:
@@ -122,9 +127,9 @@ def _cuda_phase(phase: str, device: torch.device) -> dict[str, float]:
         return {}
     return {f"memory/{phase}/cuda_allocated_mib": torch.cuda.memory_allocated(device) / MIB,
             f"memory/{phase}/cuda_reserved_mib": torch.cuda.memory_reserved(device) / MIB,
-            f"memory/{phase}/cuda_peak_mib": torch.cuda.max_memory_allocated(device) / MIB}
+            f"memory/{phase}/cuda_peak_mib": cuda_peak_mib(device)}
 
 
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_cuda_peak(device)

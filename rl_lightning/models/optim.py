@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.memory_phases import phase
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -137,10 +138,11 @@ def optimizer_step(module: Any, max_grad_norm: float, index: int | None = None,
     optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
     if index is not None:
         optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
-    grad_norm = clip_grad_norm((model or module).parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    lr_scheduler.step()
+    with phase("train/optimizer_step"):
+        grad_norm = clip_grad_norm((model or module).parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr_scheduler.step()
     return grad_norm
 
 

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_penalty
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.memory_phases import phase, release_host_memory
 from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum, root_device
 from rl_lightning.rollout.async_rollout import ThreadGenerator, read_ahead
 from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
@@ -172,9 +173,10 @@ class RolloutCallback(L.Callback):
         The push is skipped when no optimizer step happened since the last one (and with the HF engine, which
         samples from the policy itself).
         """
-        if self.weight_sync is not None:
-            self.weight_sync(self.engine, task.model, trainer.global_step)
-        self.engine.wake()
+        with phase("rollout/weight_sync"):
+            if self.weight_sync is not None:
+                self.weight_sync(self.engine, task.model, trainer.global_step)
+            self.engine.wake()
 
     # --------------------------------------------------------------------------------------------- training
 
@@ -211,6 +213,7 @@ class RolloutCallback(L.Callback):
         trajectories, metrics = self._sample(trainer, task, batch["prompts"], task.rollouts)
         batch["rollout"] = self._finish(trainer, task, trajectories, metrics)
         self.engine.sleep()
+        release_host_memory()  # what generation freed goes back to the system before the update
 
     def _sample(self, trainer: L.Trainer, task: PolicyTask, prompts: list, index: int
                 ) -> tuple[list[Trajectory], dict[str, float]]:
@@ -279,6 +282,12 @@ class RolloutCallback(L.Callback):
 
                 pareto.log_to([lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)])
         return pareto.metrics()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Give the heap the update freed (activations, logits) back to the system before the next rollout."""
+        release_host_memory()
 
     @override
     def state_dict(self) -> dict[str, Any]:

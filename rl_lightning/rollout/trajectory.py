@@ -14,6 +14,7 @@ from typing import Any
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import DataError
+from rl_lightning.models.memory_phases import phase
 from rl_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
 from rl_lightning.rollout.env import Environment
 
@@ -118,7 +119,8 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
     ``interact(messages)`` returns tool messages to append (``[]`` ends the conversation), then generation continues,
     up to `max_turns` assistant turns. Truncated turns (no stop token) end the conversation.
     """
-    groups = engine.generate([p.prompt_ids for p in prompts], params)
+    with phase("rollout/generate"):
+        groups = engine.generate([p.prompt_ids for p in prompts], params)
     trajectories = [_start(p, c, tokenizer) for p, group in zip(prompts, groups, strict=True) for c in group]
     last_generated = [c.token_ids for group in groups for c in group]
     interact = env.interact
@@ -138,7 +140,8 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.engine_logprobs += [0.0] * len(context)
             t.messages = t.messages + tool_messages[i]
         seeded = replace(params, n=1, seed=None, seeds=_continuation_seeds(params, active, turn))
-        continuations = engine.generate([trajectories[i].input_ids for i in active], seeded)
+        with phase("rollout/generate"):
+            continuations = engine.generate([trajectories[i].input_ids for i in active], seeded)
         for i, (completion,) in zip(active, continuations, strict=True):
             t = trajectories[i]
             t.input_ids += completion.token_ids
@@ -148,7 +151,8 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.messages = t.messages + [{"role": "assistant", "content": text}]
             t.finished, t.turns = completion.finished, turn + 1
             last_generated[i] = completion.token_ids
-    scores = env.score_all([(t.messages, t.prompt.answer, t.prompt.where) for t in trajectories])
+    with phase("rollout/score"):
+        scores = env.score_all([(t.messages, t.prompt.answer, t.prompt.where) for t in trajectories])
     for t, (reward, components) in zip(trajectories, scores, strict=True):
         t.reward, t.reward_components = reward, components
     return trajectories

@@ -19,6 +19,7 @@ from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
@@ -160,7 +161,9 @@ class DPO(L.LightningModule):
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        pairwise_step(self, micro_batches, self._pair_loss, self.reference_logprobs(micro_batches))
+        with phase("train/score"):
+            reference = self.reference_logprobs(micro_batches)
+        pairwise_step(self, micro_batches, self._pair_loss, reference)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import optimizer_step
 from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size
 
@@ -37,8 +38,10 @@ def pairwise_step(module: Any, micro_batches: list[dict[str, Any]], pair_loss: A
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), device=module.device)
     for micro_batch, extra in zip(micro_batches, extras, strict=True):
-        loss, metrics = pair_loss(micro_batch, extra, normaliser)
-        module.manual_backward(loss)
+        with phase("train/forward"):
+            loss, metrics = pair_loss(micro_batch, extra, normaliser)
+        with phase("train/backward"):
+            module.manual_backward(loss)
         loss_sum += loss.detach() * normaliser
         sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
     lr = module.lr_schedulers().get_last_lr()[0]

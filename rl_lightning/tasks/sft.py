@@ -20,6 +20,7 @@ from typing_extensions import override
 from rl_lightning.algorithms import sft_loss
 from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
 from rl_lightning.models.lora import LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, configure_adamw, optimizer_step, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
@@ -89,9 +90,11 @@ class SFT(L.LightningModule):
         nll_sum = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
             local = local_micro_batch(layout, micro_batch)
-            logprobs = target_logprobs(self.model, local, chunk_size=self.hparams.lm_head_chunk)[0]
-            loss, metrics = sft_loss(logprobs, local["target_mask"], normaliser)
-            self.manual_backward(loss)
+            with phase("train/forward"):
+                logprobs = target_logprobs(self.model, local, chunk_size=self.hparams.lm_head_chunk)[0]
+                loss, metrics = sft_loss(logprobs, local["target_mask"], normaliser)
+            with phase("train/backward"):
+                self.manual_backward(loss)
             nll_sum += metrics["nll_sum"]
         lr = self.lr_schedulers().get_last_lr()[0]
         grad_norm = optimizer_step(self, self.optim.max_grad_norm)

@@ -14,6 +14,7 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.memory_phases import phase
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
     A PEFT (LoRA) model is written merged (base + adapters, the same layout as a full model) and its adapters to
     ``dirpath/adapter`` (``peft.PeftModel.from_pretrained(base, dirpath/adapter)``).
     """
+    with phase("export"):
+        _export(model, tokenizer_name, dirpath, is_global_zero)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank leaves (and tears down the process group) while rank 0 writes
+
+
+def _export(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool) -> None:
     from rl_lightning.models.loading import load_tokenizer
     from rl_lightning.models.lora import is_peft
 
@@ -64,8 +72,6 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
         load_tokenizer(tokenizer_name).save_pretrained(dirpath)
         _ordinary_permissions(Path(dirpath))
         log.info("exported Hugging Face model to %s", dirpath)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # no rank leaves (and tears down the process group) while rank 0 writes
 
 
 def export_lora(model: Any, state: dict[str, torch.Tensor], dirpath: Path) -> None:

@@ -26,6 +26,7 @@ from rl_lightning.models.loading import (
 )
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.memory import initial_budget
+from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, configure_adamw, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.strategy import ParallelStrategy
@@ -289,8 +290,9 @@ class PPO(L.LightningModule):
         """Record the sampling policy's and the reference's log-probabilities and the critic's values."""
         kl_reward = self.kl_config.type == "reward" and self._reference is not None
         needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS
-        scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature, needed_now,
-                      self.hparams.lm_head_chunk)
+        with phase("train/score"):
+            scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature,
+                          needed_now, self.hparams.lm_head_chunk)
 
     def assign_advantages(self, rollout: Rollout, micro_batches: list[minibatches.MicroBatch]) -> torch.Tensor:
         """Per-token advantages (and returns) written into the micro-batches; their global (sum, sum sq, count)."""

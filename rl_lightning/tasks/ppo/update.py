@@ -15,6 +15,7 @@ import torch
 
 from rl_lightning.algorithms.policy import policy_loss_normaliser
 from rl_lightning.models.memory import free_after_oom, oom_backoff_supported, smaller_budget
+from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import optimizer_step
 from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size, root_device
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
@@ -119,11 +120,15 @@ def minibatch_backward(task: Learner, micro_batches: list[MicroBatch], tokens: t
     for mb in micro_batches:
         metric_sums: dict[str, torch.Tensor] = {}
         if train_actor:
-            loss, metric_sums = task.policy_loss(mb, policy_count / size)
-            task.manual_backward(loss)
+            with phase("train/forward"):
+                loss, metric_sums = task.policy_loss(mb, policy_count / size)
+            with phase("train/backward"):
+                task.manual_backward(loss)
         if task.critic is not None:
-            value_loss, value_sums = task.value_loss(mb, tokens / size)
-            task.manual_backward(value_loss)
+            with phase("train/forward"):
+                value_loss, value_sums = task.value_loss(mb, tokens / size)
+            with phase("train/backward"):
+                task.manual_backward(value_loss)
             metric_sums.update(value_sums)
         metric_sums["tokens"] = mb["target_mask"].sum().float()
         for k, v in metric_sums.items():
