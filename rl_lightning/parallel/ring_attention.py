@@ -50,7 +50,11 @@ from rl_lightning.parallel.zigzag import zigzag_layout as zigzag_layout
 
 log = logging.getLogger(__name__)
 
-_FLASH_PACKAGES = {"flash_attn": "flash-attn", "ring_flash_attn": "ring-flash-attn"}  # module -> pip name
+# module -> (pip name, how to install it): flash-attn is compiled against the installed torch (docs/gpu.md)
+_FLASH_PACKAGES = {
+    "flash_attn": ("flash-attn", 'pip install --no-build-isolation --no-cache-dir "flash-attn>=2.8,<2.9"'),
+    "ring_flash_attn": ("ring-flash-attn", "pip install ring-flash-attn==0.1.8"),
+}
 
 
 def _shim_transformers() -> None:
@@ -72,17 +76,18 @@ def flash_attn_status() -> tuple[bool, str]:
     runs the exact torch ring (`ring_attention`), so nothing fails mid-forward. A start-up check can call this to
     warn, or to stop when flash kernels are a requirement. Cached: the probe imports once per process.
     """
-    for module, package in _FLASH_PACKAGES.items():
+    for module, (package, install) in _FLASH_PACKAGES.items():
         if importlib.util.find_spec(module) is None:
-            return False, f"{package} is not installed (pip install rl_lightning[gpu])"
+            return False, f"{package} is not installed ({install})"
         try:
             if module == "ring_flash_attn":
                 _shim_transformers()
             importlib.import_module(module)
         except Exception as error:  # any failure of a compiled extension's import means unusable
             message = " ".join(f"{type(error).__name__}: {error}".split())  # one line
-            reason = (f"{package} is installed but cannot be imported ({message}); fix: pip install {package} built "
-                      f"for torch {torch.__version__} (CUDA {torch.version.cuda}), or pip uninstall {package}")
+            reason = (f"{package} is installed but cannot be imported ({message}); fix: reinstall it for torch "
+                      f"{torch.__version__} (CUDA {torch.version.cuda}): {install} --force-reinstall, "
+                      f"or pip uninstall {package}")
             log.warning("%s; context-parallel attention falls back to the exact torch ring (slower)", reason)
             return False, reason
     return True, "flash-attn and ring-flash-attn import"

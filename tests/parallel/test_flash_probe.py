@@ -55,8 +55,9 @@ def test_a_broken_flash_attn_is_unusable_with_one_line_naming_it_and_the_fix(err
     assert not usable and not ring._flash_ring_available(_cuda_query())  # installed, but not available
     detail = {"ImportError": f"ImportError: {UNDEFINED}",
               "OSError": "OSError: libcudart.so.12: cannot open shared object file: No such file or directory"}[error]
-    assert reason == (f"flash-attn is installed but cannot be imported ({detail}); fix: pip install flash-attn "
-                      f"built for torch {torch.__version__} (CUDA {torch.version.cuda}), or pip uninstall flash-attn")
+    assert reason == (f"flash-attn is installed but cannot be imported ({detail}); fix: reinstall it for torch "
+                      f"{torch.__version__} (CUDA {torch.version.cuda}): pip install --no-build-isolation "
+                      '--no-cache-dir "flash-attn>=2.8,<2.9" --force-reinstall, or pip uninstall flash-attn')
     assert [r.getMessage() for r in caplog.records] == [
         f"{reason}; context-parallel attention falls back to the exact torch ring (slower)"]
     assert "\n" not in caplog.records[0].getMessage()
@@ -64,7 +65,8 @@ def test_a_broken_flash_attn_is_unusable_with_one_line_naming_it_and_the_fix(err
 
 def test_a_broken_ring_flash_attn_is_named_and_missing_packages_are_not_warned_about(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=ring.__name__):
-        assert ring.flash_attn_status() == (False, "flash-attn is not installed (pip install rl_lightning[gpu])")
+        assert ring.flash_attn_status() == (False, 'flash-attn is not installed (pip install --no-build-isolation '
+                                                   '--no-cache-dir "flash-attn>=2.8,<2.9")')
         assert caplog.records == []  # not installed is the CPU normal: nothing to warn about
         _package(tmp_path, "flash_attn", "")  # imports fine
         _package(tmp_path, "ring_flash_attn", "raise RuntimeError('CUDA driver version is insufficient')")
@@ -73,7 +75,8 @@ def test_a_broken_ring_flash_attn_is_named_and_missing_packages_are_not_warned_a
         usable, reason = ring.flash_attn_status()
     assert not usable
     assert reason.startswith("ring-flash-attn is installed but cannot be imported (RuntimeError: CUDA driver version "
-                             "is insufficient); fix: pip install ring-flash-attn built for torch")
+                             "is insufficient); fix: reinstall it for torch")
+    assert reason.endswith("pip install ring-flash-attn==0.1.8 --force-reinstall, or pip uninstall ring-flash-attn")
     assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
 
 
