@@ -27,7 +27,6 @@ from rl_lightning.parallel import ParallelStrategy, reductions
 from rl_lightning.parallel.reductions import data_parallel_max, data_parallel_sum, shard_sum
 
 NCCL_ERROR = "No backend type associated with device type cpu"
-ARITHMETIC = str(REPO / "examples" / "envs" / "arithmetic.py")
 
 
 def _old_all_reduce(trainer, value, op="sum"):
