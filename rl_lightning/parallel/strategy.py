@@ -102,6 +102,10 @@ class ParallelStrategy(ModelParallelStrategy):
         self._check_layout(self.world_size)
         self._build_meshes()
         self.lightning_module._device_mesh = self._device_mesh
+        if self.cp_size > 1 and self.root_device.type == "cuda":
+            from rl_lightning.parallel.ring_attention import flash_attn_status
+
+            flash_attn_status()  # a flash-attn that is installed but broken: its one warning line now, before the model
 
     def _check_layout(self, world_size: int) -> None:
         product = self.dp_size * self.cp_size * self.tp_size
