@@ -273,6 +273,10 @@ def _module_chunks(head: Any, hidden: torch.Tensor, labels: torch.Tensor, temper
         logits = head(h)  # (C, V)
         if _is_dtensor(logits):
             logits = logits.full_tensor()  # a vocabulary-sharded head: the whole chunk's logits on every rank
+        if logits.shape[-1] != getattr(head, "out_features", logits.shape[-1]):
+            raise RuntimeError(f"the output head returned {logits.shape[-1]} logits per position for a vocabulary of "
+                               f"{head.out_features} (a local shard of a tensor-parallel head?); return a DTensor "
+                               "(use_local_output=False) or set model.lm_head_chunk: null")
         ent = entropy_from_logits(logits if entropy == "grad" else logits.detach()) if entropy else logits[:, :0]
         return token_logprobs(logits, y, temperature), ent
 

@@ -1,7 +1,8 @@
 """The chunked output head (``model.lm_head_chunk``) under ParallelStrategy on CPU/gloo: FSDP2 dp=2 (the tied head is
 part of the root unit, gathered around the root's forward the chunked head runs inside), TP=2 and CP=2 (SFT), and
 DPO under dp=2 (its FSDP2-sharded frozen reference too): a run with 16-position chunks logs the full-logits run's
-losses and gradient norms, step by step. Both runs share the spawned processes."""
+losses and gradient norms, step by step. Both runs share the spawned processes. A vocabulary-sharded head (not in the
+TP plan; a user's plan could shard it) is gathered per chunk: log-probs and gradients equal one process's."""
 
 import lightning as L
 import pytest
@@ -68,3 +69,61 @@ def test_chunked_head_equals_full_logits_in_parallel(task, sizes, tmp_path):
             # weights; the losses agree far below the parity tests' 1e-5
             assert abs(a[key] - b[key]) < 1e-5, (step, key, chunked, full)
     assert full[0]["train/loss"] > 0
+
+
+def _sharded_head_worker(rank, out_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from rl_lightning.data.steps import pack
+    from rl_lightning.data.tokenization import TokenizedExample
+    from rl_lightning.models.loading import load_causal_lm, target_logprobs
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    micro_batch = pack([TokenizedExample(ids[:25], [0] * 5 + [1] * 20), TokenizedExample(ids[25:], [1] * 35)], 257)
+
+    def untied():
+        model = load_causal_lm(str(TINY_MODEL))
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # the head alone shards
+        return model
+
+    def run(model, chunk_size):
+        logprobs, entropy = target_logprobs(model, micro_batch, 0.7, "grad", chunk_size)
+        (logprobs.sum() / 55 + entropy.sum() / 110).backward()
+        head_grad = model.lm_head.weight.grad
+        return (logprobs.detach(), entropy.detach(), model.model.layers[1].mlp.down_proj.weight.grad,
+                head_grad.full_tensor() if hasattr(head_grad, "full_tensor") else head_grad)
+
+    reference = run(untied(), None)
+    model = untied()
+    parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    sharded = run(model, 7)
+    model = untied()
+    parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=True))
+    try:
+        run(model, 7)
+        local_error = None
+    except RuntimeError as e:
+        local_error = str(e)
+    if rank == 0:
+        torch.save({"reference": reference, "sharded": sharded, "local_error": local_error}, out_path)
+
+
+def test_a_vocabulary_sharded_head_is_gathered_per_chunk(tmp_path):
+    """ColwiseParallel on the head, its output a DTensor sharded on the vocabulary (Shard(-1)): the chunked path calls
+    the module per chunk and gathers each (chunk, V) logits before the log-softmax; with the local shard as output
+    (use_local_output=True) it refuses rather than normalise over half the vocabulary."""
+    from conftest import assert_close
+
+    run_on_cpu_ranks(_sharded_head_worker, 2, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt")
+    for got, want in zip(out["sharded"], out["reference"], strict=True):
+        assert_close(got, want)
+    assert out["reference"][3].abs().sum() > 0
+    assert out["local_error"] == ("the output head returned 160 logits per position for a vocabulary of 320 (a local "
+                                  "shard of a tensor-parallel head?); return a DTensor (use_local_output=False) or "
+                                  "set model.lm_head_chunk: null")
