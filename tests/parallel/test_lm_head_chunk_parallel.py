@@ -127,3 +127,53 @@ def test_a_vocabulary_sharded_head_is_gathered_per_chunk(tmp_path):
     assert out["local_error"] == ("the output head returned 160 logits per position for a vocabulary of 320 (a local "
                                   "shard of a tensor-parallel head?); return a DTensor (use_local_output=False) or "
                                   "set model.lm_head_chunk: null")
+
+
+def _own_unit_worker(rank, out_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from rl_lightning.data.steps import pack
+    from rl_lightning.data.tokenization import TokenizedExample
+    from rl_lightning.models.loading import load_causal_lm, target_logprobs
+
+    dist.init_process_group("gloo")
+    model = load_causal_lm(str(TINY_MODEL))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied: a unit of its own
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(rank)).tolist()
+    micro_batch = pack([TokenizedExample(ids[:25], [0] * 5 + [1] * 20), TokenizedExample(ids[25:], [1] * 35)], 257)
+    runs, seen = {}, []
+    forward = ChunkedHead.forward
+
+    def recording(self, hidden):
+        seen.append(type(self.head.weight).__name__)  # a DTensor shard: the module path runs
+        return forward(self, hidden)
+
+    ChunkedHead.forward = recording
+    for chunk_size in (None, 7):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = target_logprobs(model, micro_batch, 0.7, "grad", chunk_size)
+        (logprobs.sum() / 55 + entropy.sum() / 110).backward()
+        runs[chunk_size] = (logprobs.detach(), entropy.detach(),
+                            *(p.grad.full_tensor() for p in model.parameters()))  # gradients reduced over ranks
+    if rank == 0:
+        torch.save({"runs": runs, "seen": seen}, out_path)
+
+
+def test_a_head_in_its_own_fsdp_unit_is_called_per_chunk(tmp_path):
+    """An untied head sharded as its own FSDP2 unit (not what `parallelize` does; a user's wrapping could): inside
+    the root's forward its weight is still a shard, so the chunked path calls the module per chunk (FSDP's hooks
+    gather it each time, also when the backward recomputes a chunk) and equals the full path, gradients included."""
+    from conftest import assert_close
+
+    run_on_cpu_ranks(_own_unit_worker, 2, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt")
+    assert out["seen"] == ["DTensor"]
+    full, chunked = out["runs"][None], out["runs"][7]
+    assert len(full) == len(chunked) > 20
+    for got, want in zip(chunked, full, strict=True):
+        assert_close(got, want)
