@@ -154,3 +154,18 @@ def test_bad_chunk_sizes_are_one_line(value):
                                "e.g. 1024 (the default), or null for the full-logits path")
     check_lm_head_chunk(None)
     check_lm_head_chunk(1)
+
+
+def test_bf16_autocast_recomputes_in_bf16():
+    """Under bf16 autocast (``bf16-mixed``) the chunk logits are bf16 like the full path's, in the forward and the
+    recomputing backward: log-probs and entropies agree to fp32 rounding."""
+    model = _model()
+    micro_batch = pack(_sequences(), 257)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, chunked = _run(model, micro_batch, None), _run(model, micro_batch, 7)
+    assert_close(chunked[0], full[0])
+    assert_close(chunked[1], full[1])
+    for name, grad in full[2].items():
+        assert chunked[2][name].dtype == grad.dtype == torch.float32
+        # both round the (tokens, V) logit gradient to bf16 before the head's matmuls (2^-8 relative), in chunks here
+        assert_close(chunked[2][name], grad, atol=1e-2 * float(grad.abs().max()))
