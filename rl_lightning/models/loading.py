@@ -252,6 +252,8 @@ class ChunkedHead(torch.nn.Module):
 
 
 def _is_dtensor(tensor: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
@@ -277,7 +279,7 @@ def _module_chunks(head: Any, hidden: torch.Tensor, labels: torch.Tensor, temper
             raise RuntimeError(f"the output head returned {logits.shape[-1]} logits per position for a vocabulary of "
                                f"{head.out_features} (a local shard of a tensor-parallel head?); return a DTensor "
                                "(use_local_output=False) or set model.lm_head_chunk: null")
-        ent = entropy_from_logits(logits if entropy == "grad" else logits.detach()) if entropy else logits[:, :0]
+        ent = entropy_from_logits(logits if entropy == "grad" else logits.detach()) if entropy else y.new_zeros(0)
         return token_logprobs(logits, y, temperature), ent
 
     pieces = [checkpoint(piece, hidden[s:s + chunk_size], labels[s:s + chunk_size], use_reentrant=False)
