@@ -42,7 +42,9 @@ def chunked_token_logprobs(
     Equal to ``token_logprobs(logits, labels, temperature)`` and ``entropy_from_logits(logits)`` on the full logits
     (up to summation order), with the same fp32 log-softmax, but no (N, V) tensor exists in the forward or the
     backward: the backward recomputes each chunk's logits from `hidden` and `weight` (which it keeps) and the
-    forward's log-normalisers (N,). Peak extra memory is a few (chunk_size, V) fp32 tensors.
+    forward's log-normalisers (N,), except the last chunk's, which the forward keeps (one (chunk_size, V) tensor
+    between the forward and the backward; with a single chunk nothing is recomputed). Peak extra memory is a few
+    (chunk_size, V) fp32 tensors.
 
     The logits are computed in the dtype ``F.linear`` gives them (autocast's under autocast; the backward recomputes
     them in that dtype too) and upcast to fp32, as the full path does. Gradients flow to `hidden`, `weight` and
@@ -86,12 +88,12 @@ def _chunk_forward(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 def _chunk_grad(logits: torch.Tensor, labels: torch.Tensor, temperature: float, lse: torch.Tensor,
                 grad_logprobs: torch.Tensor | None, entropy_terms: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-    """(C, V) fp32 gradient wrt the logits z of a chunk (`logits` is overwritten when it is fp32).
+    """(C, V) fp32 gradient wrt the logits z of a chunk (`logits` is left as it is).
 
     d logp / dz = (onehot(y) - softmax(z / T)) / T and dH / dz = -p (log p + H) with p = softmax(z).
     `entropy_terms` is (grad of the entropy, entropy, log-normaliser at temperature 1), all (C,).
     """
-    z = logits.float()  # the fresh F.linear output (or its fp32 copy): worked on in place
+    z = logits.float()
     entropy_grad = None
     if entropy_terms is not None:
         grad_entropy, entropies, lse1 = (t.unsqueeze(-1) for t in entropy_terms)
@@ -101,7 +103,8 @@ def _chunk_grad(logits: torch.Tensor, labels: torch.Tensor, temperature: float, 
         assert entropy_grad is not None  # the backward runs only when one output has a gradient
         return entropy_grad.neg_()
     scale = (grad_logprobs / temperature).unsqueeze(-1)  # (C, 1)
-    grad = (z.div_(temperature) if temperature != 1.0 else z).sub_(lse.unsqueeze(-1)).exp_().mul_(-scale)
+    scaled = (z / temperature).sub_(lse.unsqueeze(-1)) if temperature != 1.0 else z.sub(lse.unsqueeze(-1))
+    grad = scaled.exp_().mul_(-scale)
     grad.scatter_add_(-1, labels.unsqueeze(-1), scale)
     return grad if entropy_grad is None else grad.sub_(entropy_grad)
 
@@ -122,7 +125,7 @@ class _ChunkedHead(torch.autograd.Function):
         frozen = grad_enabled and ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
         unit_grads = [hidden.new_empty(n if frozen else 0, hidden.shape[1], dtype=torch.float32),
                       hidden.new_empty(n if frozen and entropy == "grad" else 0, hidden.shape[1], dtype=torch.float32)]
-        compute_dtype = hidden.dtype
+        compute_dtype, logits = hidden.dtype, hidden.new_empty(0)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             logits = F.linear(hidden[rows], weight, bias)  # (C, V)
@@ -134,7 +137,10 @@ class _ChunkedHead(torch.autograd.Function):
             if frozen:
                 _unit_grads(logits, weight, labels[rows], temperature, lse[rows], entropies[rows], lse1[rows],
                             [g[rows] for g in unit_grads if len(g)])
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropies, lse1, *unit_grads)
+        # the last chunk's logits wait for the backward (trained head only: a frozen one has its gradients already)
+        keep = grad_enabled and any(ctx.needs_input_grad[:3]) and not frozen
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropies, lse1, *unit_grads,
+                              logits if keep else hidden.new_empty(0))
         ctx.temperature, ctx.chunk_size, ctx.compute_dtype, ctx.frozen = temperature, chunk_size, compute_dtype, frozen
         ctx.set_materialize_grads(False)
         if entropy != "grad":
@@ -143,7 +149,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> Any:
-        hidden, weight, bias, labels, lse, entropies, lse1, unit_logprobs, unit_entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropies, lse1, unit_logprobs, unit_entropy, last = ctx.saved_tensors
         if ctx.frozen:  # d loss / d hidden = sum over outputs of (upstream gradient x unit gradient), row by row
             grad = torch.zeros_like(hidden, dtype=torch.float32)
             if grad_logprobs is not None:
@@ -164,7 +170,8 @@ class _ChunkedHead(torch.autograd.Function):
             entropy_terms = None
             if grad_entropy is not None:
                 entropy_terms = (grad_entropy[rows], entropies[rows], lse1[rows])
-            grad = _chunk_grad(F.linear(h, w, b), labels[rows], temperature, lse[rows],
+            logits = last if start + ctx.chunk_size >= hidden.shape[0] and len(last) else F.linear(h, w, b)
+            grad = _chunk_grad(logits, labels[rows], temperature, lse[rows],
                                None if grad_logprobs is None else grad_logprobs[rows], entropy_terms)
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
@@ -182,12 +189,9 @@ class _ChunkedHead(torch.autograd.Function):
 
 def _unit_grads(logits: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
                 lse: torch.Tensor, entropies: torch.Tensor, lse1: torch.Tensor, out: list[torch.Tensor]) -> None:
-    """Write a chunk's (C, H) d logp / d hidden (and d H / d hidden) per unit upstream gradient into `out`.
-
-    The (C, V) `logits` are overwritten (they are not needed after this).
-    """
+    """Write a chunk's (C, H) d logp / d hidden (and d H / d hidden) per unit upstream gradient into `out`."""
     ones, dtype = torch.ones_like(lse), logits.dtype
     w = weight.to(dtype)
-    if len(out) == 2:  # the entropy's first: it leaves the logits as they are
+    if len(out) == 2:
         out[1].copy_(_chunk_grad(logits, labels, temperature, lse, None, (ones, entropies, lse1)).to(dtype) @ w)
     out[0].copy_(_chunk_grad(logits, labels, temperature, lse, ones, None).to(dtype) @ w)

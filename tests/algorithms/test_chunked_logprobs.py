@@ -1,12 +1,13 @@
 """`chunked_token_logprobs` against the full-logits path (`token_logprobs`, `entropy_from_logits` on hidden @ W.T + b):
 values and gradients (hidden, weight, bias; the entropy's too) for chunk sizes that divide N and do not, temperature
-!= 1, with and without a bias; and a hand-computed case."""
+!= 1, with and without a bias, a trained or frozen head; which chunks the backward recomputes; a hand-computed case."""
 
 import math
 
 import pytest
 import torch
 from conftest import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_lightning.algorithms import token_logprobs
 from rl_lightning.algorithms.logprobs import chunked_token_logprobs
@@ -119,3 +120,31 @@ def test_bf16_matches_the_full_path_in_bf16():
         assert got.dtype == torch.bfloat16
         # bf16 has 8 bits of mantissa: 2^-8 relative per rounding of the summed weight-gradient chunks
         assert_close(got.float(), want.float(), atol=0.05 * float(want.abs().max()))
+
+
+class _HeadMatmuls(TorchDispatchMode):
+    """Counts matrix products that produce (rows, V) logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == V:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize(("chunk_size", "chunks"), [(5, 5), (24, 1), (100, 1)])
+def test_the_backward_recomputes_every_chunk_but_the_last(chunk_size, chunks):
+    """The forward keeps its last chunk's logits, so one chunk (the whole batch here) needs no recomputation; a
+    second backward through the kept graph (retain_graph) gives the same gradients."""
+    hidden, weight, bias, labels = _inputs(True)
+    logprobs, _ = chunked_token_logprobs(hidden, weight, bias, labels, 0.7, chunk_size)
+    with _HeadMatmuls() as seen:
+        first = torch.autograd.grad(logprobs.sum(), (hidden, weight), retain_graph=True)
+    assert seen.count == chunks - 1
+    second = torch.autograd.grad(logprobs.sum(), (hidden, weight))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
