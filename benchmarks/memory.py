@@ -1,0 +1,322 @@
+"""Peak host memory of SFT, DPO and GRPO: rl_lightning vs TRL 1.16 on SmolLM2-135M-Instruct, and ours vs tokens.
+
+What it measures. Every row is a fresh Python process (one trial) that runs `benchmarks/vs_trl.py`'s own ``run_ours`` /
+``run_trl`` (the same Trainer setup, optimizer and TRL config as the speed comparison); its peak is the process's
+``ru_maxrss`` (imports, data, model, every step), and "after load" its resident memory (``VmRSS``) when training
+starts (Lightning ``on_train_start``, TRL ``on_train_begin``): imports, tokenised data and the policy's weights, read
+once there so they are resident (transformers 5 memory-maps fp32 safetensors: untouched, a loaded model costs almost
+nothing until its first forward; DPO's reference copy stays mapped until its first forward on both sides), before
+any step, so "peak - load" is what training adds. No memory profiler runs (ours' peak is also checked against
+``memory_phases.process_peak_mib``, which would count its high-water resets).
+
+Both sides: ``asset:SmolLM2-135M-Instruct`` (134.5M parameters, vocabulary 49152, tied head), fp32, CPU, ``--threads``
+torch/OpenMP threads (1), AdamW (betas 0.9/0.95, no weight decay, constant learning rate, clipping at 1.0), the data
+in file order, ``--warmup`` + ``--steps`` optimizer steps (1 + 1: the second step holds AdamW's moments too).
+
+- Data (synthetic, written per run, the same rows for both sides): an SFT conversation asks for sums and the
+  assistant lists ``a + b = c`` lines up to ``--conv-tokens`` (1024) tokens with the model's chat template, so most
+  tokens are loss tokens (real SFT answers are long; the demo data's 3-token answers would hide the output head). DPO:
+  the same prompt, chosen = correct sums, rejected = every 4th sum (the first included) off by one, up to half of
+  ``--conv-tokens`` per sequence. GRPO: the prompts of ``easy.jsonl`` and ``examples/envs/arithmetic.py``'s reward.
+- ``sft``: ``--sft-rows`` conversations per step. Ours: packed (``data.max_length_per_device`` 8192, one micro-batch),
+  ``rl_varlen`` attention, ``model.lm_head_chunk`` 1024 (chunked output head, the default) or null (full logits),
+  ``model.gradient_checkpointing`` off (the main comparison) or on. TRL ``SFTTrainer``: prompt-completion rows
+  (completion-only loss), ``padding_free=True`` (the step's rows flattened into one, no pad tokens), its fused chunked
+  log-prob head (always on in 1.16; on CPU it scores every position in 4096 x 32768 tiles), sdpa attention; an extra
+  row pads instead; ``gradient_checkpointing`` off (TRL's own default is on: the ckpt rows turn it on on both sides).
+  Not used: ``activation_offloading`` (offloads to CPU memory: nothing to gain on a CPU run), ``use_liger_kernel``
+  (needs the liger-kernel package and Triton).
+- ``dpo``: ``--dpo-pairs`` pairs per step, sigmoid loss, beta 0.1, reference forward every step (both sides keep a
+  reference copy of the model). Ours packed, chunked or full head (policy and reference); TRL ``DPOTrainer`` pads
+  (its ``padding_free`` is disabled in 1.16), fused head.
+- ``grpo-hf``: ``--prompts`` prompts x ``--group`` completions x ``--max-new-tokens`` tokens per rollout, temperature
+  1, no KL (no reference), token-mean loss, clip 0.2, one optimizer step per rollout. Ours ``PPO`` with the HF engine
+  (``model.rollout.engine: hf``, generation on the policy itself), chunked or full head; TRL ``GRPOTrainer`` with
+  transformers ``generate`` (``use_vllm=False``), fused head. Completions are sampled: tokens/step can differ.
+- Budget sweep (ours SFT only): one packed micro-batch of B tokens (``data.max_length_per_device`` = B, B/1024
+  conversations of <= 1024 tokens) for B in ``--budgets``, chunked vs full, with gradient checkpointing on (the
+  setting long sequences need) and off (``--budget-ckpt``; off stops early: see below). Each trial's measured step
+  follows a warm-up step of B/1024 one-line conversations (AdamW's moments exist before the measured step, at the
+  cost of a short step). A size is skipped (and said so) when the trial would exceed ``--max-trial-s`` or 70% of the
+  memory available, predicted from the sizes before it. The slope is the least-squares MiB per extra 1k tokens of the
+  peak over the sizes both paths ran.
+
+    OMP_NUM_THREADS=1 python benchmarks/memory.py            # writes benchmarks/results/memory_cpu.md + PNG
+    OMP_NUM_THREADS=1 python benchmarks/memory.py --quick    # smoke check on tiny-qwen2 (ratios meaningless)
+    OMP_NUM_THREADS=1 python benchmarks/memory.py --rows sft --budgets 1024,2048 --json /tmp/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vs_trl  # noqa: E402  (the runs themselves: vs_trl.run_ours / vs_trl.run_trl)
+from memory_budget import budget_summary, plot, sweep  # noqa: E402
+from memory_data import write_data  # noqa: E402
+
+REPO, RESULTS = HERE.parent, HERE / "results"
+SMOL, TINY = "asset:SmolLM2-135M-Instruct", vs_trl.ASSETS / "tiny-qwen2"
+TASKS = ("sft", "dpo", "grpo-hf")
+TARGET = 0.6  # issue 26: ours' peak <= 0.6 x TRL's (SFT, DPO, GRPO with the HF engine)
+
+
+# ------------------------------------------------------------------------------------------- worker (one process)
+
+
+def rss_mib() -> float:
+    """Resident memory now (MiB), from /proc/self/statm (Linux)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+
+
+def loaded_rss_mib(model) -> float:
+    """The RSS with the model's weights paged in: transformers maps fp32 safetensors, read at the first forward."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sum()
+    return rss_mib()
+
+
+def probe(framework: str):
+    """A callback that records the RSS when training starts and (ours) each step's micro-batch token counts."""
+    if framework == "ours":
+        import lightning as L
+
+        class Probe(L.Callback):
+            def __init__(self):
+                self.load_rss, self.micro = None, []
+
+            def on_train_start(self, trainer, pl_module):
+                self.load_rss = loaded_rss_mib(pl_module)
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.micro.append([int((mb["seq_index"] >= 0).sum()) for mb in batch.get("micro_batches", [])])
+
+        return Probe()
+    from transformers import TrainerCallback
+
+    class TrlProbe(TrainerCallback):
+        def __init__(self):
+            self.load_rss, self.micro = None, []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.load_rss = loaded_rss_mib(model)
+
+    return TrlProbe()
+
+
+def worker(spec: dict) -> dict:
+    """Run one trial in this process through vs_trl's runners; its peak and after-load RSS."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    vs_trl.DATA, vs_trl.MAX_LENGTH, vs_trl.PER_DEVICE = Path(spec["data"]), spec["max_length"], spec["per_device"]
+    a = argparse.Namespace(**spec["shape"], model_dir=spec["model"], trl_sft_layout=spec["layout"],
+                           gradient_checkpointing=spec["ckpt"])
+    a.callbacks = [callback := probe(spec["framework"])]
+    if spec["framework"] == "ours":
+        a.ours_kwargs = {"lm_head_chunk": spec["chunk"], "gradient_checkpointing": spec["ckpt"]}
+        out = vs_trl.run_ours(spec["task"], a)
+    else:
+        out = vs_trl.run_trl(spec["task"], a)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    if spec["framework"] == "ours":
+        from rl_lightning.models.memory_phases import process_peak_mib
+
+        peak = max(peak, process_peak_mib())
+    return {**out, "peak_rss_mib": peak, "load_rss_mib": callback.load_rss, "micro_batch_tokens": callback.micro}
+
+
+def trial(spec: dict, workdir: Path, label: str) -> dict:
+    """`spec` in a fresh process: the worker's result, or {"error": ...} (the run goes on)."""
+    spec_file, log = workdir / "spec.json", workdir / f"{label.replace(' ', '_').replace('/', '')}.log"
+    spec_file.write_text(json.dumps(spec))
+    (workdir / "result.json").unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    with log.open("w") as f:
+        code = subprocess.run([sys.executable, __file__, "--worker", str(spec_file)], cwd=REPO, env=env, stdout=f,
+                              stderr=subprocess.STDOUT).returncode
+    seconds = time.perf_counter() - start
+    if code:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        print(f"  {label}: FAILED (exit {code}, {seconds:.0f} s); the end of its log:\n{tail}", flush=True)
+        return {"error": f"exit {code}", "process_s": seconds}
+    out = {**json.loads((workdir / "result.json").read_text()), "process_s": seconds}
+    print(f"  {label:<34} after load {out['load_rss_mib']:6.0f} MiB  peak {out['peak_rss_mib']:6.0f} MiB  "
+          f"tokens/step {out['tokens']}  ({seconds:.0f} s)", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the comparison
+
+
+def spec_for(a: argparse.Namespace, data: Path, framework: str, task: str, chunk: int | None = None,
+             ckpt: bool = False, layout: str = "padding_free", per_device: int = vs_trl.PER_DEVICE, **shape) -> dict:
+    base = {k: getattr(a, k) for k in ("warmup", "steps", "sft_rows", "dpo_pairs", "prompts", "group",
+                                       "max_new_tokens")}
+    return {"framework": framework, "task": task, "chunk": chunk, "ckpt": ckpt, "layout": layout,
+            "threads": a.threads, "model": a.model_dir, "data": str(data), "max_length": a.conv_tokens,
+            "per_device": per_device, "shape": {**base, **shape}}
+
+
+def main_rows(a: argparse.Namespace) -> list[dict]:
+    """The comparison's rows (description and trial arguments), grouped by task and checkpointing."""
+    trl_layouts = {"sft": ("padding_free", "padded"), "dpo": ("padded",), "grpo-hf": ("generate",)}
+    rows = []
+    for task in a.rows:
+        for ckpt in (False, True) if task == "sft" else (False,):
+            for chunk in (a.chunk, None):
+                rows.append({"task": task, "side": "ours", "head": f"chunked {a.chunk}" if chunk else "full logits",
+                             "ckpt": ckpt, "args": {"chunk": chunk, "ckpt": ckpt}})
+            for layout in trl_layouts[task][:1 if ckpt else None]:
+                rows.append({"task": task, "side": "TRL", "head": f"fused ({layout})", "ckpt": ckpt,
+                             "args": {"ckpt": ckpt, "layout": "padded" if layout == "padded" else "padding_free"}})
+    return rows
+
+
+def tokens_per_step(result: dict) -> float:
+    measured = [t for t in result.get("tokens", []) if t]
+    return max(measured) if measured else 0.0
+
+
+def compare(rows: list[dict]) -> None:
+    """Each ours row's ratios: to TRL (same task and checkpointing; SFT: padding-free) and to our full logits."""
+    def find(task: str, side: str, ckpt: bool, head: str) -> dict | None:
+        return next((r for r in rows if (r["task"], r["side"], r["ckpt"]) == (task, side, ckpt)
+                     and r["head"].startswith(head) and "error" not in r["result"]), None)
+
+    for r in rows:
+        if "error" in r["result"] or r["side"] != "ours":
+            continue
+        mine = r["result"]
+        if trl := find(r["task"], "TRL", r["ckpt"], "fused (padding_free)" if r["task"] == "sft" else "fused"):
+            theirs = trl["result"]
+            r["vs_trl_peak"] = mine["peak_rss_mib"] / theirs["peak_rss_mib"]
+            r["vs_trl_increment"] = ((mine["peak_rss_mib"] - mine["load_rss_mib"])
+                                     / max(theirs["peak_rss_mib"] - theirs["load_rss_mib"], 1.0))
+        if (full := find(r["task"], "ours", r["ckpt"], "full")) and full is not r:
+            r["vs_full_peak"] = mine["peak_rss_mib"] / full["result"]["peak_rss_mib"]
+
+
+def main_table(rows: list[dict]) -> str:
+    lines = ["| task | side | output head (layout) | act. ckpt | tokens/step | RSS after load MiB | peak RSS MiB | "
+             "peak - load MiB | ours / TRL peak | ours / TRL (peak - load) | chunked / full peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        res = r["result"]
+        if "error" in res:
+            lines.append(f"| {r['task']} | {r['side']} | {r['head']} | {'on' if r['ckpt'] else 'off'} | failed: "
+                         f"{res['error']} | | | | | | |")
+            continue
+        vs = r.get("vs_trl_peak")
+        met = "" if vs is None or r["ckpt"] or "full" in r["head"] else (
+            f" ({'met' if vs <= TARGET else 'not met'}: <= {TARGET})")
+        cells = [f"{vs:.2f}x{met}" if vs else "", f"{r['vs_trl_increment']:.2f}x" if vs else "",
+                 f"{r['vs_full_peak']:.2f}x" if r.get("vs_full_peak") else ""]
+        lines.append(f"| {r['task']} | {r['side']} | {r['head']} | {'on' if r['ckpt'] else 'off'} | "
+                     f"{tokens_per_step(res):.0f} | {res['load_rss_mib']:.0f} | {res['peak_rss_mib']:.0f} | "
+                     f"{res['peak_rss_mib'] - res['load_rss_mib']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default=",".join(TASKS), help="comma-separated tasks of the comparison (empty: none)")
+    p.add_argument("--budgets", help="comma-separated tokens per micro-batch of the sweep (empty: no sweep; "
+                                     "default 1024..32768, --quick 128,256)")
+    p.add_argument("--budget-ckpt", choices=("on", "off", "both"), default="both", help="sweep's act. checkpointing")
+    p.add_argument("--max-trial-s", type=float, default=900, help="sweep: skip sizes predicted to take longer")
+    p.add_argument("--chunk", type=int, default=1024, help="model.lm_head_chunk of the chunked rows")
+    p.add_argument("--threads", type=int, default=1)
+    for flag, text in (("steps", "measured steps (default 1)"), ("warmup", "steps before them (1; --quick 0)"),
+                       ("sft-rows", "SFT conversations per step (2)"), ("dpo-pairs", "DPO pairs per step (2)"),
+                       ("prompts", "GRPO prompts per rollout (4; --quick 2)"), ("group", "completions per prompt (4)"),
+                       ("max-new-tokens", "GRPO completion tokens (128; --quick 8)"),
+                       ("conv-tokens", "tokens per synthetic conversation (1024; --quick 128)")):
+        p.add_argument(f"--{flag}", type=int, help=text)
+    p.add_argument("--quick", action="store_true", help="smoke check: tiny-qwen2, tiny shapes, one step per trial")
+    p.add_argument("--out-dir", type=Path, help="write memory_cpu.md and memory_budget_cpu.png here (default "
+                                                "benchmarks/results; --quick: nowhere)")
+    p.add_argument("--json", type=Path, help="also write the rows, sweep and settings here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+DEFAULTS = {"steps": (1, 1), "warmup": (1, 0), "sft_rows": (2, 2), "dpo_pairs": (2, 2), "prompts": (4, 2),
+            "group": (4, 4), "max_new_tokens": (128, 8), "conv_tokens": (1024, 128),
+            "budgets": ("1024,2048,4096,8192,16384,32768", "128,256")}  # (default, --quick)
+
+
+def settings(a: argparse.Namespace) -> str:
+    model = "tiny-qwen2 (2 layers, hidden 128, vocabulary 320)" if a.quick else "SmolLM2-135M-Instruct"
+    return (f"{model}, fp32, CPU, {a.threads} thread(s); {a.warmup} + {a.steps} steps per trial. SFT {a.sft_rows} "
+            f"conversations/step, DPO {a.dpo_pairs} pairs/step (synthetic, <= {a.conv_tokens} tokens per "
+            f"conversation), GRPO {a.prompts} prompts x {a.group} completions x {a.max_new_tokens} tokens/rollout. "
+            f"Chunk {a.chunk}. tokens/step: SFT/DPO real tokens, GRPO completion tokens.\nMachine: {vs_trl.machine()}")
+
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.worker:
+        spec = json.loads(Path(a.worker).read_text())
+        (Path(a.worker).parent / "result.json").write_text(json.dumps(worker(spec)))
+        return
+    for key, values in DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, values[a.quick])
+    a.rows = [t for t in a.rows.split(",") if t]
+    a.budgets = [int(b) for b in a.budgets.split(",") if b]
+    a.out_dir = a.out_dir or (None if a.quick else RESULTS)
+    if unknown := sorted(set(a.rows) - set(TASKS)):
+        raise SystemExit(f"--rows: unknown {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    from rl_lightning.assets.real import resolve_model
+    from rl_lightning.models.loading import load_tokenizer
+
+    a.model_dir = str(TINY) if a.quick else resolve_model(SMOL)
+    tokenizer = load_tokenizer(a.model_dir)
+    text = settings(a) + "\n"
+    rows, points, slopes = main_rows(a), [], []
+    with tempfile.TemporaryDirectory(prefix="memory_") as tmp:
+        workdir = Path(tmp)
+        data = write_data(workdir / "data", tokenizer, a)
+        for r in rows:
+            label = f"{r['task']} {r['side']} {r['head']}{' ckpt' if r['ckpt'] else ''}"
+            r["result"] = trial(spec_for(a, data, r["side"].lower(), r["task"], **r.pop("args")), workdir, label)
+        compare(rows)
+        if rows:
+            text += "\n" + main_table(rows) + "\n"
+        if a.budgets:
+            points = sweep(a, tokenizer, workdir, lambda label, data, **kw: trial(
+                spec_for(a, data, "ours", "sft", **kw), workdir, label))
+            sweep_text, slopes = budget_summary(points)
+            text += "\nPeak memory vs tokens per micro-batch (ours SFT):\n\n" + sweep_text + "\n"
+    print("\n" + text)
+    if a.out_dir:
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+        (a.out_dir / "memory_cpu.md").write_text(text)
+        if points:
+            plot(points, a.out_dir / "memory_budget_cpu.png")
+    if a.json:
+        keep = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "worker"}
+        a.json.write_text(json.dumps({"settings": keep, "rows": rows, "budget": points,
+                                      "slopes": slopes}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
