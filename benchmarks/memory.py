@@ -44,6 +44,7 @@ in file order, ``--warmup`` + ``--steps`` optimizer steps (1 + 1: the second ste
     OMP_NUM_THREADS=1 python benchmarks/memory.py            # writes benchmarks/results/memory_cpu.md + PNG
     OMP_NUM_THREADS=1 python benchmarks/memory.py --quick    # smoke check on tiny-qwen2 (ratios meaningless)
     OMP_NUM_THREADS=1 python benchmarks/memory.py --rows sft --budgets 1024,2048 --json /tmp/memory.json
+    python benchmarks/memory.py --report /tmp/memory.json --out-dir /tmp    # re-render a saved run, no trials
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, help="write memory_cpu.md and memory_budget_cpu.png here (default "
                                                 "benchmarks/results; --quick: nowhere)")
     p.add_argument("--json", type=Path, help="also write the rows, sweep and settings here")
+    p.add_argument("--report", type=Path, help="no trials: the report of a run saved with --json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -268,7 +270,43 @@ def settings(a: argparse.Namespace) -> str:
     return (f"{model}, fp32, CPU, {a.threads} thread(s); {a.warmup} + {a.steps} steps per trial. SFT {a.sft_rows} "
             f"conversations/step, DPO {a.dpo_pairs} pairs/step (synthetic, <= {a.conv_tokens} tokens per "
             f"conversation), GRPO {a.prompts} prompts x {a.group} completions x {a.max_new_tokens} tokens/rollout. "
-            f"Chunk {a.chunk}. tokens/step: SFT/DPO real tokens, GRPO completion tokens.\nMachine: {vs_trl.machine()}")
+            f"Chunk {a.chunk}. tokens/step: SFT/DPO real tokens, GRPO completion tokens.")
+
+
+def report(saved: dict) -> tuple[str, list[dict]]:
+    """The markdown report of a run (what --json saves) and the sweep's slopes."""
+    a = argparse.Namespace(**saved["settings"])
+    text = f"{settings(a)}\nMachine: {saved['machine']}\nCommand: {saved['command']}\n"
+    if saved["rows"]:
+        text += "\n" + main_table(saved["rows"]) + "\n"
+    slopes = []
+    if saved["budget"]:
+        sweep_text, slopes = budget_summary(saved["budget"])
+        text += "\nPeak memory vs tokens per micro-batch (ours SFT):\n\n" + sweep_text + "\n"
+    return text, slopes
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Every trial of the comparison and the sweep; the run as --json saves it."""
+    from rl_lightning.assets.real import resolve_model
+    from rl_lightning.models.loading import load_tokenizer
+
+    a.model_dir = str(TINY) if a.quick else resolve_model(SMOL)
+    tokenizer = load_tokenizer(a.model_dir)
+    rows, points = main_rows(a), []
+    with tempfile.TemporaryDirectory(prefix="memory_") as tmp:
+        workdir = Path(tmp)
+        data = write_data(workdir / "data", tokenizer, a)
+        for r in rows:
+            label = f"{r['task']} {r['side']} {r['head']}{' ckpt' if r['ckpt'] else ''}"
+            r["result"] = trial(spec_for(a, data, r["side"].lower(), r["task"], **r.pop("args")), workdir, label)
+        compare(rows)
+        if a.budgets:
+            points = sweep(a, tokenizer, workdir, lambda label, data, **kw: trial(
+                spec_for(a, data, "ours", "sft", **kw), workdir, label))
+    keep = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in ("worker", "report")}
+    command = f"OMP_NUM_THREADS={a.threads} python benchmarks/memory.py {' '.join(sys.argv[1:])}".rstrip()
+    return {"settings": keep, "machine": vs_trl.machine(), "command": command, "rows": rows, "budget": points}
 
 
 def main() -> None:
@@ -282,40 +320,20 @@ def main() -> None:
             setattr(a, key, values[a.quick])
     a.rows = [t for t in a.rows.split(",") if t]
     a.budgets = [int(b) for b in a.budgets.split(",") if b]
-    a.out_dir = a.out_dir or (None if a.quick else RESULTS)
     if unknown := sorted(set(a.rows) - set(TASKS)):
         raise SystemExit(f"--rows: unknown {', '.join(unknown)}; choose from {', '.join(TASKS)}")
-    from rl_lightning.assets.real import resolve_model
-    from rl_lightning.models.loading import load_tokenizer
-
-    a.model_dir = str(TINY) if a.quick else resolve_model(SMOL)
-    tokenizer = load_tokenizer(a.model_dir)
-    text = settings(a) + "\n"
-    rows, points, slopes = main_rows(a), [], []
-    with tempfile.TemporaryDirectory(prefix="memory_") as tmp:
-        workdir = Path(tmp)
-        data = write_data(workdir / "data", tokenizer, a)
-        for r in rows:
-            label = f"{r['task']} {r['side']} {r['head']}{' ckpt' if r['ckpt'] else ''}"
-            r["result"] = trial(spec_for(a, data, r["side"].lower(), r["task"], **r.pop("args")), workdir, label)
-        compare(rows)
-        if rows:
-            text += "\n" + main_table(rows) + "\n"
-        if a.budgets:
-            points = sweep(a, tokenizer, workdir, lambda label, data, **kw: trial(
-                spec_for(a, data, "ours", "sft", **kw), workdir, label))
-            sweep_text, slopes = budget_summary(points)
-            text += "\nPeak memory vs tokens per micro-batch (ours SFT):\n\n" + sweep_text + "\n"
+    saved = json.loads(a.report.read_text()) if a.report else run(a)
+    quick = saved["settings"]["quick"]
+    out_dir = a.out_dir or (None if quick else RESULTS)
+    text, saved["slopes"] = report(saved)
     print("\n" + text)
-    if a.out_dir:
-        a.out_dir.mkdir(parents=True, exist_ok=True)
-        (a.out_dir / "memory_cpu.md").write_text(text)
-        if points:
-            plot(points, a.out_dir / "memory_budget_cpu.png")
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "memory_cpu.md").write_text(text)
+        if saved["budget"]:
+            plot(saved["budget"], out_dir / "memory_budget_cpu.png", "tiny-qwen2" if quick else "SmolLM2-135M")
     if a.json:
-        keep = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "worker"}
-        a.json.write_text(json.dumps({"settings": keep, "rows": rows, "budget": points,
-                                      "slopes": slopes}, indent=1))
+        a.json.write_text(json.dumps(saved, indent=1))
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def budget_summary(points: list[dict]) -> tuple[str, list[dict]]:
     return "\n".join(lines) + "\n" + "\n".join(notes), slopes
 
 
-def plot(points: list[dict], path: Path) -> None:
+def plot(points: list[dict], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,9 +118,8 @@ def plot(points: list[dict], path: Path) -> None:
             if done:
                 ax.plot([p["tokens"] / 1024 for p in done], [p["result"]["peak_rss_mib"] / 1024 for p in done], "o-",
                         label=f"{'chunked head' if chunked else 'full logits'}, act. ckpt {'on' if ckpt else 'off'}")
-    ax.set(xlabel="tokens in the micro-batch (k)", ylabel="peak RSS (GiB)", xscale="log", xticks=[1, 2, 4, 8, 16, 32],
-           title="ours SFT, SmolLM2-135M, fp32, CPU: peak memory vs tokens")
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set(xlabel="tokens in the packed micro-batch (thousands)", ylabel="peak RSS of the process (GiB)",
+           title=f"ours SFT, {model}, fp32, CPU: peak memory vs tokens", xlim=(0, None), ylim=(0, None))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
