@@ -76,7 +76,7 @@ def measure(model_name: str, n: int, lean: bool, repeats: int) -> dict:
     from rl_lightning.models.lean import apply_lean_activations
     from rl_lightning.models.loading import load_causal_lm
 
-    model = load_causal_lm(model_name)
+    model = load_causal_lm(model_name, lean_activations=False)  # the stock model; patched here when `lean`
     patched = apply_lean_activations(model) if lean else 0
     vocab = model.config.vocab_size
     _step(model, _micro_batch(64, vocab, seed=1))  # lazy imports and first allocations, far below the peak

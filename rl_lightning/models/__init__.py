@@ -1,8 +1,8 @@
 """Models: loading, LoRA, the optimizer, packed-sequence attention, the out-of-memory back-off, memory phases.
 
 Loading Hugging Face causal LMs, reward/value heads and tokenizers (`loading`), LoRA (`lora`), the optimizer and
-schedule (`optim`), packed-sequence attention (`attention`, registered as ``rl_varlen``) and its kernels (`kernels`),
-the out-of-memory back-off of the token budget (`memory`), and the per-phase memory profile with giving freed host
+schedule (`optim`), memory-lean MLP and RMSNorm forwards (`lean`), packed-sequence attention (`attention`,
+registered as ``rl_varlen``) and its kernels (`kernels`), the out-of-memory back-off of the token budget (`memory`), and the per-phase memory profile with giving freed host
 memory back (`memory_phases`).
 
 May import `rl_lightning.algorithms`, `rl_lightning.assets.real` and `rl_lightning.parallel` (whose ring attention the

@@ -46,7 +46,7 @@ def load_tokenizer(name: str) -> Any:
 
 
 def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, attn_implementation: str,
-                       gradient_checkpointing: bool, **kwargs: Any) -> Any:
+                       gradient_checkpointing: bool, lean_activations: bool = True, **kwargs: Any) -> Any:
     path = resolve_model(name)
     check_local_path(path)
     if attn_implementation == VARLEN_ATTENTION:
@@ -62,6 +62,10 @@ def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, at
     model.train()  # from_pretrained returns eval mode
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lean_activations:  # the same values and gradients, 36% fewer saved activations (rl_lightning.models.lean)
+        from rl_lightning.models.lean import apply_lean_activations
+
+        apply_lean_activations(model)
     return model
 
 
@@ -70,6 +74,7 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     attn_implementation: str = "rl_varlen",
     gradient_checkpointing: bool = False,
+    lean_activations: bool = True,
 ) -> Any:
     """Load a causal LM for training.
 
@@ -80,10 +85,13 @@ def load_causal_lm(
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed rows, any device; see
             `rl_lightning.models.attention`) or a transformers name (``sdpa``, ``eager``, ``flash_attention_2``).
         gradient_checkpointing: recompute block activations in the backward pass.
+        lean_activations: memory-lean SwiGLU MLPs and RMSNorms (`rl_lightning.models.lean`): bitwise the same
+            outputs and gradients, about a third fewer activations saved for the backward pass.
     """
     from transformers import AutoModelForCausalLM
 
-    return _load_for_training(AutoModelForCausalLM, name, dtype, attn_implementation, gradient_checkpointing)
+    return _load_for_training(AutoModelForCausalLM, name, dtype, attn_implementation, gradient_checkpointing,
+                              lean_activations)
 
 
 def load_reward_model(
@@ -91,6 +99,7 @@ def load_reward_model(
     dtype: torch.dtype | None = None,
     attn_implementation: str = "rl_varlen",
     gradient_checkpointing: bool = False,
+    lean_activations: bool = True,
 ) -> Any:
     """Load a sequence-classification model with one output (a scalar reward head on a causal-LM backbone).
 
@@ -102,7 +111,7 @@ def load_reward_model(
     from transformers import AutoModelForSequenceClassification
 
     model = _load_for_training(AutoModelForSequenceClassification, name, dtype, attn_implementation,
-                               gradient_checkpointing, num_labels=1)
+                               gradient_checkpointing, lean_activations, num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(name).pad_token_id
     return model

@@ -135,7 +135,7 @@ def test_functions_save_only_their_inputs_and_the_rstd():
 def test_tiny_model_equals_stock_bitwise(autocast):
     """Logits and every parameter gradient, tolerance 0 (the norms hand autograd the input's two gradient terms
     separately, so the residual stream adds its three terms in the stock order)."""
-    model = load_causal_lm(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
     batch = micro_batch()
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         stock = model_step(model, batch)
@@ -146,7 +146,7 @@ def test_tiny_model_equals_stock_bitwise(autocast):
 
 
 def test_smollm2_equals_stock_bitwise(smollm2):
-    model = load_causal_lm(smollm2)
+    model = load_causal_lm(smollm2, lean_activations=False)
     batch = micro_batch((61, 24, 43), vocab=49152)
     stock = model_step(model, batch)
     assert apply_lean_activations(model) == 30 * 3 + 1
@@ -188,7 +188,7 @@ def saved_values_per_token(model, batch):
 @pytest.mark.parametrize("model_name", ["tiny", "smollm2"])
 def test_saved_activations_drop_to_the_closed_form(model_name, request):
     name = str(TINY_MODEL) if model_name == "tiny" else request.getfixturevalue("smollm2")
-    model = load_causal_lm(name)
+    model = load_causal_lm(name, lean_activations=False)
     h, i = model.config.hidden_size, model.config.intermediate_size  # tiny: 128, 256; SmolLM2: 576, 1536
     batch = micro_batch((61, 24, 43))
     stock = saved_values_per_token(model, batch)
@@ -225,7 +225,7 @@ def test_only_llama_style_modules_are_patched():
 
 
 def test_remove_restores_the_original_forwards_exactly():
-    model = load_causal_lm(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
     own = model.model.norm.forward  # an instance-level forward set before the patch comes back as it was
     model.model.norm.forward = own
     batch = micro_batch()
@@ -253,7 +253,7 @@ def mlp_paths(model):
 def test_no_grad_and_hooks_fall_back_to_the_original(monkeypatch):
     """Under no_grad (generation, reference log-probs) the lean functions never run; a hook on a projection keeps
     that MLP (only) on the original forward, and the hook runs."""
-    model = load_causal_lm(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
     batch = micro_batch()
     stock = model_step(model, batch)
     apply_lean_activations(model)
@@ -275,7 +275,7 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own_modules():
     """A reference model deep-copied from the policy carries the patch bound to its own modules, not the policy's."""
     import copy
 
-    model = load_causal_lm(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
     batch = micro_batch()
     stock = model_step(model, batch)
     apply_lean_activations(model)

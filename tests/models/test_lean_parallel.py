@@ -20,7 +20,7 @@ LEAN, STOCK = "_SwiGLUDownBackward", "UnsafeViewBackward0"
 
 def _lora_model(targets):
     torch.manual_seed(0)
-    model = apply_lora(load_causal_lm(str(TINY_MODEL)), LoRAConfig(r=4, alpha=8.0, target_modules=targets))
+    model = apply_lora(load_causal_lm(str(TINY_MODEL), lean_activations=False), LoRAConfig(r=4, alpha=8.0, target_modules=targets))
     with torch.no_grad():  # adapters away from their zero start, so they change the outputs and get gradients
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -38,7 +38,7 @@ def test_lora_equals_the_unpatched_lora_model(targets, path, order):
     stock = model_step(_lora_model(targets), batch)
     if order == "lean-first":
         torch.manual_seed(0)
-        base = load_causal_lm(str(TINY_MODEL))
+        base = load_causal_lm(str(TINY_MODEL), lean_activations=False)
         patched_count = apply_lean_activations(base)
         model = apply_lora(base, LoRAConfig(r=4, alpha=8.0, target_modules=targets))
         with torch.no_grad():
@@ -63,7 +63,7 @@ def test_gradient_checkpointing_recomputes_the_lean_path(reentrant, monkeypatch)
     """Non-reentrant: lean in the forward and in the recompute (which stops once the last saved tensor is back, before
     the MLP's forward hook). Reentrant: the first forward runs under no_grad (the original forward), the recompute
     lean."""
-    model = load_causal_lm(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     if reentrant:
         model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
@@ -93,7 +93,7 @@ def _fsdp_worker(rank, out_path):
         runs = {}
         for variant in ("stock", "lean"):
             torch.manual_seed(0)
-            model = load_causal_lm(str(TINY_MODEL))
+            model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
             if variant == "lean":
                 assert apply_lean_activations(model) == 7  # before sharding, as loading would
             for layer in model.model.layers:
@@ -124,7 +124,7 @@ def test_tensor_parallel_mlp_falls_back_to_the_original():
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    model = load_causal_lm(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), lean_activations=False)
     batch = micro_batch()
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
