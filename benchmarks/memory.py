@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -145,7 +146,7 @@ def trial(spec: dict, workdir: Path, label: str) -> dict:
     spec_file.write_text(json.dumps(spec))
     (workdir / "result.json").unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore", **spec.get("env", {})}
     start = time.perf_counter()
     with log.open("w") as f:
         code = subprocess.run([sys.executable, __file__, "--worker", str(spec_file)], cwd=REPO, env=env, stdout=f,
@@ -170,7 +171,7 @@ def spec_for(a: argparse.Namespace, data: Path, framework: str, task: str, chunk
                                        "max_new_tokens")}
     return {"framework": framework, "task": task, "chunk": chunk, "ckpt": ckpt, "layout": layout,
             "threads": a.threads, "model": a.model_dir, "data": str(data), "max_length": a.conv_tokens,
-            "per_device": per_device, "shape": {**base, **shape}}
+            "per_device": per_device, "shape": {**base, **shape}, "env": dict(e.split("=", 1) for e in a.env)}
 
 
 def main_rows(a: argparse.Namespace) -> list[dict]:
@@ -254,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke check: tiny-qwen2, tiny shapes, one step per trial")
     p.add_argument("--out-dir", type=Path, help="write memory_cpu.md and memory_budget_cpu.png here (default "
                                                 "benchmarks/results; --quick: nowhere)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every trial process, ours and TRL (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
+    p.add_argument("--name", default="cpu", help="output files memory_NAME.md and memory_budget_NAME.png")
     p.add_argument("--json", type=Path, help="also write the rows, sweep and settings here")
     p.add_argument("--report", type=Path, help="no trials: the report of a run saved with --json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -270,7 +274,8 @@ def settings(a: argparse.Namespace) -> str:
     return (f"{model}, fp32, CPU, {a.threads} thread(s); {a.warmup} + {a.steps} steps per trial. SFT {a.sft_rows} "
             f"conversations/step, DPO {a.dpo_pairs} pairs/step (synthetic, <= {a.conv_tokens} tokens per "
             f"conversation), GRPO {a.prompts} prompts x {a.group} completions x {a.max_new_tokens} tokens/rollout. "
-            f"Chunk {a.chunk}. tokens/step: SFT/DPO real tokens, GRPO completion tokens.")
+            f"Chunk {a.chunk}. tokens/step: SFT/DPO real tokens, GRPO completion tokens."
+            + (f" Every trial process ran with {' '.join(a.env)}." if getattr(a, "env", None) else ""))
 
 
 def report(saved: dict) -> tuple[str, list[dict]]:
@@ -305,7 +310,7 @@ def run(a: argparse.Namespace) -> dict:
             points = sweep(a, tokenizer, workdir, lambda label, data, **kw: trial(
                 spec_for(a, data, "ours", "sft", **kw), workdir, label))
     keep = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in ("worker", "report")}
-    command = f"OMP_NUM_THREADS={a.threads} python benchmarks/memory.py {' '.join(sys.argv[1:])}".rstrip()
+    command = f"OMP_NUM_THREADS={a.threads} python benchmarks/memory.py {shlex.join(sys.argv[1:])}".rstrip()
     return {"settings": keep, "machine": vs_trl.machine(), "command": command, "rows": rows, "budget": points}
 
 
@@ -329,9 +334,9 @@ def main() -> None:
     print("\n" + text)
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "memory_cpu.md").write_text(text)
+        (out_dir / f"memory_{a.name}.md").write_text(text)
         if saved["budget"]:
-            plot(saved["budget"], out_dir / "memory_budget_cpu.png", "tiny-qwen2" if quick else "SmolLM2-135M")
+            plot(saved["budget"], out_dir / f"memory_budget_{a.name}.png", "tiny-qwen2" if quick else "SmolLM2-135M")
     if a.json:
         a.json.write_text(json.dumps(saved, indent=1))
 
