@@ -18,8 +18,17 @@ def _touch(mib: int) -> torch.Tensor:
     return torch.ones(mib * MIB // 4)  # float32, every page written
 
 
-@linux
-def test_a_phase_peak_is_its_own_not_the_process_maximum():
+def _fresh(fn):
+    """`fn()` in a new process: resident-memory deltas of a long test session depend on what earlier tests left in
+    the allocators (a freed heap reused without new pages), so each measurement starts from a clean process."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn).result(timeout=300)
+
+
+def _own_peaks():
     with PhaseProfiler() as profiler:
         with phase("big"):
             big = _touch(300)
@@ -27,15 +36,10 @@ def test_a_phase_peak_is_its_own_not_the_process_maximum():
         with phase("small"):
             small = _touch(20)
             del small
-    big, small = profiler.records
-    assert (big.name, small.name) == ("big", "small") and big.exact and small.exact
-    assert big.peak_rss_mib - big.start_rss_mib >= 290  # the 300 MiB tensor, though freed before the phase ended
-    assert small.peak_rss_mib - small.start_rss_mib < 100  # not the earlier phase's 300 MiB
-    assert abs(big.end_rss_mib - big.start_rss_mib) < 50  # freed (torch returns large blocks to the system)
+    return profiler.records
 
 
-@linux
-def test_inner_peaks_count_for_the_phases_around_them():
+def _nested_peaks():
     with PhaseProfiler() as profiler:
         with phase("outer"):
             with phase("inner"):
@@ -43,10 +47,33 @@ def test_inner_peaks_count_for_the_phases_around_them():
                 del tensor
             after = _touch(10)
             del after
-    inner, outer = profiler.records
+    return profiler.records, profiler.summary()
+
+
+def _measurements():
+    return {"own": _own_peaks(), "nested": _nested_peaks(), "spike": _peak_after_spike()}
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """The three measurements, in one new process."""
+    return _fresh(_measurements)
+
+
+@linux
+def test_a_phase_peak_is_its_own_not_the_process_maximum(fresh):
+    big, small = fresh["own"]
+    assert (big.name, small.name) == ("big", "small") and big.exact and small.exact
+    assert big.peak_rss_mib - big.start_rss_mib >= 290  # the 300 MiB tensor, though freed before the phase ended
+    assert small.peak_rss_mib - small.start_rss_mib < 100  # not the earlier phase's 300 MiB
+    assert abs(big.end_rss_mib - big.start_rss_mib) < 50  # freed (torch returns large blocks to the system)
+
+
+@linux
+def test_inner_peaks_count_for_the_phases_around_them(fresh):
+    (inner, outer), summary = fresh["nested"]
     assert (inner.name, outer.name) == ("inner", "outer")
     assert outer.peak_rss_mib >= inner.peak_rss_mib >= inner.start_rss_mib + 190
-    summary = profiler.summary()
     assert summary["outer"]["count"] == summary["inner"]["count"] == 1
     assert summary["outer"]["peak_rss_mib"] == outer.peak_rss_mib
 
@@ -142,8 +169,7 @@ def test_sft_fit_profiles_lightning_hooks_checkpoint_and_export(tmp_path):
     assert counts == {"train/forward": 2, "train/backward": 2, "train/optimizer_step": 2, "export": 1}, table  # one micro-batch a step
 
 
-@linux
-def test_the_process_peak_survives_the_phase_resets():
+def _peak_after_spike():
     from rl_lightning.models.memory_phases import host_peak_mib, process_peak_mib
 
     start = rss_mib()
@@ -152,5 +178,11 @@ def test_the_process_peak_survives_the_phase_resets():
     with PhaseProfiler():
         with phase("after the spike"):
             pass
-    assert host_peak_mib() < start + 200  # the kernel's mark was reset by the phase
-    assert process_peak_mib() >= start + 390  # the spike is still the process's peak
+    return start, host_peak_mib(), process_peak_mib()
+
+
+@linux
+def test_the_process_peak_survives_the_phase_resets(fresh):
+    start, kernel_mark, process_peak = fresh["spike"]
+    assert kernel_mark < start + 200  # the kernel's mark was reset by the phase
+    assert process_peak >= start + 390  # the spike is still the process's peak
