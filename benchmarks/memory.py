@@ -3,11 +3,14 @@
 What it measures. Every row is a fresh Python process (one trial) that runs `benchmarks/vs_trl.py`'s own ``run_ours`` /
 ``run_trl`` (the same Trainer setup, optimizer and TRL config as the speed comparison); its peak is the process's
 ``ru_maxrss`` (imports, data, model, every step), and "after load" its resident memory (``VmRSS``) when training
-starts (Lightning ``on_train_start``, TRL ``on_train_begin``): imports, tokenised data and the policy's weights, read
-once there so they are resident (transformers 5 memory-maps fp32 safetensors: untouched, a loaded model costs almost
-nothing until its first forward; DPO's reference copy stays mapped until its first forward on both sides), before
-any step, so "peak - load" is what training adds. No memory profiler runs (ours' peak is also checked against
-``memory_phases.process_peak_mib``, which would count its high-water resets).
+starts (Lightning ``on_train_start``, TRL ``on_train_begin``): imports, tokenised data and the weights (the policy's
+and DPO's reference), before any step, so "peak - load" is what training adds. No memory profiler runs (ours' peak is
+also checked against ``memory_phases.process_peak_mib``, which would count its high-water resets).
+
+Weights are read into process memory on both sides (transformers' own non-mmap load path, ``disable_mmap``): by
+default transformers 5 memory-maps fp32 safetensors, and weights never written (DPO's reference; the policy before
+its first optimizer step) are then file pages the kernel may evict and re-read, so the resident set, and the peak,
+move with the machine's memory pressure (TRL's DPO peak: 7.9 and 8.7 GB in two runs). ``--mmap`` keeps the mapping.
 
 Both sides: ``asset:SmolLM2-135M-Instruct`` (134.5M parameters, vocabulary 49152, tied head), fp32, CPU, ``--threads``
 torch/OpenMP threads (1), AdamW (betas 0.9/0.95, no weight decay, constant learning rate, clipping at 1.0), the data
@@ -81,7 +84,7 @@ def rss_mib() -> float:
 
 
 def loaded_rss_mib(model) -> float:
-    """The RSS with the model's weights paged in: transformers maps fp32 safetensors, read at the first forward."""
+    """The RSS with the weights resident (under --mmap, mapped weights are otherwise read at the first forward)."""
     import torch
 
     with torch.no_grad():
@@ -123,6 +126,10 @@ def worker(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    if not spec["mmap"]:  # both sides load through from_pretrained: the weights read into memory, not mapped
+        import transformers.modeling_utils
+
+        transformers.modeling_utils._is_on_hf_mount = lambda path: True  # the switch of its disable_mmap path
     vs_trl.DATA, vs_trl.MAX_LENGTH, vs_trl.PER_DEVICE = Path(spec["data"]), spec["max_length"], spec["per_device"]
     a = argparse.Namespace(**spec["shape"], model_dir=spec["model"], trl_sft_layout=spec["layout"],
                            gradient_checkpointing=spec["ckpt"])
@@ -171,7 +178,8 @@ def spec_for(a: argparse.Namespace, data: Path, framework: str, task: str, chunk
                                        "max_new_tokens")}
     return {"framework": framework, "task": task, "chunk": chunk, "ckpt": ckpt, "layout": layout,
             "threads": a.threads, "model": a.model_dir, "data": str(data), "max_length": a.conv_tokens,
-            "per_device": per_device, "shape": {**base, **shape}, "env": dict(e.split("=", 1) for e in a.env)}
+            "per_device": per_device, "shape": {**base, **shape}, "env": dict(e.split("=", 1) for e in a.env),
+            "mmap": a.mmap}
 
 
 def main_rows(a: argparse.Namespace) -> list[dict]:
@@ -257,6 +265,7 @@ def parser() -> argparse.ArgumentParser:
                                                 "benchmarks/results; --quick: nowhere)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every trial process, ours and TRL (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
+    p.add_argument("--mmap", action="store_true", help="keep transformers' memory-mapped weights (see above)")
     p.add_argument("--name", default="cpu", help="output files memory_NAME.md and memory_budget_NAME.png")
     p.add_argument("--json", type=Path, help="also write the rows, sweep and settings here")
     p.add_argument("--report", type=Path, help="no trials: the report of a run saved with --json")
@@ -275,7 +284,8 @@ def settings(a: argparse.Namespace) -> str:
             f"conversations/step, DPO {a.dpo_pairs} pairs/step (synthetic, <= {a.conv_tokens} tokens per "
             f"conversation), GRPO {a.prompts} prompts x {a.group} completions x {a.max_new_tokens} tokens/rollout. "
             f"Chunk {a.chunk}. tokens/step: SFT/DPO real tokens, GRPO completion tokens."
-            + (f" Every trial process ran with {' '.join(a.env)}." if getattr(a, "env", None) else ""))
+            + (f" Every trial process ran with {' '.join(a.env)}." if getattr(a, "env", None) else "")
+            + (" Weights memory-mapped (--mmap)." if getattr(a, "mmap", False) else " Weights read into memory."))
 
 
 def report(saved: dict) -> tuple[str, list[dict]]:
