@@ -78,3 +78,13 @@ def _forget_mlflow_stores():
         for attribute in vars(registry).values():
             if hasattr(attribute, "cache_clear"):
                 attribute.cache_clear()
+    # The SQL stores keep one engine per URI string, whose pooled connections hold the previous folder's database
+    # open; once that folder is deleted (a passing test's tmp_path is), sqlite refuses writes as "readonly".
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as RegistrySqlStore
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as TrackingSqlStore
+
+    for store in (TrackingSqlStore, RegistrySqlStore):
+        with store._engine_map_lock:
+            for engine in store._engine_map.values():
+                engine.dispose()
+            store._engine_map.clear()

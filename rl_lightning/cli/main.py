@@ -34,7 +34,7 @@ TRAINER_DEFAULTS = {
                        "init_args": {"experiment_name": "rl_lightning", "tracking_uri": "sqlite:///mlflow.db"}},
     "trainer.callbacks": [
         {"class_path": "rl_lightning.cli.progress.RunProgress"},
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": "link"}},
         {"class_path": "rl_lightning.tracking.export.HFExport"},
         {"class_path": "rl_lightning.cli.outputs.RunOutputs"},
         {"class_path": "rl_lightning.tracking.mlflow_run.MLflowTracking"},

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -165,7 +166,8 @@ def real_sft_run(real_model_dir, tmp_path_factory):
     _fit(workdir, "recipes/real/sft.yaml", "--data.path", f"{TASK}&train_size=16&test_size=8&format=sft",
          "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.optim.lr", "5e-5", "--model.optim.warmup_steps", "0",
          "--trainer.val_check_interval", "3")
-    return workdir
+    yield workdir
+    shutil.rmtree(workdir, ignore_errors=True)  # GBs of checkpoints: gone as soon as the module's tests are done
 
 
 @pytest.mark.slow
