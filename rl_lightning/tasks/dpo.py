@@ -24,6 +24,7 @@ from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, 
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
+from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
 
 
@@ -55,6 +56,9 @@ class DPO(L.LightningModule):
         lm_head_chunk: positions per chunk of the output head (policy and reference): the (tokens x vocabulary)
             logits are never built whole, only (lm_head_chunk x vocabulary) at a time, in the forward and the backward
             (same values); null: the full logits (more memory, sometimes faster on small batches).
+        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
+            line naming the keys that would fit; the plan is printed either way, see
+            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class DPO(L.LightningModule):
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
         lm_head_chunk: int | None = 1024,
+        memory_check: bool = True,
     ) -> None:
         super().__init__()
         check_lm_head_chunk(lm_head_chunk)
@@ -97,6 +102,10 @@ class DPO(L.LightningModule):
         # managed here (offloading) rather than by Lightning.
         self._reference: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
+
+    @override
+    def setup(self, stage: str) -> None:
+        check_memory(self, stage, "dpo")  # before any weights load
 
     @override
     def configure_model(self) -> None:

@@ -21,6 +21,7 @@ from rl_lightning.models.lora import LoRAConfig, apply_lora, base_model, lora_co
 from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
+from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
 
 
@@ -44,6 +45,9 @@ class RewardModel(L.LightningModule):
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
         lora: train low-rank adapters on the frozen backbone, and the scalar head in full (``model.lora.*``, see
             `rl_lightning.models.lora.LoRAConfig`); null: full fine-tuning.
+        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
+            line naming the keys that would fit; the plan is printed either way, see
+            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class RewardModel(L.LightningModule):
         gradient_checkpointing: bool = False,
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
+        memory_check: bool = True,
     ) -> None:
         super().__init__()
         self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
@@ -62,6 +67,10 @@ class RewardModel(L.LightningModule):
         self.automatic_optimization = False
         self.model: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
+
+    @override
+    def setup(self, stage: str) -> None:
+        check_memory(self, stage, "reward")  # before any weights load
 
     @override
     def configure_model(self) -> None:

@@ -30,6 +30,7 @@ from rl_lightning.parallel.reductions import (
     parallel_layout,
     shard_sum,
 )
+from rl_lightning.tasks.memory_check import check_memory
 
 
 class SFT(L.LightningModule):
@@ -46,6 +47,9 @@ class SFT(L.LightningModule):
         lm_head_chunk: positions per chunk of the output head: the (tokens x vocabulary) logits are never built
             whole, only (lm_head_chunk x vocabulary) at a time, in the forward and the backward (same values); null:
             the full logits (more memory, sometimes faster on small batches).
+        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
+            line naming the keys that would fit; the plan is printed either way, see
+            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class SFT(L.LightningModule):
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
         lm_head_chunk: int | None = 1024,
+        memory_check: bool = True,
     ) -> None:
         super().__init__()
         check_lm_head_chunk(lm_head_chunk)
@@ -66,6 +71,10 @@ class SFT(L.LightningModule):
         self.automatic_optimization = False
         self.model: Any = None
         self._val_sums: list[torch.Tensor] = []
+
+    @override
+    def setup(self, stage: str) -> None:
+        check_memory(self, stage, "sft")  # before any weights load
 
     @override
     def configure_model(self) -> None:

@@ -32,6 +32,7 @@ from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
+from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.ppo import metrics, minibatches, scoring, update
 from rl_lightning.tasks.ppo.config import (
     ConstraintConfig,
@@ -91,10 +92,11 @@ class PPO(L.LightningModule):
         critic_lr: peak learning rate of the critic (the critic estimators; it follows `optim`'s schedule).
         value_clip: clip of the value update around the rollout-time value (critic); null disables.
         freeze_steps: rollouts during which only the critic is trained (critic warm-up).
-        max_length_per_device: token budget of one packed micro-batch, or ``auto`` (start from 65536 tokens and let
-            the out-of-memory back-off find what fits). In a single process a micro-batch that runs out of memory
-            halves the budget, is re-packed and redone (``train/oom_retries``, ``train/max_length_per_device``);
-            see `rl_lightning.models.memory`.
+        max_length_per_device: token budget of one packed micro-batch, or ``auto`` (the largest multiple of 256
+            tokens, at most 65536, whose predicted peak fits in 85% of the device's memory: the memory plan, see
+            `rl_lightning.tasks.memory_check`; single process only). In a single process a micro-batch that runs out
+            of memory halves the budget, is re-packed and redone (``train/oom_retries``,
+            ``train/max_length_per_device``); see `rl_lightning.models.memory`.
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
         attn_implementation: ``rl_varlen`` or a transformers implementation.
@@ -105,6 +107,9 @@ class PPO(L.LightningModule):
             (tokens x vocabulary) logits are never built whole, only (lm_head_chunk x vocabulary) at a time, in the
             forward and the backward (same values); null: the full logits (more memory, sometimes faster on small
             batches).
+        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
+            line naming the keys that would fit; the plan is printed either way, see
+            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class PPO(L.LightningModule):
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
         lm_head_chunk: int | None = 1024,
+        memory_check: bool = True,
     ) -> None:
         super().__init__()
         check_lm_head_chunk(lm_head_chunk)
@@ -195,6 +201,9 @@ class PPO(L.LightningModule):
                                  hp.max_length_per_device, self.max_length_per_device)
         if errors:
             raise ConfigError("; ".join(errors))
+        budget = check_memory(self, stage, "ppo")  # before any weights load; auto: the largest budget that fits
+        if budget is not None:
+            self.max_length_per_device = budget
 
     @override
     def configure_model(self) -> None:
