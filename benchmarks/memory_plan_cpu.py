@@ -9,7 +9,7 @@ or the demo arithmetic prompts with long sampled completions (GRPO).
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_cpu.py            # every configuration, ~5 min on 2 cores
     python benchmarks/memory_plan_cpu.py --only sft-tiny,dpo-tiny      # some of them
-    python benchmarks/memory_plan_cpu.py --markdown benchmarks/results/memory_plan_cpu.md
+    python benchmarks/memory_plan_cpu.py --json rows.json --markdown table.md   # also as files
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ REAL = "asset:SmolLM2-135M-Instruct"
 WORDS = "the cat sat on a mat and then went home to eat some fish while the dog barked loudly at birds".split()
 
 # name: task, model, token budget, answer words per row (SFT/DPO; the tiny tokenizer is byte-level) or new tokens
-# (GRPO), rows (GRPO: prompts, 4 completions each) per step, and the task's memory switches. Rows x words fill two micro-batches a step.
+# (GRPO), rows (GRPO: prompts, 4 completions each) per step, and the task's memory switches. Each step packs into
+# micro-batches of equal size that nearly fill the budget (unequal ones leave glibc's heap fragmented differently from
+# run to run: +-15% on SmolLM2 SFT).
 CONFIGS: dict[str, dict] = {
     "sft-tiny": {"task": "sft", "model": "tiny", "tokens": 8192, "words": 215, "rows": 16},
     "sft-tiny-lora-ckpt-full-head": {"task": "sft", "model": "tiny", "tokens": 8192, "words": 215, "rows": 16,
@@ -39,8 +41,8 @@ CONFIGS: dict[str, dict] = {
     "grpo-tiny-lora-kl": {"task": "grpo", "model": "tiny", "tokens": 1536, "words": 128, "rows": 4, "lora": True,
                           "kl": 0.1},
     "grpo-tiny-vllm": {"task": "grpo", "model": "tiny", "tokens": 1536, "words": 128, "rows": 4, "engine": "vllm"},
-    "sft-real": {"task": "sft", "model": "real", "tokens": 1024, "words": 230, "rows": 7},
-    "dpo-real-lora-ckpt-full-head": {"task": "dpo", "model": "real", "tokens": 1024, "words": 115, "rows": 6,
+    "sft-real": {"task": "sft", "model": "real", "tokens": 1100, "words": 230, "rows": 8},
+    "dpo-real-lora-ckpt-full-head": {"task": "dpo", "model": "real", "tokens": 950, "words": 115, "rows": 6,
                                      "lora": True, "ckpt": True, "chunk": None},
     "grpo-real-vllm": {"task": "grpo", "model": "real", "tokens": 1024, "words": 40, "rows": 6, "engine": "vllm"},
 }

@@ -4,7 +4,9 @@
 head chunk, gradient checkpointing, LoRA, reference, critic, parallel `Layout`, `EngineSetup`, the process's baseline)
 gives a `MemoryPlan`: named components in bytes and the peak of each phase of a step. On CUDA it predicts PyTorch's
 allocator peak (``torch.cuda.max_memory_allocated``); on CPU the process's peak resident memory (``VmHWM``), which is
-the baseline measured before the model loads plus the same components, the transient ones times `HOST_HEAP`.
+the baseline measured before the model loads plus the same components, the activations times `HOST_HEAP` (glibc's
+heap keeps freed memory; under gradient checkpointing it keeps the recomputed blocks', `CHECKPOINT_RETAINED`).
+The CPU prediction is within 7% of the measured peak on 8 SFT/DPO/GRPO fits (benchmarks/results/memory_plan_cpu.md).
 
 The phases (the peak is the largest):
 
@@ -12,15 +14,17 @@ The phases (the peak is the largest):
   The gradients count in full when a step can take more than one micro-batch (they accumulate), else only the output
   head's (it is the first to get its gradient, while every activation is still alive);
 - **optimizer step**: the resident state, every gradient and AdamW's ``foreach`` temporaries (one trainable copy);
-- **rollout** (PPO): the resident state and the awake engine (vLLM on CUDA; the HF engine's KV cache).
+- **rollout** (PPO): the resident state and the awake engine (vLLM on CUDA; the HF engine's KV cache), and one
+  bucket of vLLM's weight sync.
 
 Formulas (elements per token per decoder layer; h hidden, q heads x head_dim, kv key-value heads x head_dim,
 i intermediate; counted with ``torch.autograd.graph.saved_tensors_hooks`` on Llama/Qwen2 blocks, see
 benchmarks/results/memory_plan_cpu.md): fp32, saved for backward: 6h (two RMSNorms: input, normalised input,
 output) + 3q (q, the attention output and its reshaped copy) + 2kv + 4i (SwiGLU: gate, act(gate), up, act x up).
 bf16 autocast: the norms' 4h stay fp32, 3h + 5q + 2kv + 4i are bf16, and the block weights' bf16 copies are cached
-for the step. bf16 parameters: 2h fp32, 4h + 3q + 2kv + 4i bf16. Gradient checkpointing keeps h per layer (the block
-input) plus one block's activations while it is recomputed. Tensor parallelism divides the q, kv and i terms.
+for the step. bf16 parameters: 2h fp32, 4h + 3q + 2kv + 4i bf16. One layer more for the backward's working set.
+Gradient checkpointing keeps h per layer (the block input) plus one block's activations and their gradients while it
+is recomputed. Tensor parallelism divides the q, kv and i terms.
 The output head: the full path keeps (K, V) fp32 logits for the K target positions and peaks at `FULL_HEAD_COPIES`
 of them; the chunked path (`lm_head_chunk` = C) keeps the last chunk's (C, V) logits and peaks at
 `CHUNK_HEAD_COPIES` more (C, V) fp32 tensors; a frozen head (LoRA) keeps (K, H) fp32 gradients per unit instead.
@@ -53,13 +57,13 @@ softmax and gather gradients (measured 4.3 on SmolLM2's 49152-word head, fp32, C
 CHUNK_HEAD_COPIES = 2.0
 """(C, V) fp32 tensors a chunked head adds at its peak besides the kept last chunk (forward: logsumexp's
 temporaries; backward: the recomputed logits and their gradient)."""
-HOST_HEAP = 1.15
+HOST_HEAP = 1.05
 """CPU: resident bytes per byte of activations. glibc serves activation-sized tensors from its heap once its mmap
-threshold has risen, and a freed tensor's memory stays resident until reused (forward end / saved bytes on
-SmolLM2-135M: 1.06 to 1.31, see benchmarks/results/memory_plan_cpu.md)."""
+threshold has risen, and freed tensors' memory stays resident until reused (SmolLM2-135M and tiny-qwen2 fits: 0.9
+to 1.3, see benchmarks/results/memory_plan_cpu.md)."""
 CHECKPOINT_RETAINED = 1.0
-"""CPU, gradient checkpointing, no heap trim: the resident activations relative to those without checkpointing
-(SmolLM2-135M DPO with LoRA, 3 micro-batches a step: the heap held 1.15x the full activations after two steps)."""
+"""CPU, gradient checkpointing, no heap trim between steps (SFT, DPO, RM): the resident activations relative to those
+without checkpointing (SmolLM2-135M DPO with LoRA: the heap held 1.15x the full activations after two steps)."""
 CHECKPOINT_RETAINED_TRIMMED = 0.3
 """The same where ``malloc_trim`` runs after every rollout and update (PPO): what one step retains."""
 VLLM_CPU_RUNTIME = 260 * MIB
@@ -92,6 +96,7 @@ class EngineSetup:
         kv_cache_bytes: vLLM's explicit KV-cache size (CPU: default 1 GiB).
         gpu_memory_utilization: vLLM on CUDA without `kv_cache_bytes`: its share of the device while awake.
         awake_while_training: ``async_steps`` > 0: a CUDA engine does not sleep while the trainer trains.
+        weight_bucket_bytes: vLLM's weight sync gathers and sends the weights in buckets of this size.
     """
 
     kind: str = "hf"
@@ -100,6 +105,7 @@ class EngineSetup:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
     awake_while_training: bool = False
+    weight_bucket_bytes: int = 512 * MIB
 
 
 @dataclass(frozen=True)
@@ -362,7 +368,8 @@ def plan_memory(s: TrainSetup) -> MemoryPlan:
     phases = {"train": resident + engine_training + (grads if s.accumulates else head_grad) + activations,
               "optimizer step": resident + engine_training + grads
               + ADAMW_TEMPORARIES * state["trainable"] * param / s.layout.shards}
-    if s.engine is not None:
-        phases["rollout"] = resident - extra["autocast weight copies"] + engine_awake
+    if s.engine is not None:  # vLLM: plus one bucket of the weight sync
+        bucket = min(s.engine.weight_bucket_bytes, state["weights"]) if s.engine.kind == "vllm" else 0.0
+        phases["rollout"] = resident - extra["autocast weight copies"] + engine_awake + bucket
     return MemoryPlan(s, {k: int(v) for k, v in components.items()}, {k: int(v) for k, v in phases.items()})
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl_lightning.errors import ConfigError
+from rl_lightning.errors import ConfigError, UserError
 from rl_lightning.models.memory_fit import Keys, largest_budget, refusal
 from rl_lightning.models.memory_phases import rss_mib
 from rl_lightning.models.memory_plan import MIB, SAFETY, EngineSetup, Layout, MemoryPlan, TrainSetup, plan_memory
@@ -113,7 +113,8 @@ def _ppo_fields(module: Any, trainer: Any) -> tuple[dict[str, Any], int]:
     engine = EngineSetup(kind=rollout.engine, rows=rows, sequence=longest,
                          kv_cache_bytes=rollout.kv_cache_memory_bytes,
                          gpu_memory_utilization=rollout.gpu_memory_utilization,
-                         awake_while_training=rollout.async_steps > 0)
+                         awake_while_training=rollout.async_steps > 0,
+                         weight_bucket_bytes=rollout.weight_bucket_mb * MIB)
     cap = -(-rows // hp.update_per_rollout) * longest
     return {"tokens": module.max_length_per_device, "tokens_cap": cap,
             "target_fraction": completion / (min(prompts) + completion) if single_turn else 1.0,
@@ -136,10 +137,9 @@ def _lora_fields(lora: Any, shape: ModelShape) -> dict[str, Any]:
             "head_trainable": bool({"lm_head", "embed_tokens"} & set(saved))}
 
 
-def plan_for(module: Any, task: str) -> tuple[TrainSetup, Keys, int]:
+def plan_for(module: Any, task: str, shape: ModelShape) -> tuple[TrainSetup, Keys, int]:
     """The `TrainSetup` of `module`'s run (``task``: ``sft``, ``dpo``, ``reward`` or ``ppo``), its keys and minimum."""
     trainer, hp = module.trainer, module.hparams
-    shape = load_model_shape(hp.model_name)
     layout, fsdp_bf16 = parallel_layout(trainer)
     limit, baseline = device_memory(trainer)
     if task == "ppo":
@@ -175,7 +175,16 @@ def check_memory(module: Any, stage: str, task: str) -> int | None:
     """
     if stage != "fit" or getattr(module.trainer, "datamodule", None) is None:
         return None
-    setup, keys, minimum = plan_for(module, task)
+    try:
+        shape = load_model_shape(module.hparams.model_name)
+    except UserError:
+        raise
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:  # the loader reports a bad name itself
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"no memory plan for {module.hparams.model_name}: {str(e).splitlines()[0] if str(e) else e!r}")
+        return None
+    setup, keys, minimum = plan_for(module, task, shape)
     budget = None
     if module.hparams.get("max_length_per_device") == "auto":
         budget = largest_budget(setup, SAFETY * setup.device_memory, minimum) or minimum
