@@ -32,7 +32,8 @@ Static state: weights (parameter dtype), gradients and AdamW's two moments per t
 dtype), a reference (DPO unless reference-free, PPO with a KL term; none under LoRA: adapters disabled), a critic
 (weights, gradients, AdamW). FSDP2 divides weights, gradients and optimizer state by the shard group
 (data x context parallel / replicas) and gathers two blocks and the root in the compute dtype; TP divides the block
-weights; ``cpu_offload`` moves the sharded state to the host.
+weights; ``cpu_offload`` moves the sharded state to the host. On CUDA, ``activation_offload`` leaves one block's
+activations on the device and ``optimizer_offload`` one bucket of AdamW's moments during the step.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Layout:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     ddp: bool = False  # DDP: full replicas, gradients twice (the buckets)
+    activation_offload: bool = False  # CUDA: saved activations on the host, one block's on the device
+    optimizer_offload: bool = False  # CUDA: AdamW's moments on the host, one bucket on the device during the step
+    offload_bucket_bytes: int = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,8 @@ def activation_bytes(s: TrainSetup, tokens: int) -> float:
     outside = 4 * 4 * m.hidden
     if s.gradient_checkpointing:
         return local * (m.layers * m.hidden * min(param, 4) + 2 * per_layer + outside)
+    if s.layout.activation_offload and s.device == "cuda":  # the block being computed; the rest sits on the host
+        return local * (2 * per_layer + outside)
     return local * ((m.layers + 1) * per_layer + outside)
 
 
@@ -300,7 +306,7 @@ def _state(s: TrainSetup) -> dict[str, float]:
     return {
         "weights": (local + adapters) * param * shard,
         "gradients": trainable * param * shard * (2 if lay.ddp else 1),
-        "optimizer (AdamW)": 2 * trainable * param * shard,
+        "optimizer (AdamW)": 0.0 if lay.optimizer_offload and s.device == "cuda" else 2 * trainable * param * shard,
         "reference weights": reference * param * shard,
         "critic weights + AdamW": 3 * critic * param * shard,
         "critic gradients": critic * param * shard,
@@ -365,9 +371,12 @@ def plan_memory(s: TrainSetup) -> MemoryPlan:
     if s.critic:
         components["critic activations"] = critic
     components.update(engine)
+    step_extra = ADAMW_TEMPORARIES * state["trainable"] * param / s.layout.shards
+    if s.layout.optimizer_offload and s.device == "cuda":  # one bucket of moments streamed in, its temporaries
+        moments = 2 * state["trainable"] * param / s.layout.shards
+        step_extra = min(float(s.layout.offload_bucket_bytes), moments) * (1 + ADAMW_TEMPORARIES / 2)
     phases = {"train": resident + engine_training + (grads if s.accumulates else head_grad) + activations,
-              "optimizer step": resident + engine_training + grads
-              + ADAMW_TEMPORARIES * state["trainable"] * param / s.layout.shards}
+              "optimizer step": resident + engine_training + grads + step_extra}
     if s.engine is not None:  # vLLM: plus one bucket of the weight sync
         bucket = min(s.engine.weight_bucket_bytes, state["weights"]) if s.engine.kind == "vllm" else 0.0
         phases["rollout"] = resident - extra["autocast weight copies"] + engine_awake + bucket

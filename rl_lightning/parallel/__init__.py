@@ -1,4 +1,4 @@
-"""Parallelism: the 3-D (data x context x tensor) strategy, model sharding and zigzag ring attention."""
+"""Parallelism: the 3-D (data x context x tensor) strategy, sharding, offload and zigzag ring attention."""
 
 from rl_lightning.parallel.strategy import ParallelStrategy
 

@@ -68,6 +68,8 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
         apply_tensor_parallel(model, strategy.tp_mesh)
     if trainable and strategy.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable and getattr(strategy, "activation_offload", False):
+        _offload_activations(model, strategy)
     kwargs = {"mesh": strategy.fsdp_mesh, "mp_policy": strategy.mp_policy(),
               "offload_policy": strategy.offload_policy(), "reshard_after_forward": strategy.reshard_after_forward}
     for layer in decoder_layers(model):
@@ -80,6 +82,20 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
         fully_shard(inner.score, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _offload_activations(model: Any, strategy: Any) -> None:
+    """Attach `ActivationOffload` to every decoder block; the strategy keeps it (``strategy.activation_offloader``)."""
+    from rl_lightning.models.lora import base_model
+    from rl_lightning.parallel.offload import ActivationOffload
+
+    if getattr(base_model(model), "is_gradient_checkpointing", False):
+        raise ConfigError("strategy.activation_offload=true with model.gradient_checkpointing=true: checkpointing keeps "
+                          "only each block's input, leaving nothing to offload; set one of them")
+    offload = getattr(strategy, "activation_offloader", None) or ActivationOffload()
+    strategy.activation_offloader = offload
+    for layer in decoder_layers(model):
+        offload.attach(layer)
 
 
 def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:

@@ -49,6 +49,13 @@ class ParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); False keeps them until
             the backward (ZeRO-2-like: faster, more memory).
         activation_checkpointing: recompute each decoder block's activations in the backward pass.
+        activation_offload: keep what each decoder block saves for the backward pass in host memory (pinned,
+            copied asynchronously) until the backward needs it (`rl_lightning.parallel.offload`); not with
+            activation checkpointing (nothing would be left to offload).
+        optimizer_offload: keep the optimizer state (AdamW's moments) in host memory between steps; the step streams
+            it through the device in buckets of ``offload_bucket_mb`` while parameters and gradients stay there.
+            Not with ``cpu_offload``, which keeps the state on the host already.
+        offload_bucket_mb: the most optimizer state on the device at once under ``optimizer_offload``.
         save_distributed_checkpoint: save sharded (DCP) checkpoints; False gathers a full state dict on rank 0.
         process_group_backend: ``nccl`` / ``gloo``; default by device.
         timeout: collective timeout.
@@ -64,6 +71,9 @@ class ParallelStrategy(ModelParallelStrategy):
         mixed_precision: str | None = None,
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
+        activation_offload: bool = False,
+        optimizer_offload: bool = False,
+        offload_bucket_mb: int = 256,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -77,6 +87,8 @@ class ParallelStrategy(ModelParallelStrategy):
                           f"strategy.data_parallel_size={data_parallel_size}")
         if mixed_precision not in (None, "bf16"):
             errors.append(f"strategy.mixed_precision must be 'bf16' or null, got {mixed_precision!r}")
+        errors += _offload_errors(cpu_offload, activation_checkpointing, activation_offload, optimizer_offload,
+                                  offload_bucket_mb)
         if errors:
             raise ConfigError("; ".join(errors))
         super().__init__(data_parallel_size * context_parallel_size, tensor_parallel_size,
@@ -85,6 +97,8 @@ class ParallelStrategy(ModelParallelStrategy):
             data_parallel_size, context_parallel_size, tensor_parallel_size, replicate_size)
         self.cpu_offload, self.mixed_precision = cpu_offload, mixed_precision
         self.reshard_after_forward, self.activation_checkpointing = reshard_after_forward, activation_checkpointing
+        self.activation_offload, self.optimizer_offload = activation_offload, optimizer_offload
+        self.offload_bucket_mb = offload_bucket_mb
         self.dp_mesh: Any = None
         self.cp_mesh: Any = None
         self.tp_mesh: Any = None
@@ -106,6 +120,16 @@ class ParallelStrategy(ModelParallelStrategy):
             from rl_lightning.parallel.ring_attention import flash_attn_status
 
             flash_attn_status()  # a flash-attn that is installed but broken: its one warning line now, before the model
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.optimizer_offload:
+            from rl_lightning.parallel.offload import OptimizerStateOffload
+
+            for optimizer in self.optimizers:
+                if not hasattr(optimizer, "rl_lightning_state_offload"):
+                    OptimizerStateOffload(optimizer, self.offload_bucket_mb << 20)
 
     def _check_layout(self, world_size: int) -> None:
         product = self.dp_size * self.cp_size * self.tp_size
@@ -181,3 +205,17 @@ class ParallelStrategy(ModelParallelStrategy):
         if self.cpu_offload:
             return CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
         return OffloadPolicy()
+
+
+def _offload_errors(cpu_offload: bool, checkpointing: bool, activation_offload: bool, optimizer_offload: bool,
+                    bucket_mb: Any) -> list[str]:
+    errors = []
+    if optimizer_offload and cpu_offload:
+        errors.append("strategy.optimizer_offload=true with strategy.cpu_offload=true: cpu_offload keeps the optimizer "
+                      "state on the CPU already; set one of them")
+    if activation_offload and checkpointing:
+        errors.append("strategy.activation_offload=true with strategy.activation_checkpointing=true: checkpointing "
+                      "keeps only each block's input, leaving nothing to offload; set one of them")
+    if not isinstance(bucket_mb, int) or bucket_mb < 1:
+        errors.append(f"strategy.offload_bucket_mb must be an integer >= 1, got {bucket_mb!r}")
+    return errors

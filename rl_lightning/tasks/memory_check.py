@@ -72,7 +72,9 @@ def parallel_layout(trainer: Any) -> tuple[Layout, bool]:
     if isinstance(strategy, ParallelStrategy):
         shards = strategy.dp_size // strategy.replicate_size * strategy.cp_size
         return Layout(shards=shards, tp=strategy.tp_size, cp=strategy.cp_size, cpu_offload=strategy.cpu_offload,
-                      reshard_after_forward=strategy.reshard_after_forward), strategy.mixed_precision == "bf16"
+                      reshard_after_forward=strategy.reshard_after_forward,
+                      activation_offload=strategy.activation_offload, optimizer_offload=strategy.optimizer_offload,
+                      offload_bucket_bytes=strategy.offload_bucket_mb << 20), strategy.mixed_precision == "bf16"
     return Layout(ddp=isinstance(strategy, DDPStrategy) and trainer.world_size > 1), False
 
 

@@ -52,6 +52,22 @@ def test_static_state_is_bytes_per_parameter():
     assert mixed["weights"] == 4 * P and mixed["autocast weight copies"] == 2 * (LINEAR + V * H)
 
 
+def test_offload_moves_the_moments_and_all_but_one_block_of_activations_off_the_device():
+    base = plan_memory(setup())
+    layers = replace(SHAPE, layers=LAYERS)
+    offload = plan_memory(setup(layout=Layout(activation_offload=True, optimizer_offload=True,
+                                              offload_bucket_bytes=4 * P)))
+    assert offload.components["optimizer (AdamW)"] == 0 and base.components["optimizer (AdamW)"] == 8 * P
+    per_layer, outside = layer_activation_bytes(setup()), 4 * 4 * H
+    assert base.components["activations (1000 tokens)"] == 1000 * ((layers.layers + 1) * per_layer + outside)
+    assert offload.components["activations (1000 tokens)"] == 1000 * (2 * per_layer + outside)
+    # the step streams one 4P bucket of the 8P of moments in, plus half a bucket of AdamW's temporaries
+    resident = base.phases["optimizer step"] - 8 * P - 4 * P
+    assert offload.phases["optimizer step"] == pytest.approx(resident + 4 * P * 1.5)
+    cpu = plan_memory(setup(device="cpu", layout=Layout(activation_offload=True, optimizer_offload=True)))
+    assert cpu.components["optimizer (AdamW)"] == 8 * P  # the host is the device: nothing moves
+
+
 def test_sharding_divides_the_state_and_tensor_parallelism_the_block_weights():
     full = plan_memory(setup()).components
     sharded = plan_memory(setup(layout=Layout(shards=4))).components

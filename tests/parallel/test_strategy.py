@@ -43,9 +43,13 @@ def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), strategy_kwargs=None, **tr
 
 def _sft_worker(rank, sizes, out_path, strategy_kwargs=None):
     recorder = LossRecorder()
-    _sft(*sizes, callbacks=[recorder], strategy_kwargs=strategy_kwargs)
+    trainer = _sft(*sizes, callbacks=[recorder], strategy_kwargs=strategy_kwargs)
     if rank == 0:
-        torch.save(recorder.losses, out_path)
+        strategy = trainer.strategy
+        offload = getattr(strategy, "activation_offloader", None)
+        states = [getattr(o, "rl_lightning_state_offload", None) for o in strategy.optimizers]
+        torch.save({"losses": recorder.losses, "activations": offload.stats if offload else None,
+                    "optimizer": [s.stats for s in states if s is not None]}, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def single_process_losses():
                          ids=["dp2", "cp2", "tp2", "dp2-cp2", "cp2-tp2"])
 def test_sft_parallel_losses_equal_single_process(sizes, single_process_losses, tmp_path):
     run_on_cpu_ranks(_sft_worker, sizes[0] * sizes[1] * sizes[2], sizes, tmp_path / "losses.pt")
-    losses = torch.load(tmp_path / "losses.pt")
+    losses = torch.load(tmp_path / "losses.pt", weights_only=False)["losses"]
     assert len(losses) == 3
     for step, (parallel, single) in enumerate(zip(losses, single_process_losses, strict=True)):
         assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
@@ -68,12 +72,18 @@ def test_sft_parallel_losses_equal_single_process(sizes, single_process_losses, 
 
 @pytest.mark.parametrize(
     "strategy_kwargs",
-    [{"replicate_size": 2}, {"cpu_offload": True}, {"activation_checkpointing": True, "reshard_after_forward": False}],
-    ids=["hsdp-replicate2", "cpu-offload", "checkpointing-zero2"],
+    [{"replicate_size": 2}, {"cpu_offload": True}, {"activation_checkpointing": True, "reshard_after_forward": False},
+     {"activation_offload": True, "optimizer_offload": True, "offload_bucket_mb": 1}],
+    ids=["hsdp-replicate2", "cpu-offload", "checkpointing-zero2", "activation-and-optimizer-offload"],
 )
 def test_sft_strategy_options_keep_single_process_losses(strategy_kwargs, single_process_losses, tmp_path):
     run_on_cpu_ranks(_sft_worker, 2, (2, 1, 1), tmp_path / "losses.pt", strategy_kwargs)
-    losses = torch.load(tmp_path / "losses.pt")
+    result = torch.load(tmp_path / "losses.pt", weights_only=False)
+    losses = result["losses"]
+    if strategy_kwargs.get("activation_offload"):
+        assert result["activations"].tensors > 0 and result["activations"].kept_on_device > 0  # params stay
+        (optimizer,) = result["optimizer"]
+        assert optimizer.buckets > 1 and optimizer.largest_bucket_bytes > 0  # streamed in several 1 MiB buckets
     for step, (parallel, single) in enumerate(zip(losses, single_process_losses, strict=True)):
         assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
 

@@ -1,0 +1,147 @@
+"""Activation and optimizer-state offload (issue 26, item 2): the same gradients and parameters as without them,
+bucket by bucket; what moved; the options' one-line errors. The memory they save is measured on a GPU (``gpu``)."""
+
+import copy
+
+import pytest
+import torch
+
+from rl_lightning.errors import ConfigError
+from rl_lightning.parallel import ParallelStrategy
+from rl_lightning.parallel.offload import ActivationOffload, OptimizerStateOffload
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 8)).to(DEVICE)
+
+
+def _grads(model, offload=None):
+    torch.manual_seed(1)
+    x = torch.randn(16, 32, device=DEVICE)
+    model.zero_grad()
+    if offload is None:
+        out = model(x)
+    else:
+        with offload.saving():
+            out = model(x)
+    (out.square().mean()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_activation_offload_gives_the_same_gradients_and_keeps_parameters():
+    plain, offloaded = _model(), _model()
+    offload = ActivationOffload(min_bytes=0)
+    for a, b in zip(_grads(plain), _grads(offloaded, offload), strict=True):
+        assert torch.equal(a, b)
+    # Saved for backward: each Linear its input, GELU its input, Tanh its output (5 moved); the 2nd and 3rd Linear
+    # their weight, for the gradient of their input (kept: a parameter's view). The input needs no gradient, so the
+    # 1st Linear saves no weight.
+    assert offload.stats.tensors == 5 and offload.stats.kept_on_device == 2
+    assert offload.stats.bytes == 4 * 16 * (32 + 64 + 64 + 64 + 64)
+
+
+def test_small_tensors_stay_and_hooks_on_a_module_cover_only_its_forward():
+    model = _model()
+    offload = ActivationOffload(min_bytes=16 * 64 * 4)  # a [16, 32] fp32 input (2 KiB) is too small to move
+    offload.attach(model[2])  # the middle Linear only
+    plain = _grads(_model())
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model), strict=True))
+    assert (offload.stats.tensors, offload.stats.kept_on_device) == (1, 1)  # its [16, 64] input; its weight stays
+    assert offload.stats.bytes == 16 * 64 * 4
+
+
+def _batches(n):
+    torch.manual_seed(2)
+    return [torch.randn(8, 32, device=DEVICE) for _ in range(n)]
+
+
+def _steps(model, optimizer, scheduler, batches):
+    losses = []
+    for x in batches:
+
+        def closure(x=x):
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        losses.append(optimizer.step(closure).item())
+        scheduler.step()
+    return losses
+
+
+def _adamw(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 40_000, 1 << 30], ids=["per-parameter", "two-buckets", "one-bucket"])
+def test_optimizer_state_offload_steps_like_the_optimizer(bucket_bytes):
+    plain, offloaded = _model(), _model()
+    opt_a, sched_a = _adamw(plain)
+    opt_b, sched_b = _adamw(offloaded)
+    offload = OptimizerStateOffload(opt_b, bucket_bytes)
+    assert _steps(plain, opt_a, sched_a, _batches(3)) == _steps(offloaded, opt_b, sched_b, _batches(3))
+    for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    state_bytes = [2 * p.numel() * 4 for p in offloaded.parameters()]  # exp_avg and exp_avg_sq, fp32
+    expected = {1: len(state_bytes), 40_000: 2, 1 << 30: 1}[bucket_bytes]
+    assert offload.stats.buckets == expected and offload.stats.bytes == sum(state_bytes)
+    assert offload.stats.largest_bucket_bytes <= max(bucket_bytes, max(state_bytes))
+    assert [g["params"] for g in opt_b.param_groups] == [list(offloaded.parameters())]  # groups restored
+    a, b = opt_a.state_dict(), opt_b.state_dict()  # checkpoints see the optimizer's own state
+    assert a["param_groups"] == b["param_groups"]
+    for index, state in a["state"].items():
+        assert all(torch.equal(v, b["state"][index][k].to(v.device)) for k, v in state.items())
+
+
+def test_optimizer_state_offload_resumes_from_a_state_dict():
+    """3 steps in one go == 2 steps, the state dicts saved and loaded into a fresh model and optimizer, 1 step."""
+    batches = _batches(3)
+    model = _model()
+    optimizer, scheduler = _adamw(model)
+    OptimizerStateOffload(optimizer, 1)
+    _steps(model, optimizer, scheduler, batches[:2])
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+    _steps(model, optimizer, scheduler, batches[2:])
+    resumed = _model(seed=5)
+    opt_r, sched_r = _adamw(resumed)
+    resumed.load_state_dict(saved[0])
+    opt_r.load_state_dict(saved[1])
+    sched_r.load_state_dict(saved[2])
+    OptimizerStateOffload(opt_r, 1)
+    _steps(resumed, opt_r, sched_r, batches[2:])
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"optimizer_offload": True, "cpu_offload": True},
+     "strategy.optimizer_offload=true with strategy.cpu_offload=true: cpu_offload keeps the optimizer state on the "
+     "CPU already; set one of them"),
+    ({"activation_offload": True, "activation_checkpointing": True},
+     "strategy.activation_offload=true with strategy.activation_checkpointing=true: checkpointing keeps only each "
+     "block's input, leaving nothing to offload; set one of them"),
+    ({"optimizer_offload": True, "offload_bucket_mb": 0}, "strategy.offload_bucket_mb must be an integer >= 1, got 0"),
+])
+def test_offload_options_that_cannot_work_are_one_line(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        ParallelStrategy(**kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_state_leaves_the_device_between_steps():
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    optimizer, scheduler = _adamw(model)
+    OptimizerStateOffload(optimizer, 16 << 20)
+    _steps(model, optimizer, scheduler, _batches(2)[:0] or [torch.randn(8, 4096, device="cuda")] * 2)
+    state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in state)
+    held = torch.cuda.memory_allocated()
+    assert held < 3 * 4096 * 4096 * 4  # weights and gradients only, not the 2 x 64 MiB of moments
