@@ -97,3 +97,17 @@ def test_a_crashed_check_becomes_a_failed_row_and_fails_the_table(tmp_path):
     assert table.returncode == 1
     assert "1/2 checks ok; failed: sft" in table.stdout
     assert any(line.startswith("sft ") and "FAIL" in line for line in table.stdout.splitlines())
+
+
+def test_offload_check_runs_dry_with_equal_losses(tmp_path):
+    """benchmarks/gpu/offload.py (not in run.sh's 10-minute budget; run it on its own on a GPU) on CPU: every
+    offload configuration trains to the same losses as none."""
+    results = tmp_path / "results.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "offload.py"), "--dry", "--results",
+                           str(results)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["check"]: row for row in map(json.loads, results.read_text().splitlines())}
+    for name in ("none", "activations", "optimizer", "both"):
+        assert rows[f"offload/{name}/loss_gap"]["value"] == 0.0 and rows[f"offload/{name}/loss_gap"]["ok"]
+        assert rows[f"offload/{name}/step_s"]["value"] > 0

@@ -1,0 +1,84 @@
+"""GPU check: activation and optimizer-state offload (`ParallelStrategy.activation_offload` / ``optimizer_offload``).
+
+One Qwen3-0.6B-shaped model (bf16 FSDP2 mixed precision over one process, as `train.py`'s SFT check), one packed
+micro-batch of 8192 tokens, AdamW; four configurations: none, activations, optimizer state, both. For each: the
+peak of ``torch.cuda.max_memory_allocated`` over the steps, the median step time after one warm-up step, and the
+losses, which must equal the run without offload (the same kernels on the same numbers; 1e-6 relative).
+Records: ``offload/<config>/peak_gib`` (target: activations and optimizer offload each below "none"),
+``offload/<config>/step_s`` with the slowdown against "none" in the detail, ``offload/<config>/loss_gap``.
+
+    python benchmarks/gpu/offload.py --results RESULTS.jsonl [--dry]     # --dry: CPU, tiny shape, the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from table import record
+from train import DRY_SHAPES, QWEN3_0_6B, build_model, packed_batch, setup, synchronize, train_step
+
+CONFIGS = {"none": {}, "activations": {"activation_offload": True}, "optimizer": {"optimizer_offload": True},
+           "both": {"activation_offload": True, "optimizer_offload": True}}
+
+
+def run(shape: dict, options: dict, batch: dict, device: torch.device, steps: int) -> dict:
+    """Train `steps` steps with the offload `options`: losses, step seconds after the first, peak GiB."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rl_lightning.models.optim import adamw
+    from rl_lightning.parallel.offload import OptimizerStateOffload
+    from rl_lightning.parallel.parallelize import parallelize
+    from rl_lightning.parallel.strategy import ParallelStrategy
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(shape, device)
+    strategy = ParallelStrategy(mixed_precision="bf16" if device.type == "cuda" else None, **options)
+    strategy.fsdp_mesh = init_device_mesh(device.type, (1,))
+    model = parallelize(model, strategy)
+    optimizer = adamw(model, 1e-5, 0.0, (0.9, 0.95), 1e-8)
+    if strategy.optimizer_offload:
+        OptimizerStateOffload(optimizer, strategy.offload_bucket_mb << 20)
+    num_tokens = float(batch["target_mask"].sum())
+    losses, seconds = [], []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        loss, _ = train_step(model, optimizer, batch, num_tokens)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    del model, optimizer
+    return {"losses": losses, "seconds": statistics.median(seconds[1:]), "peak": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, required=True, help="JSONL file the records are appended to")
+    parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes (the CI smoke run)")
+    args = parser.parse_args()
+    device = setup(args.dry)
+    shape, tokens, steps = (DRY_SHAPES["qwen3-0.6b"], 512, 3) if args.dry else (QWEN3_0_6B, 8192, 4)
+    batch, _ = packed_batch(shape["vocab_size"], tokens, (64, 1024), seed=3, device=device)
+    runs = {name: run(shape, options, batch, device, steps) for name, options in CONFIGS.items()}
+    base = runs["none"]
+    for name, result in runs.items():
+        gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], base["losses"], strict=True))
+        record(args.results, f"offload/{name}/loss_gap", gap, "relative", "<= 1e-6", gap <= 1e-6)
+        slowdown = result["seconds"] / base["seconds"]
+        record(args.results, f"offload/{name}/step_s", round(result["seconds"], 4), "s", "", True,
+               detail=f"{slowdown:.2f}x the step without offload")
+        if device.type == "cuda":
+            lower = name == "none" or result["peak"] < base["peak"]
+            record(args.results, f"offload/{name}/peak_gib", round(result["peak"], 2), "GiB",
+                   "< none" if name != "none" else "", lower)
+
+
+if __name__ == "__main__":
+    main()
