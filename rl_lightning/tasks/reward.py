@@ -41,6 +41,8 @@ class RewardModel(L.LightningModule):
             existing sequence-classification reward model; also the tokenizer (linked to ``data.tokenizer_name``).
         optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
+        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
+            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
         lora: train low-rank adapters on the frozen backbone, and the scalar head in full (``model.lora.*``, see
@@ -55,6 +57,7 @@ class RewardModel(L.LightningModule):
         model_name: str,
         optim: OptimConfig = OptimConfig(lr=5e-6),
         gradient_checkpointing: bool = False,
+        lean_activations: bool = True,
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
         memory_check: bool = True,
@@ -77,7 +80,8 @@ class RewardModel(L.LightningModule):
         if self.model is None:
             hp = self.hparams
             self.model = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
-                                           gradient_checkpointing=hp.gradient_checkpointing)
+                                           gradient_checkpointing=hp.gradient_checkpointing,
+                                           lean_activations=hp.lean_activations)
             if self.lora is not None:  # PEFT trains the sequence-classification head in full (modules_to_save)
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)

@@ -40,6 +40,8 @@ class SFT(L.LightningModule):
         model_name: Hugging Face model folder or hub name (also the tokenizer, linked to ``data.tokenizer_name``).
         optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
+        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
+            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
         attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
             transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
         lora: train low-rank adapters on the frozen model instead of every weight (``model.lora.*``, see
@@ -57,6 +59,7 @@ class SFT(L.LightningModule):
         model_name: str,
         optim: OptimConfig = OptimConfig(lr=1e-5),
         gradient_checkpointing: bool = False,
+        lean_activations: bool = True,
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
         lm_head_chunk: int | None = 1024,
@@ -81,7 +84,8 @@ class SFT(L.LightningModule):
         if self.model is None:
             hp = self.hparams
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
-                                        gradient_checkpointing=hp.gradient_checkpointing)
+                                        gradient_checkpointing=hp.gradient_checkpointing,
+                                        lean_activations=hp.lean_activations)
             if self.lora is not None:
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)

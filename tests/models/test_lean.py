@@ -284,3 +284,20 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own_modules():
     assert len(patches) == 7 and all(patch.module is m for m, patch in patches)
     assert_bitwise(stock, model_step(twin, batch))
     assert remove_lean_activations(twin) == 7 and remove_lean_activations(model) == 7
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_every_task_has_the_lean_activations_key(lean, parity_env):
+    """``model.lean_activations`` (default true) reaches the loader: patched forwards, or the model's own."""
+    from functools import partial
+
+    from rl_lightning.models.lean import LeanForward
+    from rl_lightning.rollout.config import RolloutConfig
+    from rl_lightning.tasks import DPO, PPO, SFT, RewardModel
+
+    for task in (SFT, DPO, RewardModel, partial(PPO, rollout=RolloutConfig(parity_env))):
+        module = task(str(TINY_MODEL), lean_activations=lean)
+        module.configure_model()
+        patched = sum(isinstance(vars(m).get("forward"), LeanForward) for m in module.model.modules())
+        layers = module.model.config.num_hidden_layers
+        assert patched == ((3 * layers + 1) if lean else 0), (type(module).__name__, patched)  # 2 norms + MLP per block, final norm

@@ -99,6 +99,8 @@ class PPO(L.LightningModule):
             ``train/max_length_per_device``); see `rl_lightning.models.memory`.
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
+        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
+            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
         attn_implementation: ``rl_varlen`` or a transformers implementation.
         lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
             the reference is then the policy with its adapters disabled (no second model is loaded). A critic
@@ -140,6 +142,7 @@ class PPO(L.LightningModule):
         max_length_per_device: int | Literal["auto"] = 8192,
         optim: OptimConfig = OptimConfig(lr=1e-6, lr_schedule="constant"),
         gradient_checkpointing: bool = False,
+        lean_activations: bool = True,
         attn_implementation: str = "rl_varlen",
         lora: LoRAConfig | None = None,
         lm_head_chunk: int | None = 1024,
@@ -210,14 +213,16 @@ class PPO(L.LightningModule):
         hp = self.hparams
         if self.model is None:
             self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
-                                        gradient_checkpointing=hp.gradient_checkpointing)
+                                        gradient_checkpointing=hp.gradient_checkpointing,
+                                        lean_activations=hp.lean_activations)
             if hp.lora is not None:
                 self.model = apply_lora(self.model, lora_config(hp.lora))
         self.model = parallelize_for(self, self.model)
         if hp.advantage_estimator in CRITIC_ESTIMATORS:
             if self.critic is None:
                 self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
-                                                gradient_checkpointing=hp.gradient_checkpointing)
+                                                gradient_checkpointing=hp.gradient_checkpointing,
+                                                lean_activations=hp.lean_activations)
             self.critic = parallelize_for(self, self.critic)
         if hp.lora is not None and self.needs_reference:  # the base model: the policy with its adapters disabled
             object.__setattr__(self, "_reference", AdaptersDisabled(self.model))
