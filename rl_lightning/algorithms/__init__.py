@@ -12,6 +12,7 @@ from rl_lightning.algorithms.advantages import (
 )
 from rl_lightning.algorithms.kl import KL_ESTIMATORS
 from rl_lightning.algorithms.logprobs import token_logprobs
+from rl_lightning.algorithms.pass_at_k import pass_at_k
 from rl_lightning.algorithms.policy import clipped_policy_loss, clipped_value_loss, token_mean
 from rl_lightning.algorithms.preference import DPO_LOSSES, bradley_terry_loss, dpo_logits, dpo_loss
 from rl_lightning.algorithms.sft import sft_loss
@@ -27,6 +28,7 @@ __all__ = [
     "estimate_advantages",
     "gae",
     "group_advantages",
+    "pass_at_k",
     "reinforce_pp_advantages",
     "rloo_advantages",
     "sft_loss",
