@@ -14,7 +14,8 @@ One run does, on the same model, data, reward and budget:
    training run (process start to exit, model loading included), and completion tokens per second of training.
 
 Every measurement runs in its own process, one after the other, with the same thread count (``--threads``).
-The evaluator is the vLLM engine when vLLM imports, else `HFEngine`; both score with the rollout's reward code.
+The evaluator is ``python -m rl_lightning eval``'s (`rl_lightning.cli.eval`) with ``--engine`` (vLLM by default, or
+`HFEngine`); it scores with the rollout's reward code.
 
     python benchmarks/real_grpo.py                                   # CPU defaults (about an hour on 2 cores)
     python benchmarks/real_grpo.py --rollouts 4 --prompts 4 --skip-trl # a smoke run
@@ -46,49 +47,26 @@ def _spec(args: argparse.Namespace, split: str = "train") -> str:
 
 
 def evaluate(model_dir: str, args: argparse.Namespace) -> dict[str, float]:
-    """Held-out accuracy of `model_dir` (runs in its own process: vLLM owns its process)."""
+    """Held-out accuracy of `model_dir` with `rl_lightning.cli.eval` (runs in its own process: vLLM owns its process).
+
+    ``greedy``: the share of greedy completions scored correct (``correct`` component 1); ``greedy_format``: the mean
+    ``format`` component; ``sampled`` / ``pass_at_k``: the same over ``--samples`` completions per question at T=1
+    (seeded), and the unbiased pass@K.
+    """
     import torch
 
-    from rl_lightning.data.loading import load_rows
-    from rl_lightning.data.prompts import Prompt, encode_prompt
-    from rl_lightning.models.loading import load_causal_lm, load_tokenizer
-    from rl_lightning.rollout.engine import SamplingParams
-    from rl_lightning.rollout.env import load_environment
-    from rl_lightning.rollout.trajectory import rollout
+    from rl_lightning.cli.eval import EvalConfig
+    from rl_lightning.cli.eval import evaluate as run_eval
 
     torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer(model_dir)
-    rows = load_rows(_spec(args, "test"))
-    prompts = [Prompt(encode_prompt(tokenizer, r["messages"], True), r["messages"], r["answer"], rows.locate(i), i)
-               for i, r in enumerate(rows.rows)]
-    env = load_environment(str(REPO / "examples" / "envs" / "reasoning_gym_env.py"), weights=WEIGHTS)
-    model = load_causal_lm(model_dir).eval()
-    if args.engine == "vllm":
-        from rl_lightning.rollout.vllm import VLLMEngine
-        from rl_lightning.rollout.weights import WeightSync
-
-        engine = VLLMEngine(model_dir, max_model_len=512, kv_cache_memory_bytes=512 << 20)
-        WeightSync(bucket_bytes=256 << 20)(engine, model, step=0)
-    else:
-        from rl_lightning.rollout.hf import HFEngine
-
-        engine = HFEngine(model, tokenizer.pad_token_id)
-    stop = [tokenizer.eos_token_id]
-    result: dict[str, float] = {}
-    with torch.no_grad():
-        greedy = rollout(engine, prompts, env, tokenizer,
-                         SamplingParams(n=1, temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop))
-        result["greedy"] = sum(t.reward_components["correct"] for t in greedy) / len(greedy)
-        result["greedy_format"] = sum(t.reward_components["format"] for t in greedy) / len(greedy)
-        if args.samples:
-            sampled = rollout(engine, prompts, env, tokenizer, SamplingParams(
-                n=args.samples, temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=1234))
-            correct = [t.reward_components["correct"] for t in sampled]  # grouped by prompt
-            groups = [correct[i : i + args.samples] for i in range(0, len(correct), args.samples)]
-            result["sampled"] = sum(correct) / len(correct)
-            result["pass_at_k"] = sum(max(g) >= 1.0 for g in groups) / len(groups)
-    if args.engine == "vllm":
-        engine.shutdown()
+    config = EvalConfig(model=model_dir, data=_spec(args, "test"), engine=args.engine, n=args.samples,
+                        k=[args.samples] if args.samples else None, temperature=1.0,
+                        max_new_tokens=args.max_new_tokens, seed=1234, reward_weights=json.dumps(WEIGHTS),
+                        env=str(REPO / "examples" / "envs" / "reasoning_gym_env.py"))
+    metrics = run_eval(config).metrics
+    result = {"greedy": metrics["greedy/accuracy"], "greedy_format": metrics["greedy/reward/format"]}
+    if args.samples:
+        result.update(sampled=metrics["sampled/accuracy"], pass_at_k=metrics[f"sampled/pass_at_{args.samples}"])
     return result
 
 
