@@ -33,6 +33,7 @@ TRAINER_DEFAULTS = {
     "trainer.logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
                        "init_args": {"experiment_name": "rl_lightning", "tracking_uri": "sqlite:///mlflow.db"}},
     "trainer.callbacks": [
+        {"class_path": "rl_lightning.tracking.plots.RunPlots"},  # first: its files exist when RunProgress sums up
         {"class_path": "rl_lightning.cli.progress.RunProgress"},
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": "link"}},
         {"class_path": "rl_lightning.tracking.export.HFExport"},

@@ -1,8 +1,8 @@
 """Each run's own output folder, so runs never overwrite each other.
 
-``outputs/<run>/<YYYY-mm-dd_HH-MM-SS>/`` holds the run's ``checkpoints/``, its Hugging Face ``export/``, the resolved
-``config.yaml`` and ``run.json`` (the MLflow run it logs to); ``outputs/<run>/latest`` points at the newest. The CLI
-resumes ``--ckpt_path last`` in ``latest`` (same folder, same MLflow run).
+``outputs/<run>/<YYYY-mm-dd_HH-MM-SS>/`` holds the run's ``checkpoints/``, its Hugging Face ``export/``, its
+``plots/``, the resolved ``config.yaml`` and ``run.json`` (the MLflow run it logs to); ``outputs/<run>/latest`` points
+at the newest. The CLI resumes ``--ckpt_path last`` in ``latest`` (same folder, same MLflow run).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def read_run_file(run_dir: Path) -> dict:
 class RunOutputs(L.Callback):
     """Put the run's checkpoints and export in its own folder (see the module docstring).
 
-    Only callbacks whose ``dirpath`` is unset are redirected: a ``ModelCheckpoint`` to ``<run folder>/checkpoints``
-    and an ``HFExport`` to ``<run folder>/export``. Global rank 0 names the folder and every rank uses that name.
+    Only callbacks whose ``dirpath`` is unset are redirected: a ``ModelCheckpoint`` to ``<run folder>/checkpoints``,
+    an ``HFExport`` to ``<run folder>/export`` and a ``RunPlots`` to ``<run folder>/plots``. Global rank 0 names the
+    folder and every rank uses that name.
 
     Args:
         name: the run's name (the CLI passes the MLflow run name, from the recipe: ``grpo``, ``real-grpo``); null:
@@ -91,6 +92,8 @@ class RunOutputs(L.Callback):
                 callback.dirpath = os.path.realpath(self.dirpath / "checkpoints")
             elif type(callback).__name__ == "HFExport" and callback.dirpath is None:
                 callback.dirpath = str(self.dirpath / "export")
+            elif type(callback).__name__ == "RunPlots" and callback.dirpath is None:
+                callback.dirpath = str(self.dirpath / "plots")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Record the MLflow run (so a resume continues it) and tag the run with this folder."""

@@ -10,6 +10,7 @@ run and at least every ``line_every_s`` seconds instead of a bar nobody can read
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -264,6 +265,8 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
             rows.append(("checkpoints", _relative(dirpath)))
         elif type(callback).__name__ == "HFExport" and dirpath:
             rows.append(("export", f"{_relative(dirpath)}  (AutoModelForCausalLM.from_pretrained)"))
+        elif type(callback).__name__ == "RunPlots" and dirpath and os.path.isfile(f"{dirpath}/summary.png"):
+            rows.append(("plots", _relative(f"{dirpath}/summary.png")))
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and logger._run_id:
             rows += [("MLflow", f"run {logger._run_name or ''} ({logger.run_id}) in experiment "

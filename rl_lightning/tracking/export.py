@@ -1,5 +1,7 @@
 """Hugging Face export of the trained model: full (unsharded) weights + tokenizer, loadable by transformers.
 
+The export holds a model card, ``README.md`` (`rl_lightning.tracking.model_card`), so the folder can be shared as it is.
+
 A LoRA model (`rl_lightning.models.lora`) is exported merged, plus its PEFT adapter folder in ``adapter/``.
 """
 
@@ -126,10 +128,12 @@ class HFExport(L.Callback):
             ``mlflow.transformers.load_model``); false: only config and tokenizer files, pointing at ``dirpath``.
         registered_model_name: also register the logged model in the MLflow model registry under this name (a new
             version per run, with the lineage as tags); null: not registered.
+        model_card: write the model card ``README.md`` (and the resolved config) into the export
+            (`rl_lightning.tracking.model_card`).
     """
 
     def __init__(self, dirpath: str | None = None, log_model: bool = True, log_weights: bool = True,
-                 registered_model_name: str | None = None) -> None:
+                 registered_model_name: str | None = None, model_card: bool = True) -> None:
         if registered_model_name is not None and not registered_model_name.strip():
             raise ConfigError("HFExport.registered_model_name is empty: name the registered model (e.g. my-model) "
                               "or leave it null")
@@ -137,26 +141,45 @@ class HFExport(L.Callback):
             raise ConfigError(f"HFExport.registered_model_name={registered_model_name!r} needs log_model: true (only a "
                               "logged model can be registered); set log_model: true or registered_model_name: null")
         self.dirpath, self.log_model, self.log_weights = dirpath, log_model, log_weights
-        self.registered_model_name = registered_model_name
+        self.registered_model_name, self.model_card = registered_model_name, model_card
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        dirpath = self.dirpath or "exports/model"
-        export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)
-        if trainer.is_global_zero and self.log_model:
-            try:
-                self._log_to_mlflow(trainer, pl_module, dirpath)
-            except Exception as e:  # noqa: BLE001 - the trained model is on disk: a tracking failure must not fail the run
-                log.error("could not log the export %s to MLflow (%s: %s); it is on disk, log or register it by hand",
-                          dirpath, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-
-    def _log_to_mlflow(self, trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str) -> None:
         from lightning.pytorch.loggers import MLFlowLogger
 
         from rl_lightning.tracking import lineage
 
+        dirpath = self.dirpath or "exports/model"
+        export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)
+        if not trainer.is_global_zero:
+            return
         loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
-        tags = lineage.collect(trainer, pl_module) if loggers else {}
+        try:
+            tags = lineage.collect(trainer, pl_module) if self.model_card or (loggers and self.log_model) else {}
+        except Exception as e:  # noqa: BLE001 - e.g. the data file moved during the run: the export stands without
+            log.warning("could not read the run's lineage for the export: %s", e)
+            tags = {}
+        if self.model_card:
+            self._write_card(trainer, pl_module, dirpath, tags)
+        if self.log_model:
+            try:
+                self._log_to_mlflow(loggers, dirpath, tags)
+            except Exception as e:  # noqa: BLE001 - the trained model is on disk: a tracking failure must not fail the run
+                log.error("could not log the export %s to MLflow (%s: %s); it is on disk, log or register it by hand",
+                          dirpath, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+
+    @staticmethod
+    def _write_card(trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str, tags: dict[str, str]) -> None:
+        from rl_lightning.tracking.model_card import write_card
+
+        try:
+            write_card(dirpath, trainer, pl_module, tags)
+        except Exception as e:  # noqa: BLE001 - the model is exported: a failed card must not fail the run
+            log.error("could not write the model card of %s (%s: %s)", dirpath, type(e).__name__, e)
+
+    def _log_to_mlflow(self, loggers: list[Any], dirpath: str, tags: dict[str, str]) -> None:
+        from rl_lightning.tracking import lineage
+
         for logger in loggers:
             client, run_id = logger.experiment, logger.run_id
             model = lineage.log_model(client, logger._tracking_uri, run_id, dirpath, tags, self.log_weights)
