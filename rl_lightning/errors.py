@@ -11,3 +11,7 @@ class DataError(UserError):
 
 class ConfigError(UserError):
     """A configuration value is out of range or inconsistent with another."""
+
+
+class TrainingError(UserError):
+    """Training cannot go on (e.g. too many optimizer steps in a row with a non-finite gradient)."""

@@ -1,15 +1,18 @@
-"""Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.optim.*``)."""
+"""Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.optim.*``).
+
+Every task steps through `optimizer_step`, which also skips a step whose gradient norm is not finite (see there).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rl_lightning.errors import ConfigError
+from rl_lightning.errors import ConfigError, TrainingError
 from rl_lightning.models.memory_phases import phase
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -46,6 +49,9 @@ class OptimConfig:
         min_lr_ratio: final learning rate as a fraction of `lr` (cosine and linear).
         max_grad_norm: clip the global gradient L2 norm to this value; <= 0 disables clipping (the norm is still
             logged).
+        max_skipped_steps: an optimizer step whose loss or gradient is NaN or infinite is skipped (parameters,
+            optimizer state and schedule untouched; counted in ``train/skipped_steps``); this many skipped in a row
+            stop the run with an error.
     """
 
     lr: float = 1e-5
@@ -56,9 +62,13 @@ class OptimConfig:
     lr_schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
+    max_skipped_steps: int = 10
 
     def __post_init__(self) -> None:
         errors = []
+        if isinstance(self.max_skipped_steps, bool) or not isinstance(self.max_skipped_steps, int) or \
+                self.max_skipped_steps < 1:
+            errors.append(f"model.optim.max_skipped_steps must be an integer >= 1, got {self.max_skipped_steps!r}")
         if self.lr <= 0:
             errors.append(f"model.optim.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
@@ -128,22 +138,52 @@ def run_length(trainer: Any, optim: OptimConfig) -> int:
     return int(total)
 
 
-def optimizer_step(module: Any, max_grad_norm: float, index: int | None = None,
+def optimizer_step(module: Any, optim: OptimConfig, index: int | None = None,
                    model: torch.nn.Module | None = None) -> torch.Tensor:
     """Clip, step and zero one optimizer of a manually optimised LightningModule and advance its scheduler.
 
     Returns the pre-clip grad norm. `index` picks among several optimizers (None: the only one); `model` limits clipping
-    to its parameters.
+    to its parameters. A non-finite norm (a NaN or infinite loss or gradient on any rank: the norm is global, so
+    every rank decides alike) skips the step: the gradients are dropped, and the parameters, optimizer state,
+    schedule and ``trainer.global_step`` stay as they were. ``train/skipped_steps`` logs the run's count;
+    ``optim.max_skipped_steps`` in a row raise `TrainingError`.
     """
     optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
     if index is not None:
         optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
+    skipped = module.__dict__.setdefault("skipped_steps", SkippedSteps())  # the module's, made on its first step
     with phase("train/optimizer_step"):
-        grad_norm = clip_grad_norm((model or module).parameters(), max_grad_norm)
-        optimizer.step()
+        grad_norm = clip_grad_norm((model or module).parameters(), optim.max_grad_norm)
+        finite = math.isfinite(grad_norm.item())  # clipping has synchronised already
+        if finite:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        lr_scheduler.step()
+        if finite:
+            lr_scheduler.step()
+    module.log("train/skipped_steps", float(skipped.count(finite, index, optim.max_skipped_steps, grad_norm)))
     return grad_norm
+
+
+@dataclass
+class SkippedSteps:
+    """Optimizer steps skipped for a non-finite gradient norm: the run's total and the current streak per optimizer."""
+
+    total: int = 0
+    streaks: dict[int | None, int] = field(default_factory=dict)
+
+    def count(self, finite: bool, index: int | None, limit: int, grad_norm: torch.Tensor) -> int:
+        """Record a step of optimizer `index`; returns the total; raises `TrainingError` at `limit` skipped in a row."""
+        if finite:
+            self.streaks[index] = 0
+            return self.total
+        self.total += 1
+        self.streaks[index] = self.streaks.get(index, 0) + 1
+        if self.streaks[index] >= limit:
+            raise TrainingError(
+                f"{limit} optimizer steps in a row had a non-finite loss or gradient (grad norm {grad_norm.item()}) "
+                f"and were skipped (model.optim.max_skipped_steps={limit}); lower model.optim.lr, check the data, "
+                "or raise model.optim.max_skipped_steps")
+        return self.total
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -110,7 +110,7 @@ class SFT(L.LightningModule):
                 self.manual_backward(loss)
             nll_sum += metrics["nll_sum"]
         lr = self.lr_schedulers().get_last_lr()[0]
-        grad_norm = optimizer_step(self, self.optim.max_grad_norm)
+        grad_norm = optimizer_step(self, self.optim)
         self.log("train/loss", shard_sum(self.trainer, nll_sum) / num_tokens, prog_bar=True)
         self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
                        "train/micro_batches": float(len(micro_batches))})

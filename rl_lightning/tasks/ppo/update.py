@@ -30,7 +30,7 @@ class Learner(Protocol):
     model: Any  # the policy
     critic: Any  # the critic, or None
     tokenizer: Any
-    optim: Any  # OptimConfig: max_grad_norm
+    optim: Any  # OptimConfig: max_grad_norm, max_skipped_steps
     max_length_per_device: int  # the token budget in use; the back-off lowers it
     device: torch.device
     trainer: Any
@@ -93,10 +93,10 @@ def update(task: Learner, rollout: Rollout, minibatches: list[Minibatch], train_
         for k, v in part_sums.items():
             sums[k] = sums.get(k, 0) + v
         if train_actor:
-            logged["train/grad_norm"] = optimizer_step(task, task.optim.max_grad_norm,
-                                                       None if task.critic is None else 0, task.model)
+            logged["train/grad_norm"] = optimizer_step(task, task.optim, None if task.critic is None else 0,
+                                                       task.model)
         if task.critic is not None:
-            logged["train/critic_grad_norm"] = optimizer_step(task, task.optim.max_grad_norm, 1, task.critic)
+            logged["train/critic_grad_norm"] = optimizer_step(task, task.optim, 1, task.critic)
     logged.update({"train/oom_retries": float(retries), "train/max_length_per_device": float(packed_at)})
     return sums, logged
 
