@@ -125,10 +125,9 @@ def test_sft_run_logs_the_model_without_registering(workdir):
     assert client.search_model_versions(f"run_id = '{run.info.run_id}'") == []
 
 
-def test_export_without_weights_keeps_config_and_tokenizer_only(tmp_path, monkeypatch):
+def test_export_without_weights_keeps_config_and_tokenizer_only(workdir):
     from conftest import TINY_MODEL
 
-    monkeypatch.chdir(tmp_path)
     client = MlflowClient("sqlite:///mlflow.db")
     run = client.create_run(client.create_experiment("x"))
     model = lineage.log_model(client, "sqlite:///mlflow.db", run.info.run_id, TINY_MODEL, {"a": "b"}, log_weights=False)
