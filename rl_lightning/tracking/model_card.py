@@ -33,6 +33,9 @@ MODEL_SETTINGS = ("optim.lr", "optim.lr_schedule", "optim.warmup_steps", "optim.
                   "rollout.max_new_tokens", "rollout.temperature", "rollout.reward_weights", "rollout.env_path",
                   "lora.r", "lora.alpha")
 DATA_SETTINGS = ("batch_size", "micro_batch_size", "max_length", "max_prompt_length")
+# Built assets (`rl_lightning.assets.real`): the hub model each is built from, its license, and how it was built.
+ASSET_ORIGINS = {"asset:SmolLM2-135M-Instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0",
+                                                 "as `asset:SmolLM2-135M-Instruct`: its Q4_1 GGUF dequantised")}
 
 
 @dataclass
@@ -46,6 +49,7 @@ class CardInfo:
     version: str
     run_name: str | None = None
     license: str | None = None
+    base_note: str | None = None  # e.g. how a built asset relates to the hub model in `base_model`
     lineage: dict[str, str] = field(default_factory=dict)  # `rl_lightning.tracking.lineage` tags
     settings: dict[str, Any] = field(default_factory=dict)  # CLI key -> value
     metrics: dict[str, tuple[XY | None, XY]] = field(default_factory=dict)  # val/* at start (None: unknown), end
@@ -92,7 +96,8 @@ def card_text(info: CardInfo) -> str:
 
 
 def _training_section(info: CardInfo) -> list[str]:
-    rows = [("task", f"{info.task} ({info.algorithm})"), ("base model", f"`{info.base_model}`")]
+    note = f" ({info.base_note})" if info.base_note else ""
+    rows = [("task", f"{info.task} ({info.algorithm})"), ("base model", f"`{info.base_model}`{note}")]
     lineage = info.lineage
     if "rl_lightning.recipe" in lineage:
         rows.append(("recipe", f"`{lineage['rl_lightning.recipe']}`"))
@@ -225,9 +230,11 @@ def collect(trainer: Any, pl_module: Any, lineage: dict[str, str]) -> tuple[Card
     settings |= {f"trainer.{k}": v for k, v in run.items() if v not in (None, -1)}
     steps = f"{trainer.global_step} optimizer step{'s' if trainer.global_step != 1 else ''}"
     rollouts = getattr(pl_module, "rollouts", None) if task == "PPO" else None
-    info = CardInfo(base_model=str(hparams.get("model_name")), task=task, algorithm=algorithm(task, hparams),
+    base = str(hparams.get("model_name"))
+    hub_id, known_license, note = ASSET_ORIGINS.get(base, (base, base_license(base), None))
+    info = CardInfo(base_model=hub_id, task=task, algorithm=algorithm(task, hparams),
                     length=f"{rollouts} rollouts ({steps})" if rollouts is not None else steps,
-                    version=rl_lightning.__version__, license=base_license(str(hparams.get("model_name"))),
+                    version=rl_lightning.__version__, license=known_license, base_note=note,
                     lineage=lineage, settings=settings, x_unit="rollout" if task == "PPO" else "step",
                     versions={"rl_lightning": rl_lightning.__version__, "transformers": transformers.__version__,
                               "torch": torch.__version__, "lightning": lightning.__version__})

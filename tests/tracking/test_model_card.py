@@ -97,3 +97,14 @@ def test_license_comes_from_the_base_models_own_card(tmp_path):
     assert base_license(str(tmp_path / "missing")) is None
     assert front_matter("# no front matter") == {}
     assert json.dumps(front_matter("---\nbase_model: x\n---\n")) == '{"base_model": "x"}'
+
+
+def test_the_built_real_model_is_named_by_its_hub_id():
+    from rl_lightning.assets.real import REAL_MODEL, SCHEME
+    from rl_lightning.tracking.model_card import ASSET_ORIGINS
+
+    hub_id, license, note = ASSET_ORIGINS[f"{SCHEME}{REAL_MODEL}"]  # the asset the real recipes train
+    text = card_text(_card(base_model=hub_id, license=license, base_note=note))
+    assert front_matter(text)["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert front_matter(text)["license"] == "apache-2.0"
+    assert "| base model | `HuggingFaceTB/SmolLM2-135M-Instruct` (as `asset:SmolLM2-135M-Instruct`" in text
