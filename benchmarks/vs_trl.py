@@ -66,7 +66,7 @@ SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "
 TASKS = ("sft", "dpo", "grpo-hf", "grpo-vllm", "grpo-hf-u4", "grpo-vllm-u4")
 TARGETS = {"sft": 1.3, "dpo": 1.3, "grpo-hf": 1.25, "grpo-vllm": 2.0, "grpo-hf-u4": 1.25, "grpo-vllm-u4": 2.0}
 KV_CACHE_BYTES = 256 << 20
-MAX_LENGTH, MAX_PROMPT_LENGTH = 256, 128
+MAX_LENGTH, MAX_PROMPT_LENGTH, PER_DEVICE = 256, 128, 8192  # PER_DEVICE: ours' data.max_length_per_device
 
 
 def trl_task(task: str) -> str:
@@ -106,15 +106,15 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
                                else sum(int((mb["seq_index"] >= 0).sum()) for mb in batch["micro_batches"]))
 
     L.seed_everything(0, verbose=False)
-    total, model = a.warmup + a.steps, a.model_dir
+    total, model, extra = a.warmup + a.steps, a.model_dir, getattr(a, "ours_kwargs", {})  # benchmarks/memory.py
     if task == "sft":
         data = SFTDataModule(str(DATA / "sft.jsonl"), tokenizer_name=model, batch_size=a.sft_rows,
-                             max_length=MAX_LENGTH, max_length_per_device=8192, shuffle=False)
-        module = SFT(model, optim=OptimConfig(lr=1e-5, lr_schedule="constant"))
+                             max_length=MAX_LENGTH, max_length_per_device=PER_DEVICE, shuffle=False)
+        module = SFT(model, optim=OptimConfig(lr=1e-5, lr_schedule="constant"), **extra)
     elif task == "dpo":
         data = PreferenceDataModule(str(DATA / "preference.jsonl"), tokenizer_name=model, batch_size=a.dpo_pairs,
-                                    max_length=MAX_LENGTH, max_length_per_device=8192, shuffle=False)
-        module = DPO(model, beta=0.1, optim=OptimConfig(lr=1e-6, lr_schedule="constant"))
+                                    max_length=MAX_LENGTH, max_length_per_device=PER_DEVICE, shuffle=False)
+        module = DPO(model, beta=0.1, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), **extra)
     else:
         engine = "vllm" if "vllm" in task else "hf"
         rollout = RolloutConfig(str(ENV), responses_per_prompt=a.group, max_new_tokens=a.max_new_tokens,
@@ -122,12 +122,12 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
                                 kv_cache_memory_bytes=KV_CACHE_BYTES if engine == "vllm" else None)
         data = PromptDataModule(str(DATA / "easy.jsonl"), tokenizer_name=model, batch_size=a.prompts,
                                 max_prompt_length=MAX_PROMPT_LENGTH, shuffle=False)
-        module = PPO(model, rollout, max_rollouts=total, update_per_rollout=updates(task), clip_low=0.2,
+        module = PPO(model, rollout, **extra, max_rollouts=total, update_per_rollout=updates(task), clip_low=0.2,
                      clip_high=0.2, aggregation="token_mean", optim=OptimConfig(lr=1e-6, lr_schedule="constant"))
     timer = Timer()
     L.Trainer(accelerator="cpu", devices=1, max_steps=total if task in ("sft", "dpo") else -1, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              num_sanity_val_steps=0, callbacks=[timer]).fit(module, datamodule=data)
+              num_sanity_val_steps=0, callbacks=[timer, *getattr(a, "callbacks", ())]).fit(module, datamodule=data)
     return {"step_s": [b - e for e, b in zip(timer.marks, timer.marks[1:], strict=False)],
             "tokens": timer.tokens, "padded": []}
 
@@ -137,9 +137,9 @@ def trl_config(task: str, a: argparse.Namespace, out: str):
     from trl import DPOConfig, GRPOConfig, SFTConfig
 
     common = dict(output_dir=out, use_cpu=True, bf16=False, seed=0, max_steps=(a.warmup + a.steps) * updates(task),
-                  lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
-                  max_grad_norm=1.0, gradient_accumulation_steps=1, gradient_checkpointing=False, logging_steps=1,
-                  save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
+                  lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+                  gradient_accumulation_steps=1, logging_steps=1, save_strategy="no", report_to="none",
+                  disable_tqdm=True, gradient_checkpointing=getattr(a, "gradient_checkpointing", False))  # memory.py
     if task == "sft":
         free = a.trl_sft_layout == "padding_free"  # TRL refuses max_length there (no conversation exceeds it)
         return SFTConfig(**common, learning_rate=1e-5, per_device_train_batch_size=a.sft_rows, packing=False,
@@ -209,7 +209,8 @@ def run_trl(task: str, a: argparse.Namespace) -> dict:
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
     kwargs = {"reward_funcs": [reward]} if task.startswith("grpo") else {}
     with tempfile.TemporaryDirectory() as out:
-        Counted(model=model, args=trl_config(task, a, out), train_dataset=trl_dataset(task, a), callbacks=[Timer()],
+        Counted(model=model, args=trl_config(task, a, out), train_dataset=trl_dataset(task, a),
+                callbacks=[Timer(), *getattr(a, "callbacks", ())],
                 processing_class=AutoTokenizer.from_pretrained(a.model_dir), **kwargs).train()
     u = updates(task)  # one of our steps (a rollout) = u TRL optimizer steps
     return {"step_s": [marks[(i + 1) * u] - marks[i * u] for i in range((len(marks) - 1) // u)],
@@ -355,9 +356,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# (default, --quick default) of the flags left unset
 DEFAULTS = {"steps": (5, 2), "warmup": (2, 1), "repeats": (3, 1), "sft_rows": (16, 4), "dpo_pairs": (16, 4),
-            "prompts": (8, 2), "group": (4, 4), "max_new_tokens": (32, 8)}
+            "prompts": (8, 2), "group": (4, 4), "max_new_tokens": (32, 8)}  # (default, --quick) of unset flags
 
 
 def fill_defaults(a: argparse.Namespace) -> None:
