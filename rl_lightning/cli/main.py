@@ -35,7 +35,7 @@ TRAINER_DEFAULTS = {
     "trainer.callbacks": [
         {"class_path": "rl_lightning.tracking.plots.RunPlots"},  # first: its files exist when RunProgress sums up
         {"class_path": "rl_lightning.cli.progress.RunProgress"},
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": "link"}},
+        {"class_path": "rl_lightning.parallel.checkpoint_io.AtomicModelCheckpoint", "init_args": {"save_last": "link"}},
         {"class_path": "rl_lightning.tracking.export.HFExport"},
         {"class_path": "rl_lightning.cli.outputs.RunOutputs"},
         {"class_path": "rl_lightning.tracking.mlflow_run.MLflowTracking"},
@@ -196,6 +196,8 @@ class RLLightningCLI(LightningCLI):
         if family and not self.mentions("experiment_name"):
             logger.init_args.experiment_name = f"rl_lightning/{family}"
         self.place_outputs(trainer, logger, config.get("ckpt_path"))
+        if config.get("ckpt_path") == "last":
+            config.ckpt_path = last_checkpoint(trainer.callbacks)
 
     def mentions(self, key: str) -> bool:
         """Whether the command line or a config file names `key` (the user chose it: leave it as written)."""
@@ -227,7 +229,7 @@ class RLLightningCLI(LightningCLI):
         callback.init_args.dirpath = callback.init_args.get("dirpath") or str(resumed)
         for other in trainer.callbacks:
             path = str(other.get("class_path", ""))
-            if path.endswith(".ModelCheckpoint") and other.init_args.get("dirpath") is None:
+            if is_checkpoint(path) and other.init_args.get("dirpath") is None:
                 other.init_args.dirpath = str(resumed / "checkpoints")
             elif path.endswith(".HFExport") and other.init_args.get("dirpath") is None:
                 other.init_args.dirpath = str(resumed / "export")
@@ -264,10 +266,28 @@ def merge_callbacks(callbacks: list[Any], progress_bar: bool | None, checkpointi
         path = str(callback.get("class_path", ""))
         if path.endswith(("ProgressBar", ".RunProgress")):
             merged = {k: v for k, v in merged.items() if not k.endswith(("ProgressBar", ".RunProgress"))}
-        merged[path] = callback
+        merged["ModelCheckpoint" if is_checkpoint(path) else path] = callback  # Lightning's replaces ours
     return [c for path, c in merged.items()
             if not (progress_bar is False and path.endswith(("ProgressBar", ".RunProgress")))
-            and not (checkpointing is False and path.endswith(".ModelCheckpoint"))]
+            and not (checkpointing is False and path == "ModelCheckpoint")]
+
+
+def is_checkpoint(class_path: str) -> bool:
+    """Lightning's ``ModelCheckpoint`` or the default `AtomicModelCheckpoint`: one slot in the callback list."""
+    return class_path.rsplit(".", 1)[-1] in ("ModelCheckpoint", "AtomicModelCheckpoint")
+
+
+def last_checkpoint(callbacks: list[Any]) -> str:
+    """What ``--ckpt_path last`` loads: the newest complete checkpoint in the checkpoint callback's folder.
+
+    See `rl_lightning.parallel.checkpoint_io.resume_checkpoint` (a save killed midway never counts); ``last``
+    (Lightning's own lookup) when that folder is unknown or holds none.
+    """
+    from rl_lightning.parallel.checkpoint_io import resume_checkpoint
+
+    folders = [c.init_args.get("dirpath") for c in callbacks if is_checkpoint(str(c.get("class_path", "")))]
+    found = resume_checkpoint(folders[-1]) if folders and folders[-1] else None
+    return "last" if found is None else str(found)
 
 
 def _callbacks_add_in_config_files() -> None:

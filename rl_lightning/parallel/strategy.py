@@ -20,8 +20,10 @@ tests/parallel/test_device_rules.py).
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.checkpoint_io import AtomicCheckpointIO, publish_folder
 
 
 class ParallelStrategy(ModelParallelStrategy):
@@ -57,6 +60,8 @@ class ParallelStrategy(ModelParallelStrategy):
             Not with ``cpu_offload``, which keeps the state on the host already.
         offload_bucket_mb: the most optimizer state on the device at once under ``optimizer_offload``.
         save_distributed_checkpoint: save sharded (DCP) checkpoints; False gathers a full state dict on rank 0.
+            Either is written whole under a hidden name, then renamed into place
+            (`rl_lightning.parallel.checkpoint_io`): a kill mid-save leaves the previous checkpoint as it was.
         process_group_backend: ``nccl`` / ``gloo``; default by device.
         timeout: collective timeout.
     """
@@ -130,6 +135,38 @@ class ParallelStrategy(ModelParallelStrategy):
             for optimizer in self.optimizers:
                 if not hasattr(optimizer, "rl_lightning_state_offload"):
                     OptimizerStateOffload(optimizer, self.offload_bucket_mb << 20)
+
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """The user's CheckpointIO (``trainer.plugins``), else `AtomicCheckpointIO` (not Lightning's default)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save as ModelParallelStrategy does; a sharded (DCP) folder is written whole under a hidden name first.
+
+        Every rank writes its shards into ``.<name>.partial``, rank 0 adds Lightning's ``meta.pt``, then renames the
+        folder into place (`publish_folder`) while the other ranks wait.
+        """
+        if not self._save_distributed_checkpoint or storage_options is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        staging = path.parent / f".{path.name}.partial"
+        if self.global_rank == 0 and staging.exists():  # a killed save's
+            shutil.rmtree(staging)
+        self.barrier()
+        super().save_checkpoint(checkpoint, staging)
+        if self.global_rank == 0:
+            publish_folder(staging, path)
+        self.barrier()
 
     def _check_layout(self, world_size: int) -> None:
         product = self.dp_size * self.cp_size * self.tp_size
