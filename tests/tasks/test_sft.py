@@ -32,7 +32,7 @@ def test_optim_group_is_typed_on_the_task_and_plain_data_in_its_hyperparameters(
     assert task.optim is optim
     assert task.hparams.optim == {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8,
                                   "warmup_steps": 3, "lr_schedule": "cosine", "min_lr_ratio": 0.1,
-                                  "max_grad_norm": 0.5}
+                                  "max_grad_norm": 0.5, "max_skipped_steps": 10}
     assert SFT(str(TINY_MODEL)).optim == OptimConfig(lr=1e-5)  # the default: cosine, as before the optim group
 
 
