@@ -20,8 +20,8 @@ from rl_lightning.tracking.model_card import (
 )
 
 SFT = ["fit", "--config", "recipes/sft.yaml", "--trainer.max_steps", "2", "--data.batch_size", "4",
-       "--data.val_path", "val.jsonl", "--trainer.val_check_interval", "1", "--trainer.num_sanity_val_steps", "0",
-       "--trainer.enable_checkpointing", "false"]
+       "--data.path", "train.jsonl", "--data.val_path", "val.jsonl", "--trainer.val_check_interval", "1",
+       "--trainer.num_sanity_val_steps", "0", "--trainer.enable_checkpointing", "false"]
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,8 @@ def test_sft_export_has_a_model_card_and_still_loads(workdir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     chats = (workdir / "rl_lightning/assets/data/sft.jsonl").read_text().splitlines()
-    (workdir / "val.jsonl").write_text("\n".join(chats[:4]) + "\n")
+    (workdir / "train.jsonl").write_text("\n".join(chats[:16]) + "\n")  # a short file: little to tokenize
+    (workdir / "val.jsonl").write_text("\n".join(chats[16:20]) + "\n")
     main(SFT)
     export = workdir / "outputs" / "sft" / "latest" / "export"
     text = (export / "README.md").read_text()

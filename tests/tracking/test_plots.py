@@ -30,7 +30,7 @@ GRPO = ["fit", "--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", 
         "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "0.02", "--trainer.enable_checkpointing",
         "false"]
 DPO = ["fit", "--config", "recipes/dpo.yaml", "--trainer.max_steps", "3", "--data.batch_size", "4",
-       "--data.val_path", "val.jsonl", "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "0",
+       "--data.path", "train.jsonl", "--data.val_path", "val.jsonl", "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "0",
        "--trainer.enable_checkpointing", "false"]
 
 
@@ -94,7 +94,8 @@ def test_grpo_run_plots_reward_heldout_length_entropy_kl(workdir):
 
 def test_dpo_run_plots_loss_accuracy_margin_with_validation(workdir):
     pairs = (workdir / "rl_lightning/assets/data/preference.jsonl").read_text().splitlines()
-    (workdir / "val.jsonl").write_text("\n".join(pairs[:4]) + "\n")  # one validation batch
+    (workdir / "train.jsonl").write_text("\n".join(pairs[:16]) + "\n")  # a short file: little to tokenize
+    (workdir / "val.jsonl").write_text("\n".join(pairs[16:20]) + "\n")  # one validation batch
     main(DPO)
     client = MlflowClient("sqlite:///mlflow.db")
     run_id = _run(client, "rl_lightning/dpo").info.run_id
@@ -197,7 +198,9 @@ def test_a_crashed_run_still_gets_its_plots(workdir):
 
     logger = MLFlowLogger(experiment_name="crash", tracking_uri="sqlite:///mlflow.db")
     model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
-    data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
+    chats = (DEMO_DATA / "sft.jsonl").read_text().splitlines()
+    (workdir / "chats.jsonl").write_text("\n".join(chats[:32]) + "\n")
+    data = SFTDataModule(str(workdir / "chats.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
     trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=logger, log_every_n_steps=1, limit_val_batches=0,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
