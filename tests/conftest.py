@@ -65,7 +65,26 @@ def workdir(tmp_path, monkeypatch):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)
     _forget_mlflow_stores()
-    return tmp_path
+    yield tmp_path
+    _forget_modules_under(tmp_path)
+
+
+def _forget_modules_under(folder):
+    """The CLI puts the working directory on sys.path, so ``callbacks`` may be imported through this folder's symlink;
+    once the folder is deleted (a passing test's tmp_path is), that cached package cannot import its submodules."""
+    import sys
+
+    prefix = str(folder)
+    for name, module in list(sys.modules.items()):
+        found = getattr(module, "__dict__", {})  # not getattr: lazy modules (transformers) import on attribute access
+        paths = [found.get("__file__") or ""]
+        try:
+            paths += [str(p) for p in found.get("__path__") or []]
+        except TypeError:  # not a package path (torch's op namespaces)
+            pass
+        if any(isinstance(p, str) and p.startswith(prefix) for p in paths):
+            del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if not str(p).startswith(prefix)]
 
 
 def _forget_mlflow_stores():
