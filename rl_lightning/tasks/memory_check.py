@@ -129,9 +129,11 @@ def _ppo_fields(module: Any, trainer: Any) -> tuple[dict[str, Any], int]:
 
 def _lora_fields(lora: Any, shape: ModelShape) -> dict[str, Any]:
     """LoRA's `TrainSetup` fields (``model.lora`` as a dict or dataclass, or None)."""
+    from rl_lightning.models.lora import lora_config
+
     if lora is None:
         return {}
-    values = lora if isinstance(lora, dict) else vars(lora)
+    values = vars(lora_config(lora))  # a dict (a checkpoint, a test) gets the dataclass's defaults
     saved = tuple(values.get("modules_to_save") or ())
     targets = values["target_modules"]
     return {"lora_rank": values["r"], "lora_targets": targets if isinstance(targets, str) else tuple(targets),
