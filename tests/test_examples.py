@@ -6,7 +6,8 @@ from conftest import REPO
 
 from rl_lightning.rollout.env import load_environment
 
-EXAMPLE_RECIPES = sorted(p for p in (REPO / "examples").rglob("*.yaml") if p.parent.name != "gpu")
+DEMO = REPO / "examples" / "demo.yaml"  # make demo's overlay on recipes/real/grpo.yaml (rl_lightning/cli/demo.py)
+EXAMPLE_RECIPES = sorted(p for p in (REPO / "examples").rglob("*.yaml") if p.parent.name != "gpu" and p != DEMO)
 GPU_SMOKE = REPO / "examples" / "gpu" / "smoke.yaml"  # an overlay on recipes/real/grpo.yaml (docs/gpu.md)
 
 
@@ -49,3 +50,15 @@ def test_gpu_smoke_overlay_instantiates_on_the_real_recipe(workdir):
     rollout = cli.model.hparams.rollout  # as parsed: a dict of the rollout config's keys
     assert (rollout["engine"], rollout["kv_cache_memory_bytes"], cli.model.hparams.max_rollouts) == ("hf", None, 3)
     assert cli.model.hparams.model_name == "asset:SmolLM2-135M-Instruct"
+
+
+def test_demo_overlay_instantiates_on_the_real_recipe(workdir):
+    """``make demo``'s training command parses and builds with the overlay's values over the real recipe's."""
+    from helpers import parse_cli as _cli
+
+    cli = _cli(["--config", "recipes/real/grpo.yaml", "--config", str(DEMO)])
+    hp = cli.model.hparams
+    optim = hp.optim if isinstance(hp.optim, dict) else vars(hp.optim)  # as parsed
+    assert (hp.max_rollouts, hp.max_length_per_device, optim["lr"], optim["warmup_steps"]) == (6, 4096, 2e-5, 2)
+    assert cli.datamodule.hparams.batch_size == 4 and cli.trainer.val_check_interval == 6
+    assert hp.model_name == "asset:SmolLM2-135M-Instruct" and hp.rollout["engine"] == "vllm"
