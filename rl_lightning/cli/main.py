@@ -152,8 +152,11 @@ class RLLightningCLI(LightningCLI):
         if not issubclass(self.parser_class, RLArgumentParser):
             self.parser_class = RLArgumentParser
         data = [name for name in rl_lightning.data.__all__ if name.endswith("DataModule")]
+        kwargs.setdefault("prog", "python -m rl_lightning")
         kwargs.setdefault("epilog", f"Tasks (--model): {', '.join(rl_lightning.tasks.__all__)}. DataModules (--data): "
-                                    f"{', '.join(data)}. Their options: --model.help SFT, --data.help SFTDataModule.")
+                                    f"{', '.join(data)}. Their options: --model.help SFT, --data.help SFTDataModule. "
+                                    "Other commands (each with --help): demo (GRPO on a real model, accuracy before "
+                                    "-> after), eval (held-out accuracy and pass@k of a model), tune (Optuna search).")
         return super().init_parser(**kwargs)
 
     @override

@@ -55,6 +55,22 @@ def test_dotted_overrides_apply(workdir):
     assert cli.datamodule.hparams.tokenizer_name == str(TINY_MODEL)  # linked from the override
 
 
+def test_top_level_help_names_the_program_and_every_command():
+    """``python -m rl_lightning --help`` (a real subprocess) is the entry a newcomer reads: it names the program as they
+    type it and lists the commands that are not LightningCLI subcommands, each of which answers ``--help`` itself."""
+    out = subprocess.run([sys.executable, "-m", "rl_lightning", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert text.startswith("usage: python -m rl_lightning ")
+    for command in ("fit", "demo (", "eval (", "tune ("):
+        assert command in text, command
+    for command in ("demo", "eval", "tune"):
+        sub = subprocess.run([sys.executable, "-m", "rl_lightning", command, "--help"], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+        assert sub.returncode == 0 and "usage:" in sub.stdout, (command, sub.stderr[-500:])
+
+
 @pytest.mark.parametrize(("flag", "cls"), [("--model.help", SFT), ("--model.help", PPO), ("--data.help", SFTDataModule)])
 def test_help_documents_every_argument(flag, cls, capsys):
     """Every argument, and every field of an argument group (``model.optim.lr``), is listed with its description."""
