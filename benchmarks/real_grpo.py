@@ -40,7 +40,9 @@ WEIGHTS = {"correct": 1.0, "format": 0.5}
 
 
 def _spec(args: argparse.Namespace, split: str = "train") -> str:
-    return f"{args.task}&train_size={args.train_size}&test_size={args.test_size}&split={split}"
+    """The data path of `split`; a caller (benchmarks/sanity.py) may set ``args.train_data`` / ``args.eval_data``."""
+    given = getattr(args, "eval_data" if split == "test" else "train_data", None)
+    return given or f"{args.task}&train_size={args.train_size}&test_size={args.test_size}&split={split}"
 
 
 # ------------------------------------------------------------------------------------------------------- evaluation
@@ -77,6 +79,7 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     import yaml
 
     config = yaml.safe_load((REPO / "recipes" / "real" / "grpo.yaml").read_text())
+    config["seed_everything"] = args.seed
     model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
     model.update(max_rollouts=args.rollouts, update_per_rollout=1)  # PPO counts its run in rollouts
     model["optim"].update(lr=args.lr, warmup_steps=args.warmup)
@@ -104,7 +107,9 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     lengths = [m.value for m in client.get_metric_history(run.info.run_id, "train/completion_length")]
     rewards = sorted(client.get_metric_history(run.info.run_id, "train/reward"), key=lambda m: m.step)
     tokens = sum(lengths) * args.prompts * args.group
+    correct = sorted(client.get_metric_history(run.info.run_id, "train/reward/correct"), key=lambda m: m.step)
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "first_reward": rewards[0].value,
+            "curve_correct": [m.value for m in correct],
             "step_s": _median_interval([m.timestamp / 1000 for m in rewards]),
             "last_reward": sum(m.value for m in rewards[-5:]) / min(5, len(rewards)), "export": str(workdir / "export")}
 
@@ -134,18 +139,19 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     def format(completions, answer, **_):  # noqa: A001 - TRL logs the reward under the function's name
         return [score(c[0]["content"], json.loads(a))["format"] for c, a in zip(completions, answer, strict=True)]
 
-    completion_tokens, reward_log, times = [], [], []
+    completion_tokens, reward_log, correct_log, times = [], [], [], []
 
     class Record(TrainerCallback):
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 completion_tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
                 reward_log.append(logs.get("reward", float("nan")))
+                correct_log.append(logs.get("rewards/correct/mean", float("nan")))
                 times.append(time.time())
 
     path = resolve_model("asset:SmolLM2-135M-Instruct")
     config = GRPOConfig(
-        output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=42, max_steps=args.rollouts,
+        output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=args.seed, max_steps=args.rollouts,
         learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="constant_with_warmup",
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
@@ -160,7 +166,8 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     trainer.train()
     trainer.save_model(str(workdir / "export"))
     load_tokenizer(path).save_pretrained(str(workdir / "export"))
-    return {"tokens": sum(completion_tokens), "step_s": _median_interval(times), "first_reward": reward_log[0] if reward_log else float("nan"),
+    return {"tokens": sum(completion_tokens), "step_s": _median_interval(times), "curve_correct": correct_log,
+            "first_reward": reward_log[0] if reward_log else float("nan"),
             "last_reward": sum(reward_log[-5:]) / max(1, min(5, len(reward_log))), "export": str(workdir / "export")}
 
 
@@ -207,9 +214,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=4, help="sampled completions per held-out question (pass@K)")
     parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=42, help="training seed of both libraries (the evaluator's is fixed)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rl_lightning_real_grpo"))
     parser.add_argument("--out", type=Path, help="also write the result table (Markdown) here")
+    parser.add_argument("--json", type=Path, help="also write every row (accuracies, training curves) as JSON here")
     parser.add_argument("--_eval", help=argparse.SUPPRESS)
     parser.add_argument("--_trl", help=argparse.SUPPRESS)
     return parser
@@ -248,6 +257,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(table + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))
 
 
 def _table(rows: dict, args: argparse.Namespace) -> str:

@@ -1,0 +1,131 @@
+"""Evidence across seeds and tasks: rl_lightning vs TRL 1.16 on SmolLM2-135M-Instruct, mean ± std over seeds.
+
+For each reasoning-gym task in ``--tasks`` and each seed in ``--seeds``, runs `benchmarks/real_grpo.py` (same model,
+data, reward, budget and settings for both libraries; one process per measurement) and then writes:
+
+- a Markdown table per task: held-out greedy accuracy and pass@K before, and after each library, mean ± std (sample
+  std, n-1) over the seeds, plus the training wall time;
+- one PNG per task with both libraries' training curves (``correct`` reward per rollout, mean over seeds with a band
+  of ± one std), in ``--plots``.
+
+The default tasks have different shapes: the demo's two-term sums (the base model solves about a quarter greedily)
+and three single-digit terms (chain_sum with 3 terms, the base model between 10% and 40%). Each (task, seed) takes
+about an hour on two quiet cores at the default budget; results already in ``--workdir`` are reused, so the sweep can
+be stopped and restarted.
+
+    python benchmarks/seeds.py --out benchmarks/results/seeds_cpu.md --plots benchmarks/results/seeds
+    python benchmarks/seeds.py --seeds 1 --rollouts 2 --prompts 2 --group 2 --skip-trl  # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = ("reasoning_gym:chain_sum?min_terms=2&max_terms=2&max_digits=2",
+         "reasoning_gym:chain_sum?min_terms=3&max_terms=3&max_digits=1")
+
+
+def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str]) -> dict:
+    """One `real_grpo.py` run (cached as JSON in the work folder)."""
+    name = f"{task.split(':', 1)[1].replace('?', '_').replace('&', '_').replace('=', '')}_seed{seed}"
+    folder = args.workdir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    result = folder / "result.json"
+    if not result.is_file():
+        command = [sys.executable, str(REPO / "benchmarks" / "real_grpo.py"), "--task", task, "--seed", str(seed),
+                   "--workdir", str(folder / "runs"), "--json", str(result), *passthrough]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        (folder / "log.txt").write_text(done.stdout + done.stderr)
+        if done.returncode:
+            raise SystemExit(f"{name} failed; see {folder / 'log.txt'}:\n{done.stderr[-2000:]}")
+        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+    return json.loads(result.read_text())["rows"]
+
+
+def _mean_std(values: list[float]) -> str:
+    std = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
+
+
+def table(task: str, runs: list[dict], k: int) -> str:
+    """The task's Markdown table over the seeds' rows."""
+    lines = [f"### `{task}` ({len(runs)} seeds)", "",
+             f"| model | greedy acc | pass@{k} | greedy gain vs base | train wall s |", "|---|---|---|---|---|"]
+    for name in ("before", "rl_lightning", "TRL"):
+        rows = [run[name] for run in runs if name in run]
+        if not rows:
+            continue
+        gains = [row["greedy"] - run["before"]["greedy"] for row, run in zip(rows, runs, strict=False)]
+        wall = _mean_std([row["train"]["seconds"] for row in rows]) if "train" in rows[0] else ""
+        lines.append(f"| {name} | {_mean_std([r['greedy'] for r in rows])} | "
+                     f"{_mean_std([r.get('pass_at_k', float('nan')) for r in rows])} | "
+                     f"{_mean_std(gains) if name != 'before' else ''} | {wall} |")
+    return "\n".join(lines)
+
+
+def plot(task: str, runs: list[dict], path: Path) -> None:
+    """Both libraries' ``correct`` reward per rollout: mean over seeds and a ± one-std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, colour in (("rl_lightning", "tab:blue"), ("TRL", "tab:orange")):
+        curves = [run[name]["train"]["curve_correct"] for run in runs if name in run]
+        if not curves:
+            continue
+        length = min(len(c) for c in curves)
+        values = np.array([c[:length] for c in curves])
+        steps, mean, std = np.arange(1, length + 1), values.mean(0), values.std(0)
+        axes.plot(steps, mean, color=colour, label=f"{name} ({len(curves)} seeds)")
+        axes.fill_between(steps, mean - std, mean + std, color=colour, alpha=0.2)
+    axes.set(title=f"GRPO on SmolLM2-135M-Instruct: {task.split(':', 1)[1]}", xlabel="rollout",
+             ylabel="training reward: correct (share of completions)")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Other flags (--rollouts, --prompts, --group, --lr, --skip-trl, ...) go to "
+                                            "benchmarks/real_grpo.py unchanged.")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated reasoning_gym: data paths")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    parser.add_argument("--samples", type=int, default=4, help="pass@K: sampled completions per held-out question")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/rl_lightning_seeds"))
+    parser.add_argument("--out", type=Path, help="write the tables (Markdown) here")
+    parser.add_argument("--plots", type=Path, help="write one PNG per task into this folder")
+    args, passthrough = parser.parse_known_args()
+    passthrough += ["--samples", str(args.samples)]
+    sections, start = [], time.perf_counter()
+    for i, task in enumerate(args.tasks.split(",")):
+        runs = [_run(task, seed, args, passthrough) for seed in range(1, args.seeds + 1)]
+        sections.append(table(task, runs, args.samples))
+        if args.plots:
+            plot(task, runs, args.plots / f"task{i + 1}.png")
+    text = "\n\n".join(sections) + f"\n\nSweep wall time (this invocation): {time.perf_counter() - start:.0f} s; " \
+                                   f"settings passed to real_grpo.py: {' '.join(passthrough)}\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
