@@ -1,8 +1,14 @@
 """Every rollout's trajectories as JSONL files on disk (ColossalChat's ``rollout-save-dir``), rotated by size.
 
-One line per trajectory: ``{"rollout", "step", "rank", "prompt_row", "messages", "answer", "reward",
-"reward_components", "completion_length", "finished", "turns"}`` (``messages`` is the whole conversation: the prompt
-and what was generated, tool turns included; ``prompt_row`` locates the prompt in the data file). Each rank writes
+One line per trajectory: ``{"rollout", "step", "rank", "split", "prompt_row", "messages", "answer", "reward",
+"reward_components", "completion_length", "finished", "turns"}`` (``rollout`` counts from 1: the line of rollout k
+was sampled as the task's rollout k - 1; ``messages`` is the whole conversation: the prompt and what was generated,
+tool turns included; ``prompt_row`` locates the prompt in the data file), plus what a replay needs
+(``model.rollout.replay``, format 2, see `rl_lightning.rollout.replay`): ``format``, the exact ``input_ids``,
+``completion_mask`` and ``engine_logprobs``, the prompt's ``prompt_index`` and its length in tokens and messages
+(``prompt_tokens``, ``prompt_messages``), the line's place ``trajectory`` among the rollout's ``trajectories`` on
+this rank, and the rollout's ``group_size``, ``reward_names``, ``reward_failures`` and ``refills``. Rank 0 writes
+``manifest.json`` beside them (format, model, tokenizer fingerprint, rollout shape, sampling settings). Each rank writes
 its own share to ``rollouts-rank<r>-<n>.jsonl`` under `dirpath` (default: the run's output folder, ``outputs/<run>/
 <time>/rollouts``); when a file passes `max_file_mb` the next one starts, and only the newest `keep_files` files of a
 rank are kept (0: all). Validation rollouts are written too with ``"split": "val"`` when `validation` is true.
@@ -18,6 +24,7 @@ import lightning as L
 from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.rollout.replay import MANIFEST, MUST_MATCH, manifest, trajectory_record
 
 WHERE = "callbacks.rollout_dump.RolloutDump"
 
@@ -57,6 +64,23 @@ class RolloutDump(L.Callback):
         self._rank = trainer.global_rank
         existing = self._files()
         self._number = int(existing[-1].stem.rsplit("-", 1)[1]) if existing else 0  # a resumed run appends
+        if stage == "fit" and trainer.is_global_zero and hasattr(pl_module, "rollout_config"):
+            self._write_manifest(trainer, pl_module)
+
+    def _write_manifest(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """``manifest.json`` (`rl_lightning.rollout.replay.manifest`); a resumed run's must match the one there."""
+        batch_size = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("batch_size")
+        written = manifest(pl_module.model_name, pl_module.tokenizer, pl_module.rollout_config, batch_size,
+                           trainer.world_size)
+        path = self.dirpath / MANIFEST
+        if path.exists():
+            there = json.loads(path.read_text())
+            differ = [k for k in ("format", *MUST_MATCH) if there.get(k) != written[k]]
+            if differ:
+                raise ConfigError(f"{WHERE}: dirpath={self.dirpath} holds another run's dump ({', '.join(differ)} "
+                                  "differ): choose another dirpath")
+            return
+        path.write_text(json.dumps(written, indent=1) + "\n")
 
     def _files(self) -> list[Path]:
         return sorted(self.dirpath.glob(f"rollouts-rank{self._rank}-*.jsonl"),
@@ -80,7 +104,8 @@ class RolloutDump(L.Callback):
             "rollout": number, "step": step, "rank": self._rank, "split": split, "prompt_row": t.prompt.where,
             "messages": t.messages, "answer": t.prompt.answer, "reward": t.reward,
             "reward_components": t.reward_components, "completion_length": t.completion_length,
-            "finished": t.finished, "turns": t.turns}, default=str) + "\n" for t in rollout.trajectories)
+            "finished": t.finished, "turns": t.turns, **trajectory_record(t, i, rollout)}, default=str) + "\n"
+            for i, t in enumerate(rollout.trajectories))
         path = self._current()
         with path.open("a") as f:
             f.write(lines)

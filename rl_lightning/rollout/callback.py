@@ -31,6 +31,7 @@ from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.pareto_archive import ParetoArchive
+from rl_lightning.rollout.replay import ReplayDump, manifest
 from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
 from rl_lightning.rollout.weights import WeightSync, named_weights
@@ -47,6 +48,7 @@ class PolicyTask(Protocol):
     rollouts: int  # completed rollouts: the sampling seeds' step
     device: torch.device
 
+    def run_rollouts(self) -> int: ...  # the rollouts this fit takes
 
 def _task(pl_module: L.LightningModule) -> PolicyTask:
     """`pl_module` seen through the interface the callback needs (the task that built the callback)."""
@@ -73,7 +75,8 @@ class RolloutCallback(L.Callback):
         self.engine_devices: list[int] | None = None  # engine: vllm_process on GPU (checked in `setup`)
         self.refills = 0
         # one-step-off-policy rollouts
-        self.generator: ThreadGenerator | None = ThreadGenerator() if c.async_steps else None
+        self.generator: ThreadGenerator | None = ThreadGenerator() if c.async_steps and not c.replay else None
+        self.replay: ReplayDump | None = None  # model.rollout.replay: the dumped rollouts (read in `setup`)
         self.pareto: ParetoArchive | None = None if c.pareto_archive_size is None else ParetoArchive(
             self.env.component_names, c.pareto_archive_size, c.pareto_reference)
 
@@ -83,7 +86,9 @@ class RolloutCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Start-up checks of ``engine: vllm_process`` (before any model loads): one training process, GPUs of its own."""
         c = self.config
-        if c.engine != "vllm_process" or stage != "fit":
+        if c.replay is not None and stage == "fit":
+            self._setup_replay(trainer, _task(pl_module), c.replay)
+        if c.engine != "vllm_process" or stage != "fit" or c.replay is not None:
             return
         if trainer.world_size > 1:
             raise ConfigError(f"model.rollout.engine=vllm_process serves one training process for now (got "
@@ -97,13 +102,18 @@ class RolloutCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Start the reward workers and the reward model, and build the engine (once per process for vLLM)."""
         c, task = self.config, _task(pl_module)
+        if self.replay is not None:  # no engine, no reward workers: the dump holds every rollout the run needs
+            self.replay.check(self._manifest(trainer, task), range(task.rollouts, task.run_rollouts()),
+                              c.filter_range is not None)
+            return
         if c.engine == "hf" and trainer.world_size > 1 and (c.filter_range is not None or c.max_turns > 1):
             # the sharded policy's forwards are collectives, and these loops decide per rank how often to generate
             raise ConfigError(f"model.rollout.engine=hf on {trainer.world_size} processes does not support dynamic "
                               f"sampling (filter_range={c.filter_range}) or multi-turn rollouts "
                               f"(max_turns={c.max_turns}) yet; use engine: vllm or one process")
         if self.env.scorer is None:
-            self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices)
+            self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices,
+                                         c.interact_timeout_s)
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
         if c.engine == "hf":
@@ -130,6 +140,19 @@ class RolloutCallback(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A failed fit tears down as a finished one does."""
         self.teardown(trainer, pl_module, "fit")
+
+    def _setup_replay(self, trainer: L.Trainer, task: PolicyTask, dirpath: str) -> None:
+        """Read this rank's dumped rollouts and refuse, at once, a dump of another model or rollout shape."""
+        if getattr(_datamodule(trainer), "val_dataloader", None) is not None and trainer.limit_val_batches != 0:
+            raise ConfigError(f"model.rollout.replay={dirpath} builds no engine, so held-out prompts cannot be "
+                              "scored: set trainer.limit_val_batches: 0 or drop data.val_path/val_paths")
+        self.replay = ReplayDump(dirpath, trainer.global_rank)
+        self.replay.check(self._manifest(trainer, task), [], self.config.filter_range is not None)
+
+    def _manifest(self, trainer: L.Trainer, task: PolicyTask) -> dict[str, Any]:
+        """This run's dump manifest (`rl_lightning.rollout.replay.manifest`)."""
+        batch_size = getattr(_datamodule(trainer), "hparams", {}).get("batch_size")
+        return manifest(task.model_name, task.tokenizer, self.config, batch_size, trainer.world_size)
 
     def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
         from rl_lightning.rollout.vllm import VLLMEngine, adapter_sync_rank, check_engine
@@ -206,6 +229,12 @@ class RolloutCallback(L.Callback):
                              ) -> None:
         """Sample and score the batch's rollout (read ahead in the background with ``async_steps: 1``)."""
         task = _task(pl_module)
+        if self.replay is not None:  # the dumped rollout: nothing is sampled or scored
+            batch["rollout"] = rollout = self.replay.rollout(
+                task.rollouts, None if self.config.filter_range is not None else batch["prompts"])
+            if self.pareto is not None:
+                rollout.metrics.update(self._track_pareto(trainer, task, rollout.trajectories))
+            return
         if self.generator is not None:
             self._async_rollout(self.generator, trainer, task, batch, batch_idx)
             return
@@ -223,9 +252,12 @@ class RolloutCallback(L.Callback):
         trajectories = self._generate(prompts, task.tokenizer, params)
         if self.config.filter_range is not None:
             trajectories = self._refill(trainer, task, prompts, trajectories, index, self.config.filter_range)
+        env = self.env  # interact counts (since the start) are logged once non-zero
+        tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures}
         return trajectories, {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
-                              "rollout/reward_s": self.env.reward_seconds,  # scoring alone
-                              "rollout/reward_timeouts": float(self.env.timeouts)}  # since the start
+                              "rollout/reward_s": env.reward_seconds,  # scoring alone
+                              "rollout/reward_timeouts": float(env.timeouts),  # since the start
+                              **{k: float(v) for k, v in tools.items() if v}}
 
     def _async_rollout(self, generator: ThreadGenerator, trainer: L.Trainer, task: PolicyTask, batch: dict,
                        batch_idx: int) -> None:
@@ -258,6 +290,10 @@ class RolloutCallback(L.Callback):
             metrics["rollout/weight_sync_mb"] = self.weight_sync.stats.bytes / 2**20  # adapter sync: the adapter's
         if self.pareto is not None:
             metrics.update(self._track_pareto(trainer, task, trajectories))
+        curriculum = getattr(_datamodule(trainer), "curriculum", None)
+        if curriculum is not None:  # data.curriculum: each prompt's pass rate decides what the next rollouts draw
+            metrics.update(curriculum.observe(trainer, [t.prompt.index for t in trajectories],
+                                              [t.reward for t in trajectories]))
         return Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names, self.env.failures,
                        self.refills, metrics)
 

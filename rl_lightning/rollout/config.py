@@ -60,12 +60,16 @@ class RolloutConfig:
             adapter vLLM can serve, else ``full``: on CPU vLLM's LoRA kernels slow generation more than the
             smaller sync saves).
         on_error: reward_fn failures (exceptions, non-finite values, timeouts): ``raise`` (stop, naming the prompt
-            row) or ``zero`` (score 0 and count).
+            row) or ``zero`` (score 0 and count); ``interact`` failures alike (``zero``: the conversation ends there,
+            counted in ``rollout/interact_failures``).
         reward_workers: processes scoring trajectories in parallel, each importing `env_path` (default: the CPUs
             shared among this node's training processes, at most 16); 0 scores in the trainer process, without a
             time limit (for debugging).
         reward_timeout_s: per-call limit of ``reward_fn`` in seconds with `reward_workers` > 0 (the worker is killed
             and replaced, the call counts as a failure under `on_error`); null: no limit.
+        interact_timeout_s: per-call limit of ``interact`` in seconds with `reward_workers` > 0 (``interact`` runs in
+            the same workers; the worker is killed and replaced, and under `on_error` the run stops or that
+            conversation ends there); null: no limit.
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
             (low, high), and refill the batch with more prompts (drawn from the training set) until it is full or
@@ -94,6 +98,10 @@ class RolloutConfig:
             one update older (``vllm`` with ``engine_tp_size: 1``; the engine stays awake, so on GPU it keeps its
             memory while the trainer trains; pair it with the task's mismatch correction, ``model.correction``; see
             `rl_lightning.rollout.async_rollout`).
+        replay: a rollout dump's folder (``callbacks.rollout_dump.RolloutDump``): train on its rollouts instead of
+            sampling and scoring (no engine is built, no reward function runs; the engine settings are ignored): the
+            same seed on the same device makes the dumped run's updates bit for bit (see
+            `rl_lightning.rollout.replay`); null: sample.
 
     Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
     completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the
@@ -119,6 +127,7 @@ class RolloutConfig:
     on_error: str = "raise"
     reward_workers: int | None = None
     reward_timeout_s: float | None = 60.0
+    interact_timeout_s: float | None = 60.0
     seed: int | None = 0
     filter_range: tuple[float, float] | None = None
     max_refill_rounds: int = 4
@@ -133,6 +142,7 @@ class RolloutConfig:
     val_responses_per_prompt: int = 1
     reward_model: RewardModelConfig | None = None
     async_steps: int = 0
+    replay: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.reward_model, dict):  # from a checkpoint's hyperparameters
@@ -163,6 +173,8 @@ class RolloutConfig:
                 self.reward_timeout_s is not None and not self.reward_timeout_s > 0):
             errors.append(f"reward_workers must be >= 0 (0: inline) and reward_timeout_s > 0 or null, got "
                           f"{self.reward_workers}, {self.reward_timeout_s}")
+        if self.interact_timeout_s is not None and not self.interact_timeout_s > 0:
+            errors.append(f"interact_timeout_s must be > 0 (seconds) or null (no limit), got {self.interact_timeout_s}")
         if errors:
             raise ConfigError("; ".join(f"model.rollout.{e}" for e in errors))
 
@@ -202,7 +214,7 @@ def _vllm_errors(c: RolloutConfig) -> list[str]:
                       f"'{c.weight_sync}' with engine '{c.engine}'")
     if c.engine == "vllm_process" and c.engine_tp_size > 1:
         errors.append(f"engine=vllm_process runs one engine of engine_tp_size 1 for now, got {c.engine_tp_size}")
-    if c.engine in VLLM_ENGINES and not vllm_available():
+    if c.engine in VLLM_ENGINES and c.replay is None and not vllm_available():  # a replay builds no engine
         errors.append(f"engine={c.engine} needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
     if c.engine == "vllm" and c.engine_tp_size > 1 and (c.max_turns > 1 or c.filter_range is not None):
         # the ranks of an engine generate together, but these loops decide per rank how often to generate
