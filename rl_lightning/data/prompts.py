@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning as L
@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from rl_lightning.data.curriculum import CurriculumConfig, PromptCurriculum, check_curriculum_task
 from rl_lightning.data.datamodule import load_tokenizer_for_data, saved_hparams
 from rl_lightning.data.loading import Rows, load_rows
 from rl_lightning.data.rows import check_prompt_rows
@@ -109,6 +110,9 @@ class PromptDataModule(L.LightningDataModule):
         apply_chat_template: render with the chat template and generation prompt; False concatenates contents.
         batch_size: prompts per rollout per data-parallel rank (each gets ``responses_per_prompt`` completions).
         shuffle: reshuffle every epoch (seeded by ``seed_everything``).
+        curriculum: a difficulty curriculum over the training prompts (``data.curriculum.*``, see
+            `rl_lightning.data.curriculum.CurriculumConfig`): prompts the policy always or never solves are parked
+            and re-admitted later; GRPO-style tasks only (``model.rollout.responses_per_prompt`` >= 2). Null: off.
     """
 
     def __init__(
@@ -122,8 +126,11 @@ class PromptDataModule(L.LightningDataModule):
         apply_chat_template: bool = True,
         batch_size: int = 8,
         shuffle: bool = True,
+        curriculum: CurriculumConfig | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(curriculum, dict):  # from a checkpoint's hyperparameters
+            curriculum = CurriculumConfig(**curriculum)
         errors = []
         if max_prompt_length < 1:
             errors.append(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
@@ -133,7 +140,10 @@ class PromptDataModule(L.LightningDataModule):
         if errors:
             raise ConfigError("; ".join(errors))
         self.save_hyperparameters(logger=False)
+        if curriculum is not None:  # checkpoints keep plain data
+            self.hparams.update(curriculum=asdict(curriculum))
         self.tokenizer = load_tokenizer_for_data(tokenizer_name)
+        self.curriculum: PromptCurriculum | None = None  # built at setup (it needs the prompts)
         self.prompts: dict[str, list[Prompt]] = {}
         self.stats: dict[str, int] = {}
         self.val_names: list[str] = list(val_paths or {})  # the named held-out sets, in dataloader order
@@ -172,6 +182,33 @@ class PromptDataModule(L.LightningDataModule):
                     raise DataError(f"data.val_paths.{name}: {e}") from None
                 self.prompts[f"val/{name}"] = self._load(rows, f"val_{name}")
         check_enough_rows(len(self.prompts["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
+        if hp.curriculum is not None and self.curriculum is None:
+            check_curriculum_task(getattr(self.trainer, "lightning_module", None))
+            self.curriculum = PromptCurriculum(CurriculumConfig(**hp.curriculum), len(self.prompts["train"]))
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With a curriculum, a training batch's prompts are drawn now, from the pass rates of every rollout so far.
+
+        Here rather than in the dataset: Lightning fetches the next batch before the current one is trained on.
+        """
+        if self.curriculum is None or not (self.trainer and self.trainer.training):
+            return batch
+        per_rank = saved_hparams(self).batch_size
+        dp_rank, dp_size = data_parallel_coords(self.trainer)
+        drawn = self.curriculum.draw(per_rank * dp_size)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        return {**batch, "prompts": [self.prompts["train"][i] for i in drawn]}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The curriculum's state (checkpointed by Lightning with the run)."""
+        return {} if self.curriculum is None else {"curriculum": self.curriculum.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the curriculum's state (Lightning calls this after `setup`)."""
+        if self.curriculum is not None and "curriculum" in state_dict:
+            self.curriculum.load_state_dict(state_dict["curriculum"])
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         dp_rank, dp_size = data_parallel_coords(self.trainer)
