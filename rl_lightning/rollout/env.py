@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +35,8 @@ from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.rewards.isolation import require_isolation
 from rl_lightning.rollout.scoring import RewardFailure, describe, env_module_name
 
+log = logging.getLogger(__name__)
+
 ON_ERROR = ("raise", "zero")
 COMBINATIONS = ("weighted_sum", "tchebycheff")
 
@@ -43,8 +46,9 @@ class Environment:
     """A loaded environment.
 
     `failures` counts rewards replaced by 0 under ``on_error: zero`` (`timeouts` those cut at the time limit, under
-    either policy), `reward_seconds` the time spent scoring. With `weights`, ``reward_fn`` returns named components
-    combined by `combination` (Tchebycheff measures gaps to `ideal`).
+    either policy), `reward_seconds` the time spent scoring; `interact_failures` counts ``interact`` calls that ended
+    their conversation under ``on_error: zero`` (`interact_timeouts` those cut at the time limit). With `weights`,
+    ``reward_fn`` returns named components combined by `combination` (Tchebycheff measures gaps to `ideal`).
     """
 
     reward_fn: Callable[[list[dict], Any], Any]
@@ -54,6 +58,8 @@ class Environment:
     failures: int = 0
     timeouts: int = 0
     reward_seconds: float = 0.0
+    interact_failures: int = 0
+    interact_timeouts: int = 0
     scorer: Any = None  # a `rl_lightning.rollout.scoring.RewardPool`, or None to score in this process
     weights: dict[str, float] | None = None
     combination: str = "weighted_sum"
@@ -101,6 +107,41 @@ class Environment:
             scores = self._add_reward_model(calls, scores)
         self.reward_seconds += time.perf_counter() - start
         return scores
+
+    def interact_all(self, calls: list[tuple[list[dict], str]]) -> list[list[dict]]:
+        """``interact(messages)`` for each ``(messages, where)``, in order: the tool messages to append.
+
+        Called in the `scorer` pool when there is one (each call cut at ``interact_timeout_s``), else here. A call that
+        raised, timed out, lost its worker or returned something other than a list of messages follows ``on_error``:
+        ``raise`` stops with one line naming the row; ``zero`` ends that conversation (``[]``), logs a warning and
+        counts it.
+        """
+        if self.interact is None:
+            return [[] for _ in calls]
+        if self.scorer is None:
+            values = [_interact_here(self.interact, messages) for messages, _ in calls]
+        else:
+            values = self.scorer.map([(messages,) for messages, _ in calls], function="interact")
+        return [self._judge_tools(value, where) for value, (_, where) in zip(values, calls, strict=True)]
+
+    def _judge_tools(self, value: Any, where: str) -> list[dict]:
+        if not isinstance(value, RewardFailure) and not (
+                isinstance(value, list) and all(isinstance(m, Mapping) for m in value)):
+            value = RewardFailure(f"returned {type(value).__name__} {value!r:.80}, not a list of messages")
+        if not isinstance(value, RewardFailure):
+            return value
+        if value.config:
+            raise ConfigError(value.error) from None
+        self.interact_timeouts += value.timed_out
+        what = f"{value.error} (interact_timeout_s)" if value.timed_out else f"failed ({value.error})"
+        if self.on_error == "raise":
+            raise DataError(f"{where}: interact from {self.path} {what}; "
+                            f"{'make it faster or raise interact_timeout_s' if value.timed_out else 'fix it'}, "
+                            "or set model.rollout.on_error: zero to end such conversations there")
+        self.interact_failures += 1
+        log.warning("%s: interact from %s %s; the conversation ends at this turn (on_error: zero)", where, self.path,
+                    what)
+        return []
 
     def judge(self, value: Any, where: str) -> tuple[float, dict[str, float]]:
         """Apply the checks and the ``on_error`` policy to what ``reward_fn`` gave for the row `where`.
@@ -189,6 +230,16 @@ class _WrongComponents(Exception):
 
 class _Failed(Exception):
     pass
+
+
+def _interact_here(interact: Callable[[list[dict]], Any], messages: list[dict]) -> Any:
+    """``interact(messages)`` in this process, an exception as a `RewardFailure` (a `ConfigError` stops: re-raised)."""
+    try:
+        return interact(messages)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - user code may raise anything; the policy decides
+        return RewardFailure(describe(e))
 
 
 def _what(failure: RewardFailure) -> str:

@@ -1,11 +1,12 @@
-"""Scoring trajectories in a pool of worker processes, each call with a time limit.
+"""Calling the environment's user code in a pool of worker processes, each call with a time limit.
 
 Each worker is a fresh interpreter (``python -m rl_lightning.rollout.scoring``, never a fork of the trainer and its
-torch/vLLM threads) that imports only the environment file (and what it imports) and then answers
-``reward_fn(messages, answer)`` calls one at a time. The trainer hands out calls to idle workers and collects the
-results in order; a call still running after `timeout_s` has its worker killed (with its process group) and replaced,
-and comes back as a timed-out `RewardFailure`. What a failure means (stop, or score 0 and count) is the
-environment's ``on_error`` policy (`rl_lightning.rollout.env.Environment.judge`), applied in the trainer.
+torch/vLLM threads) that imports only the environment file (and what it imports) and then answers calls one at a
+time: ``reward_fn(messages, answer)`` (scoring) and ``interact(messages)`` (multi-turn tools). The trainer hands out
+calls to idle workers and collects the results in order; a call still running after its function's time limit
+(``reward_timeout_s``, ``interact_timeout_s``) has its worker killed (with its process group) and replaced, and comes
+back as a timed-out `RewardFailure`. What a failure means is the environment's ``on_error`` policy, applied in the
+trainer (`rl_lightning.rollout.env.Environment.judge` for rewards, ``Environment.interact_all`` for tools).
 
 A worker also exits on its own when the trainer goes away (its command pipe closes, or its parent changes).
 """
@@ -28,7 +29,7 @@ STARTUP_LIMIT_S = 120.0  # a worker importing the environment file longer than t
 
 @dataclass
 class RewardFailure:
-    """A ``reward_fn`` call that returned nothing.
+    """A ``reward_fn`` (or ``interact``) call that returned nothing.
 
     It raised (`error`: ``"TypeName: first line"``), ran past the time limit (`timed_out`), or its worker died;
     `config`: it raised a `ConfigError` (e.g. the code sandbox refusing to run without isolation), which stops
@@ -64,7 +65,7 @@ class _Worker:
         self.connection = Connection(from_worker, writable=False)
         self.commands.send((sys.path, env_path, module_name))
         self.ready, self.started = False, time.monotonic()
-        self.task: tuple[int, float] | None = None  # (call index, when it was handed out)
+        self.task: tuple[int, float, float | None] | None = None  # (call index, when handed out, its limit)
 
     def kill(self) -> None:
         try:
@@ -76,37 +77,42 @@ class _Worker:
         self.commands.close()
 
 
-def start_pool(env_path: str, workers: int | None, timeout_s: float | None, processes_per_node: int
-               ) -> RewardPool | None:
+def start_pool(env_path: str, workers: int | None, timeout_s: float | None, processes_per_node: int,
+               interact_timeout_s: float | None = None) -> RewardPool | None:
     """The pool for the rollout callback's ``reward_workers``.
 
-    None: this machine's CPUs shared among the node's training processes, at most 16; 0: no pool, score in the trainer
-    without a time limit.
+    None: this machine's CPUs shared among the node's training processes, at most 16; 0: no pool, score (and call
+    ``interact``) in the trainer without a time limit.
     """
     if workers is None:
         workers = max(1, min(16, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
-    return RewardPool(env_path, workers, timeout_s) if workers > 0 else None
+    return RewardPool(env_path, workers, timeout_s, interact_timeout_s) if workers > 0 else None
 
 
 class RewardPool:
-    """`workers` processes scoring with `env_path`'s ``reward_fn``, each call cut at `timeout_s` (None: no limit).
+    """`workers` processes calling `env_path`'s ``reward_fn`` and ``interact``, each call cut at its time limit.
 
     Args:
         env_path: the environment file (already checked by `rl_lightning.rollout.env.load_environment`).
         workers: number of processes (>= 1), started on the first `map`.
-        timeout_s: per-call wall-clock limit in seconds, or None.
+        timeout_s: per-call wall-clock limit of ``reward_fn`` in seconds, or None.
+        interact_timeout_s: the same for ``interact``.
     """
 
-    def __init__(self, env_path: str, workers: int, timeout_s: float | None) -> None:
+    def __init__(self, env_path: str, workers: int, timeout_s: float | None,
+                 interact_timeout_s: float | None = None) -> None:
         self.env_path, self.size, self.timeout_s = env_path, workers, timeout_s
+        self.limits = {"reward_fn": timeout_s, "interact": interact_timeout_s}
         self.module_name = env_module_name(env_path)
         self.workers: list[_Worker] = []
 
-    def map(self, calls: list[tuple[Any, Any]]) -> list[Any]:
-        """``reward_fn(messages, answer)`` for each ``(messages, answer)``, in order.
+    def map(self, calls: list[tuple[Any, ...]], function: str = "reward_fn") -> list[Any]:
+        """`function` (``reward_fn`` or ``interact``) of each call's arguments, in order.
 
-        A call that raised, timed out or lost its worker gives a `RewardFailure` in its place.
+        ``(messages, answer)`` for ``reward_fn``, ``(messages,)`` for ``interact``. A call that raised, timed out or
+        lost its worker gives a `RewardFailure` in its place.
         """
+        limit = self.limits[function]
         while len(self.workers) < self.size:
             self.workers.append(_Worker(self.env_path, self.module_name))
         results: list[Any] = [None] * len(calls)
@@ -115,8 +121,8 @@ class RewardPool:
             for worker in self.workers:
                 if worker.ready and worker.task is None and pending:
                     index = pending.popleft()
-                    worker.commands.send((index, *calls[index]))
-                    worker.task = (index, time.monotonic())
+                    worker.commands.send((index, function, calls[index]))
+                    worker.task = (index, time.monotonic(), limit)
             for connection in wait([w.connection for w in self.workers], self._next_deadline()):
                 done += self._receive(self._owner(connection), results)
             done += self._cut_overdue(results)
@@ -136,8 +142,8 @@ class RewardPool:
         for worker in self.workers:
             if not worker.ready:
                 deadlines.append(worker.started + STARTUP_LIMIT_S)
-            elif worker.task is not None and self.timeout_s is not None:
-                deadlines.append(worker.task[1] + self.timeout_s)
+            elif worker.task is not None and worker.task[2] is not None:
+                deadlines.append(worker.task[1] + worker.task[2])
         return max(0.0, min(deadlines) - now) if deadlines else None
 
     def _receive(self, worker: _Worker, results: list[Any]) -> int:
@@ -152,7 +158,7 @@ class RewardPool:
             self._replace(worker)
             if task is None:
                 return 0  # died while idle (e.g. the OOM killer): replaced, nothing lost
-            results[task[0]] = RewardFailure(f"the reward worker died (exit code {code})")
+            results[task[0]] = RewardFailure(f"the environment worker died (exit code {code})")
             return 1
         if not worker.ready:
             self._started(worker, message)
@@ -180,8 +186,9 @@ class RewardPool:
                 self.close()
                 raise ConfigError(f"env_path '{self.env_path}': a reward worker did not import it within "
                                   f"{STARTUP_LIMIT_S:.0f} s")
-            if worker.task is not None and self.timeout_s is not None and now - worker.task[1] >= self.timeout_s:
-                results[worker.task[0]] = RewardFailure(f"timed out after {self.timeout_s} s", timed_out=True)
+            limit = None if worker.task is None else worker.task[2]
+            if worker.task is not None and limit is not None and now - worker.task[1] >= limit:
+                results[worker.task[0]] = RewardFailure(f"timed out after {limit} s", timed_out=True)
                 self._replace(worker)
                 cut += 1
         return cut
@@ -207,27 +214,32 @@ def _serve(commands: Connection, replies: Connection) -> None:
 
     threading.Thread(target=orphaned, daemon=True).start()
     try:
-        spec = importlib.util.spec_from_file_location(module_name, env_path)
-        assert spec is not None and spec.loader is not None  # `load_environment` imported this file already
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        reward_fn = module.reward_fn
+        from rl_lightning.rollout.env_adapters import is_adapter, load_adapter
+
+        if is_adapter(env_path):  # a verifiers:/openenv: environment, adapted in this process
+            module: Any = load_adapter(env_path)
+        else:
+            spec = importlib.util.spec_from_file_location(module_name, env_path)
+            assert spec is not None and spec.loader is not None  # `load_environment` imported this file already
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        functions = {"reward_fn": module.reward_fn, "interact": getattr(module, "interact", None)}
     except Exception as e:  # noqa: BLE001 - reported to the trainer as one line
         replies.send(describe(e))
         return
     replies.send("ready")
     while True:
         try:
-            index, messages, answer = commands.recv()
+            index, function, arguments = commands.recv()
         except EOFError:
             return
-        replies.send((index, *_call(reward_fn, messages, answer)))
+        replies.send((index, *_call(functions[function], arguments)))
 
 
-def _call(reward_fn: Any, messages: Any, answer: Any) -> tuple[str, Any]:
+def _call(function: Any, arguments: tuple) -> tuple[str, Any]:
     """``("ok", value)``, ``("error", description)`` or ``("config", message)``."""
     try:
-        value = reward_fn(messages, answer)
+        value = function(*arguments)
         pickle.dumps(value)
         return "ok", value
     except Exception as e:  # noqa: BLE001 - user code may raise anything; the trainer's policy decides

@@ -117,18 +117,20 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
 
     Multi-turn when `max_turns` > 1 and the environment has ``interact``: a turn ends at a stop token;
     ``interact(messages)`` returns tool messages to append (``[]`` ends the conversation), then generation continues,
-    up to `max_turns` assistant turns. Truncated turns (no stop token) end the conversation.
+    up to `max_turns` assistant turns. Truncated turns (no stop token) end the conversation. ``interact`` runs in the
+    environment's workers when it has them (`rl_lightning.rollout.env.Environment.interact_all`: a call that fails or
+    times out ends its conversation or stops the run, as ``on_error`` says).
     """
     with phase("rollout/generate"):
         groups = engine.generate([p.prompt_ids for p in prompts], params)
     trajectories = [_start(p, c, tokenizer) for p, group in zip(prompts, groups, strict=True) for c in group]
     last_generated = [c.token_ids for group in groups for c in group]
-    interact = env.interact
     for turn in range(1, max_turns):
-        if interact is None:  # single-turn environment
+        if env.interact is None:  # single-turn environment
             break
         active = [i for i, t in enumerate(trajectories) if t.finished and t.turns == turn]
-        tool_messages = {i: interact(trajectories[i].messages) for i in active}
+        replies = env.interact_all([(trajectories[i].messages, trajectories[i].prompt.where) for i in active])
+        tool_messages = dict(zip(active, replies, strict=True))
         active = [i for i in active if tool_messages[i]]
         if not active:
             break

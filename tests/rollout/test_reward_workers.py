@@ -135,7 +135,7 @@ def test_a_worker_that_dies_is_replaced_and_its_call_fails(env_path, tmp_path):
     pool = RewardPool(str(dying), workers=1, timeout_s=5.0)
     try:
         assert pool.map([([], "1"), ([], "die"), ([], "2")]) == [
-            1.0, RewardFailure("the reward worker died (exit code 3)"), 2.0]
+            1.0, RewardFailure("the environment worker died (exit code 3)"), 2.0]
     finally:
         pool.close()
     broken = tmp_path / "broken.py"
