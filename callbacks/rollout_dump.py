@@ -24,7 +24,7 @@ import lightning as L
 from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
-from rl_lightning.rollout.replay import MANIFEST, MUST_MATCH, manifest, trajectory_record
+from rl_lightning.rollout.replay import MANIFEST, MUST_MATCH, run_manifest, trajectory_record
 
 WHERE = "callbacks.rollout_dump.RolloutDump"
 
@@ -69,9 +69,7 @@ class RolloutDump(L.Callback):
 
     def _write_manifest(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """``manifest.json`` (`rl_lightning.rollout.replay.manifest`); a resumed run's must match the one there."""
-        batch_size = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("batch_size")
-        written = manifest(pl_module.model_name, pl_module.tokenizer, pl_module.rollout_config, batch_size,
-                           trainer.world_size)
+        written = run_manifest(trainer, pl_module, pl_module.rollout_config)
         path = self.dirpath / MANIFEST
         if path.exists():
             there = json.loads(path.read_text())

@@ -31,7 +31,7 @@ from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.pareto_archive import ParetoArchive
-from rl_lightning.rollout.replay import ReplayDump, manifest
+from rl_lightning.rollout.replay import ReplayDump, run_manifest
 from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
 from rl_lightning.rollout.weights import WeightSync, named_weights
@@ -48,7 +48,9 @@ class PolicyTask(Protocol):
     rollouts: int  # completed rollouts: the sampling seeds' step
     device: torch.device
 
-    def run_rollouts(self) -> int: ...  # the rollouts this fit takes
+    def run_rollouts(self) -> int:
+        """The rollouts this fit takes."""
+        ...
 
 def _task(pl_module: L.LightningModule) -> PolicyTask:
     """`pl_module` seen through the interface the callback needs (the task that built the callback)."""
@@ -86,8 +88,8 @@ class RolloutCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Start-up checks of ``engine: vllm_process`` (before any model loads): one training process, GPUs of its own."""
         c = self.config
-        if c.replay is not None and stage == "fit":
-            self._setup_replay(trainer, _task(pl_module), c.replay)
+        if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
+            self.replay = ReplayDump.start(trainer, _task(pl_module), c)
         if c.engine != "vllm_process" or stage != "fit" or c.replay is not None:
             return
         if trainer.world_size > 1:
@@ -102,9 +104,7 @@ class RolloutCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Start the reward workers and the reward model, and build the engine (once per process for vLLM)."""
         c, task = self.config, _task(pl_module)
-        if self.replay is not None:  # no engine, no reward workers: the dump holds every rollout the run needs
-            self.replay.check(self._manifest(trainer, task), range(task.rollouts, task.run_rollouts()),
-                              c.filter_range is not None)
+        if self.replay is not None:  # no engine, no reward workers (the rollouts are checked in `on_train_start`)
             return
         if c.engine == "hf" and trainer.world_size > 1 and (c.filter_range is not None or c.max_turns > 1):
             # the sharded policy's forwards are collectives, and these loops decide per rank how often to generate
@@ -128,6 +128,14 @@ class RolloutCallback(L.Callback):
         self.weight_sync = WeightSync(c.weight_bucket_mb << 20, adapter=self.adapter_sync)
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A replay: refuse a dump lacking a rollout the run needs (from a resumed checkpoint's on)."""
+        task = _task(pl_module)
+        if self.replay is not None:
+            self.replay.check(run_manifest(trainer, task, self.config), range(task.rollouts, task.run_rollouts()),
+                              self.config.filter_range is not None)
+
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Drop any in-flight rollout and shut the reward workers down."""
         if self.generator is not None:  # an in-flight rollout is dropped (it still uses the reward workers)
@@ -140,19 +148,6 @@ class RolloutCallback(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A failed fit tears down as a finished one does."""
         self.teardown(trainer, pl_module, "fit")
-
-    def _setup_replay(self, trainer: L.Trainer, task: PolicyTask, dirpath: str) -> None:
-        """Read this rank's dumped rollouts and refuse, at once, a dump of another model or rollout shape."""
-        if getattr(_datamodule(trainer), "val_dataloader", None) is not None and trainer.limit_val_batches != 0:
-            raise ConfigError(f"model.rollout.replay={dirpath} builds no engine, so held-out prompts cannot be "
-                              "scored: set trainer.limit_val_batches: 0 or drop data.val_path/val_paths")
-        self.replay = ReplayDump(dirpath, trainer.global_rank)
-        self.replay.check(self._manifest(trainer, task), [], self.config.filter_range is not None)
-
-    def _manifest(self, trainer: L.Trainer, task: PolicyTask) -> dict[str, Any]:
-        """This run's dump manifest (`rl_lightning.rollout.replay.manifest`)."""
-        batch_size = getattr(_datamodule(trainer), "hparams", {}).get("batch_size")
-        return manifest(task.model_name, task.tokenizer, self.config, batch_size, trainer.world_size)
 
     def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
         from rl_lightning.rollout.vllm import VLLMEngine, adapter_sync_rank, check_engine

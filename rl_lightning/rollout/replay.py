@@ -42,7 +42,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size: int, world_size: int
+def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size: int | None, world_size: int
              ) -> dict[str, Any]:
     """The dump's ``manifest.json``: the keys of `MUST_MATCH`, then the sampling settings (not checked)."""
     return {"format": FORMAT_VERSION, "model_name": model_name, "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -50,6 +50,12 @@ def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size:
             "engine": config.engine, "temperature": config.temperature, "top_p": config.top_p,
             "top_k": config.top_k, "max_new_tokens": config.max_new_tokens, "max_turns": config.max_turns,
             "seed": config.seed, "filter_range": config.filter_range}
+
+
+def run_manifest(trainer: Any, task: Any, config: RolloutConfig) -> dict[str, Any]:
+    """The `manifest` of the run `trainer` fits `task` (the PPO task: ``model_name``, ``tokenizer``) in."""
+    batch_size = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("batch_size")
+    return manifest(task.model_name, task.tokenizer, config, batch_size, trainer.world_size)
 
 
 def trajectory_record(trajectory: Trajectory, position: int, rollout: Rollout) -> dict[str, Any]:
@@ -92,6 +98,22 @@ class ReplayDump:
             raise ConfigError(f"{self.key}: dump format {self.manifest.get('format')}, this version replays format "
                               f"{FORMAT_VERSION}; dump the run again with this version")
         self.lines = _read_rollouts(self.dirpath, rank)
+
+    @classmethod
+    def start(cls, trainer: Any, task: Any, config: RolloutConfig) -> ReplayDump:
+        """This rank's dump for the run `trainer` fits `task` in, checked at start-up (before any model loads).
+
+        Raises:
+            ConfigError: one line: validation would need an engine, or `check` refuses the dump.
+        """
+        dirpath = str(config.replay)
+        datamodule = getattr(trainer, "datamodule", None)
+        if getattr(datamodule, "val_dataloader", None) is not None and trainer.limit_val_batches != 0:
+            raise ConfigError(f"model.rollout.replay={dirpath} builds no engine, so held-out prompts cannot be "
+                              "scored: set trainer.limit_val_batches: 0 or drop data.val_path/val_paths")
+        dump = cls(dirpath, trainer.global_rank)
+        dump.check(run_manifest(trainer, task, config), [], config.filter_range is not None)
+        return dump
 
     def check(self, current: dict[str, Any], rollouts: Iterable[int], filtered: bool) -> None:
         """Refuse, with one line, a dump that cannot replay this run.
