@@ -15,7 +15,13 @@ from rl_lightning.algorithms.logprobs import token_logprobs
 from rl_lightning.algorithms.pass_at_k import pass_at_k
 from rl_lightning.algorithms.policy import clipped_policy_loss, clipped_value_loss, token_mean
 from rl_lightning.algorithms.preference import DPO_LOSSES, bradley_terry_loss, dpo_logits, dpo_loss
-from rl_lightning.algorithms.preference_free import kto_loss, kto_reference_point, orpo_loss, simpo_loss
+from rl_lightning.algorithms.preference_free import (
+    kto_loss,
+    kto_reference_point,
+    orpo_loss,
+    per_token_average,
+    simpo_loss,
+)
 from rl_lightning.algorithms.sft import sft_loss
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "kto_reference_point",
     "orpo_loss",
     "pass_at_k",
+    "per_token_average",
     "reinforce_pp_advantages",
     "rloo_advantages",
     "sft_loss",

@@ -157,3 +157,8 @@ def kto_loss(
         "logps": logps.detach().sum(),
     }
     return loss, metrics
+
+
+def per_token_average(logps: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """(P,) average per-token log-probabilities from (P,) summed ones and (P,) completion token counts (>= 1)."""
+    return logps / num_tokens.clamp(min=1)

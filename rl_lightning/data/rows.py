@@ -1,7 +1,8 @@
 """Row validation for the three task formats (seed formats, see README "Data formats").
 
 - SFT: ``{"messages": [...]}`` with at least one assistant message.
-- Preference (RM, DPO): ``{"messages": [prompt...], "chosen": str, "rejected": str}``.
+- Preference (RM, DPO): ``{"messages": [prompt...], "chosen": str, "rejected": str}``; for KTO also unpaired
+  ``{"messages" | "prompt": ..., "completion": str, "label": bool}``.
 - Prompts (PPO family): ``{"messages": [prompt...], "answer": ...}``.
 
 Every error names the file and row (see `Rows.locate`), the field, the value and what to do.
@@ -63,11 +64,35 @@ def check_sft_rows(rows: Rows) -> None:
             raise DataError(f"{where}: no assistant message, so there is nothing to train on; add one or drop the row")
 
 
-def check_preference_rows(rows: Rows) -> None:
-    """Validate RM/DPO rows: a prompt in `messages` and two different string completions."""
+def is_unpaired(row: Any) -> bool:
+    """Whether a preference row is an unpaired example (``completion`` and ``label``) rather than a pair."""
+    return isinstance(row, dict) and "chosen" not in row and ("completion" in row or "label" in row)
+
+
+def row_prompt(row: dict, where: str) -> list[dict]:
+    """The prompt messages of a preference row: ``messages``, or ``prompt`` (a string is one user message)."""
+    if "messages" not in row and isinstance(row.get("prompt"), str):
+        return [{"role": "user", "content": row["prompt"]}]
+    messages = row["messages"] if "messages" in row or "prompt" not in row else row["prompt"]
+    check_messages(messages, where, "messages" if "messages" in row else "prompt")
+    return messages
+
+
+def check_preference_rows(rows: Rows, unpaired_ok: bool = False) -> None:
+    """Validate RM/DPO rows: a prompt in `messages` and two different string completions.
+
+    With `unpaired_ok` (KTO), a row may instead be one example ``{"messages" | "prompt", "completion": str,
+    "label": bool}``; without it such a row is refused with the key that accepts it.
+    """
     _check_nonempty(rows)
     for i, row in enumerate(rows.rows):
         where = rows.locate(i)
+        if is_unpaired(row):
+            if not unpaired_ok:
+                raise DataError(f"{where}: an unpaired row ('completion', 'label') but this loss trains on pairs "
+                                "('chosen', 'rejected'); set model.loss_type: kto (DPO task) or give paired rows")
+            _check_unpaired(row, where)
+            continue
         check_messages(_require(row, where, "messages", "preference"), where)
         chosen = _require(row, where, "chosen", "preference")
         rejected = _require(row, where, "rejected", "preference")
@@ -79,6 +104,18 @@ def check_preference_rows(rows: Rows) -> None:
         margin = row.get("margin", 0.0)
         if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
             raise DataError(f"{where}: 'margin' must be a finite number, got {_short(margin)}; fix or remove it")
+
+
+def _check_unpaired(row: dict, where: str) -> None:
+    if "messages" not in row and "prompt" not in row:
+        raise DataError(f"{where}: missing 'messages' (or 'prompt') (have {sorted(row)}); unpaired rows need a prompt")
+    row_prompt(row, where)
+    completion = _require(row, where, "completion", "unpaired preference")
+    if not isinstance(completion, str):
+        raise DataError(f"{where}: 'completion' must be a string, got {type(completion).__name__} {_short(completion)}")
+    label = _require(row, where, "label", "unpaired preference")
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: 'label' must be true (desirable) or false (undesirable), got {_short(label)}")
 
 
 def check_prompt_rows(rows: Rows) -> None:

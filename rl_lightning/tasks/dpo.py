@@ -1,9 +1,14 @@
-"""Direct Preference Optimisation and its variants (cDPO/robust label smoothing, IPO, hinge).
+"""Direct Preference Optimisation and its variants (cDPO/robust label smoothing, IPO, hinge), SimPO, ORPO and KTO.
 
 The policy's summed completion log-probabilities for the chosen and rejected answers are compared with a frozen
 reference's (computed without gradients, all micro-batches of the step in one pass so an offloaded reference moves to
 the accelerator once per step). ``reference_free`` drops the reference (log pi_ref = 0). The loss is averaged over the
 global number of pairs in the step, so packing and data parallelism do not change the update.
+
+SimPO and ORPO are reference-free and read average per-token log-probabilities. KTO trains on unpaired examples: the
+step first runs the policy without gradients over every example's mismatched sequence (see
+`rl_lightning.data.unpaired`) to estimate its reference point over the whole global step (TRL estimates it per
+micro-batch), then the usual pass; it is averaged over the global number of examples.
 """
 
 from __future__ import annotations
@@ -15,17 +20,23 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms import DPO_LOSSES, dpo_loss
+from rl_lightning.algorithms import kto_reference_point
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
-from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
+from rl_lightning.parallel.reductions import data_parallel_sum, local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
+from rl_lightning.tasks.preference_objectives import (
+    REFERENCE_FREE_LOSSES,
+    UNPAIRED_LOSSES,
+    loss_config_errors,
+    preference_objective,
+)
 
 
 def completion_logprobs(model: Any, micro_batch: dict[str, Any], lm_head_chunk: int | None = None) -> torch.Tensor:
@@ -34,17 +45,28 @@ def completion_logprobs(model: Any, micro_batch: dict[str, Any], lm_head_chunk: 
     return sequence_sums(logprobs, micro_batch["target_mask"], micro_batch)
 
 
+def completion_token_counts(micro_batch: dict[str, Any]) -> torch.Tensor:
+    """(S,) number of completion (target) tokens of each sequence, as floats."""
+    mask = micro_batch["target_mask"]
+    return sequence_sums(mask.float(), mask, micro_batch)
+
+
 class DPO(L.LightningModule):
-    """DPO-family preference optimisation of a causal LM against a frozen reference.
+    """DPO-family preference optimisation of a causal LM (against a frozen reference, or none), SimPO, ORPO and KTO.
 
     Args:
         model_name: policy to train (HF folder or hub name); also the tokenizer (linked to ``data.tokenizer_name``).
         ref_model_name: frozen reference; defaults to `model_name` (the usual SFT starting point).
-        beta: implicit-reward inverse temperature (IPO's tau).
-        loss_type: ``sigmoid`` (DPO), ``robust`` (rDPO), ``ipo`` or ``hinge``.
-        label_smoothing: probability that a preference label is flipped, for ``sigmoid`` (cDPO) and ``robust``;
-            in [0, 0.5).
+        beta: implicit-reward inverse temperature (IPO's tau; SimPO's reward scale, 2 to 10 in its paper; ORPO's
+            lambda, the weight of the odds-ratio term).
+        loss_type: ``sigmoid`` (DPO), ``robust`` (rDPO), ``ipo``, ``hinge``; ``simpo`` and ``orpo`` (reference-free,
+            need ``reference_free: true``); ``kto`` (unpaired examples, or pairs split into two; needs the reference).
+        label_smoothing: probability that a preference label is flipped, for ``sigmoid`` (cDPO), ``robust`` and
+            ``simpo``; in [0, 0.5).
         reference_free: compare against a uniform reference (log pi_ref = 0) and load no reference model.
+        simpo_gamma: SimPO's target reward margin (``loss_type: simpo`` only); null: 0.5.
+        desirable_weight: KTO's weight on desirable examples (``loss_type: kto``; > 0).
+        undesirable_weight: KTO's weight on undesirable examples (``loss_type: kto``; > 0).
         reference_offload: keep the reference on the CPU between steps (saves accelerator memory).
         optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
@@ -71,6 +93,9 @@ class DPO(L.LightningModule):
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         reference_free: bool = False,
+        simpo_gamma: float | None = None,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
         reference_offload: bool = False,
         optim: OptimConfig = OptimConfig(lr=5e-7),
         gradient_checkpointing: bool = False,
@@ -82,9 +107,8 @@ class DPO(L.LightningModule):
     ) -> None:
         super().__init__()
         check_lm_head_chunk(lm_head_chunk)
-        errors = []
-        if loss_type not in DPO_LOSSES:
-            errors.append(f"model.loss_type must be one of {', '.join(DPO_LOSSES)}, got '{loss_type}'")
+        errors = loss_config_errors(loss_type, reference_free, label_smoothing, simpo_gamma, desirable_weight,
+                                    undesirable_weight)
         if beta <= 0:
             errors.append(f"model.beta must be > 0, got {beta}")
         if not 0.0 <= label_smoothing < 0.5:
@@ -158,16 +182,35 @@ class DPO(L.LightningModule):
             self._reference.to("cpu")
         return logprobs
 
-    def _pair_loss(self, micro_batch: dict, ref_logprobs: torch.Tensor, normaliser: Any) -> tuple[torch.Tensor, dict]:
+    @property
+    def unpaired_examples(self) -> bool:
+        """Whether the loss trains on unpaired examples (KTO): `PreferenceDataModule` then builds one unit each."""
+        return self.hparams.loss_type in UNPAIRED_LOSSES
+
+    @torch.no_grad()
+    def kto_reference_point(self, micro_batches: list[dict[str, Any]], reference: list[torch.Tensor]) -> torch.Tensor:
+        """() KTO's z0 over the global step: the policy's mismatched log-ratios, a no-gradient pass of its own."""
+        layout, logratio_sum = parallel_layout(self.trainer), torch.zeros((), device=self.device)
+        for micro_batch, ref_logprobs in zip(micro_batches, reference, strict=True):
+            logprobs = completion_logprobs(self.model, local_micro_batch(layout, micro_batch), self.hparams.lm_head_chunk)
+            _, mismatched = pair_slices(logprobs - ref_logprobs, int(micro_batch["num_units"]))  # (U,)
+            logratio_sum += mismatched.sum()
+        num_examples = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
+        return kto_reference_point(data_parallel_sum(self.trainer, logratio_sum), num_examples.clamp(min=1))
+
+    def _extras(self, micro_batches: list[dict[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per micro-batch: reference log-probabilities and (KTO) the step's reference point."""
+        reference = self.reference_logprobs(micro_batches)
+        point = self.kto_reference_point(micro_batches, reference) if self.unpaired_examples else None
+        return [(ref_logprobs, point) for ref_logprobs in reference]
+
+    def _pair_loss(self, micro_batch: dict, extra: tuple, normaliser: Any) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
-        logprobs = completion_logprobs(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch),
-                                       hp.lm_head_chunk)  # (S,)
-        num_pairs = int(micro_batch["num_units"])
-        chosen, rejected = pair_slices(logprobs, num_pairs)
-        ref_chosen, ref_rejected = pair_slices(ref_logprobs, num_pairs)
-        loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, normaliser, hp.beta,
-                                 DPO_LOSSES[hp.loss_type], hp.label_smoothing)
-        if num_pairs == 0:  # a filler micro-batch: keep the graph so every rank runs the same backward
+        local = local_micro_batch(parallel_layout(self.trainer), micro_batch)
+        logprobs = completion_logprobs(self.model, local, hp.lm_head_chunk)  # (S,)
+        num_tokens = completion_token_counts(local) if hp.loss_type in REFERENCE_FREE_LOSSES else None
+        loss, metrics = preference_objective(hp, logprobs, extra[0], num_tokens, micro_batch, normaliser, extra[1])
+        if int(micro_batch["num_units"]) == 0:  # a filler micro-batch: keep the graph so every rank runs the same backward
             loss = loss + 0.0 * logprobs.sum()
         return loss, metrics
 
@@ -175,13 +218,13 @@ class DPO(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
         with phase("train/score"):
-            reference = self.reference_logprobs(micro_batches)
-        pairwise_step(self, micro_batches, self._pair_loss, reference)
+            extras = self._extras(micro_batches)
+        pairwise_step(self, micro_batches, self._pair_loss, extras)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         micro_batches = batch["micro_batches"]
-        pairwise_validation(self._val, micro_batches, self._pair_loss, self.reference_logprobs(micro_batches))
+        pairwise_validation(self._val, micro_batches, self._pair_loss, self._extras(micro_batches))
 
     @override
     def on_validation_epoch_end(self) -> None:
