@@ -6,7 +6,7 @@ table ``rollout_samples.json`` of every MLflow logger's run, one row per traject
 | column | |
 | --- | --- |
 | ``rollout`` | the rollout's number, counted from 1 (the task's ``train/rollouts``) |
-| ``step`` | ``trainer.global_step`` after the rollout's update |
+| ``step`` | the run's step, where MLflow's charts put the rollout's ``train/*`` values (rollouts done: equal to ``rollout``; `rl_lightning.tracking.logger.steps_done`) |
 | ``prompt`` | the prompt's last user message |
 | ``answer`` | the prompt's reference answer (``str``; empty when there is none) |
 | ``completion`` | what was generated after the prompt: the assistant text; multi-turn, every turn after the prompt, tool messages prefixed ``[tool]``, one per line |
@@ -97,7 +97,7 @@ class RolloutSamples(L.Callback):
         if not trainer.is_global_zero or not (number == 1 or number % self.every_n_rollouts == 0):
             return
         rollout = batch["rollout"]
-        table = sample_table(rollout, number, trainer.global_step, self.rows)
+        table = sample_table(rollout, number, number, self.rows)  # rollouts done: the run's step
         for logger in _mlflow_loggers(trainer):
             try:
                 self._append(logger.experiment, logger.run_id, table)

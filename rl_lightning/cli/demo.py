@@ -68,9 +68,9 @@ def train(overrides: list[str]) -> Path:
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     if subprocess.run(command, cwd=REPO, env=env).returncode != 0:
         _fail("the demo's training run failed (its error is above); the tiny-model demo is make demo-tiny")
-    from rl_lightning.cli.main import run_name
+    from rl_lightning.cli.run_names import configs_name
 
-    return (REPO / "outputs" / run_name(OVERLAY) / "latest").resolve()  # the run is named after its last config
+    return (REPO / "outputs" / configs_name([RECIPE, OVERLAY]) / "latest").resolve()  # named after its configs
 
 
 def summary(before: dict[str, float], after: dict[str, float], run: Path, seconds: float) -> str:

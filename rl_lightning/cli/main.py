@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_line_error
 from rl_lightning.cli.device_check import check_trainer_devices
+from rl_lightning.cli.run_names import configs_name, run_name
 from rl_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 chara
 # What every recipe would otherwise repeat. A recipe's `trainer.logger` replaces the logger; `trainer.callbacks` in
 # a recipe or an overlay ADDS to these (an entry of a class already listed replaces that one, in place).
 TRAINER_DEFAULTS = {
-    "trainer.logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+    "trainer.logger": {"class_path": "rl_lightning.tracking.logger.MLFlowLogger",
                        "init_args": {"experiment_name": "rl_lightning", "tracking_uri": "sqlite:///mlflow.db"}},
     "trainer.callbacks": [
         {"class_path": "rl_lightning.tracking.plots.RunPlots"},  # first: its files exist when RunProgress sums up
@@ -51,11 +52,21 @@ EXPERIMENTS = {"SFT": "sft", "RewardModel": "reward-model", "DPO": "dpo", "PPO":
 
 
 def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
-    """Flatten a nested config into ``{"model.lr": "1e-05", ...}``, dropping jsonargparse's ``init_args`` level."""
+    """Flatten a nested config into ``{"model.lr": "1e-05", ...}``, dropping jsonargparse's ``init_args`` level.
+
+    A list of classes (``trainer.callbacks``) gives one key per class, ``trainer.callbacks.RunPlots``, whose value is
+    its arguments as ``key=value, ...`` (``defaults`` when it has none set).
+    """
     if hasattr(config, "as_dict"):
         config = config.as_dict()
     flat: dict[str, str] = {}
-    if isinstance(config, dict):
+    if isinstance(config, list) and config and all(isinstance(v, dict) and "class_path" in v for v in config):
+        for item in config:
+            name = f"{prefix}.{str(item['class_path']).rsplit('.', 1)[-1]}"
+            args = flatten_config(item.get("init_args") or {})
+            value = ", ".join(f"{k}={v}" for k, v in args.items()) or "defaults"
+            flat[name] = value if name not in flat else f"{flat[name]}; {value}"
+    elif isinstance(config, dict):
         for key, value in config.items():
             name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
             flat.update(flatten_config(value, name))
@@ -135,8 +146,10 @@ class RLArgumentParser(LightningArgumentParser):
 class RLLightningCLI(LightningCLI):
     """LightningCLI with tasks by class path, a linked tokenizer, shared trainer defaults and one-line errors.
 
-    The trainer defaults: MLflow logger, progress bar, last checkpoint, Hugging Face export. A run is named after its recipe (``recipes/grpo.yaml`` -> ``grpo``) unless ``trainer.logger.init_args.run_name``
-    says otherwise; its checkpoints, export and config go to its own folder ``outputs/<run>/<time>/``
+    The trainer defaults: MLflow logger, progress bar, last checkpoint, Hugging Face export. A run is named after its
+    configs and the command line's settings (``grpo lr=2e-05``, `rl_lightning.cli.run_names`) unless
+    ``trainer.logger.init_args.run_name`` says otherwise; its checkpoints, export and config go to its own folder
+    ``outputs/<configs>/<time>/``
     (`rl_lightning.cli.outputs`), ``--ckpt_path last`` resumes ``outputs/<run>/latest`` (same folder, same MLflow run),
     and the MLflow experiment is ``rl_lightning/<task family>`` unless ``experiment_name`` is set anywhere.
     """
@@ -188,17 +201,17 @@ class RLLightningCLI(LightningCLI):
         check_trainer_devices(trainer)  # a GPU recipe on a machine without CUDA: one line, before any model loads
         trainer.callbacks = merge_callbacks(trainer.get("callbacks") or [], trainer.get("enable_progress_bar"),
                                             trainer.get("enable_checkpointing"))
-        sources = config.get("config") or []
-        recipe = str(sources[-1]) if sources else self.recipe
+        sources = [str(source) for source in config.get("config") or []] or self.config_files
         logger = trainer.get("logger")
-        if recipe is None or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
+        if not sources or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith("MLFlowLogger"):
             return
+        folder = logger.init_args.get("run_name") or configs_name(sources)
         if logger.init_args.get("run_name") is None:
-            logger.init_args.run_name = run_name(recipe)
+            logger.init_args.run_name = run_name(sources, self.raw_args)
         family = EXPERIMENTS.get(str(config.get("model", {}).get("class_path", "")).rsplit(".", 1)[-1])
         if family and not self.mentions("experiment_name"):
             logger.init_args.experiment_name = f"rl_lightning/{family}"
-        self.place_outputs(trainer, logger, config.get("ckpt_path"))
+        self.place_outputs(trainer, logger, config.get("ckpt_path"), folder)
         if config.get("ckpt_path") == "last":
             config.ckpt_path = last_checkpoint(trainer.callbacks)
 
@@ -211,8 +224,8 @@ class RLLightningCLI(LightningCLI):
         return any(key in text for text in texts)
 
     @staticmethod
-    def place_outputs(trainer: Any, logger: Any, ckpt_path: str | None) -> None:
-        """Name the run's output folder after the run.
+    def place_outputs(trainer: Any, logger: Any, ckpt_path: str | None, folder: str) -> None:
+        """Name the run's output folder `folder` (its configs' name, `rl_lightning.cli.run_names`).
 
         When resuming (``--ckpt_path last`` or a checkpoint inside a run folder), reuse that folder, its
         checkpoint/export paths and its MLflow run.
@@ -222,7 +235,7 @@ class RLLightningCLI(LightningCLI):
         outputs = [c for c in trainer.callbacks if str(c.get("class_path", "")).endswith(".RunOutputs")]
         for callback in outputs:
             if callback.init_args.get("name") is None:
-                callback.init_args.name = logger.init_args.run_name
+                callback.init_args.name = folder
         if not outputs or ckpt_path is None:
             return
         (callback,) = outputs[-1:]
@@ -243,19 +256,6 @@ class RLLightningCLI(LightningCLI):
     @override
     def subcommands() -> dict[str, set[str]]:
         return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"}}
-
-
-def run_name(config_path: str) -> str:
-    """A run's default name from its recipe.
-
-    The path below ``recipes/`` without the extension, ``/`` -> ``-`` (``recipes/real/grpo.yaml`` -> ``real-grpo``);
-    other files: their stem.
-    """
-    parts = os.path.normpath(os.path.splitext(config_path)[0]).split(os.sep)
-    if "recipes" in parts[:-1]:
-        parts = parts[len(parts) - 1 - parts[::-1].index("recipes") + 1 :]
-        return "-".join(parts)
-    return parts[-1]
 
 
 def merge_callbacks(callbacks: list[Any], progress_bar: bool | None, checkpointing: bool | None) -> list[Any]:

@@ -106,7 +106,7 @@ class RunOutputs(L.Callback):
             if isinstance(logger, MLFlowLogger):
                 record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": logger._experiment_name,
                                "mlflow_tracking_uri": logger._tracking_uri})
-                logger.experiment.set_tag(logger.run_id, "rl_lightning.output_dir", str(self.dirpath.resolve()))
+                logger.experiment.set_tag(logger.run_id, "output_dir", str(self.dirpath.resolve()))
         (self.dirpath / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -19,21 +19,15 @@ import lightning as L
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from typing_extensions import override
 
-# train/ metrics shown on the bar, in this order, with their short names (the first present of each name wins)
-SHOWN = (
-    ("train/reward", "reward"),
-    ("train/completion_length", "len"),
-    ("train/kl", "kl"),
-    ("train/policy_loss", "loss"),
-    ("train/loss", "loss"),
-    ("train/value_loss", "value_loss"),
-    ("train/accuracy", "acc"),
-    ("train/margin", "margin"),
-)
+# train/ metrics shown on the bar, in this order, by their MLflow names without ``train/`` (the names a user searches
+# for in MLflow); the first present of each name wins
+SHOWN = tuple((key, key.removeprefix("train/")) for key in (
+    "train/reward", "train/completion_length", "train/kl", "train/policy_loss", "train/loss", "train/value_loss",
+    "train/accuracy", "train/margin"))
 
 
 def format_metrics(metrics: dict[str, float], shown: tuple[tuple[str, str], ...] = SHOWN) -> str:
-    """``reward 0.742 · len 3.12 · loss -0.0123``: the `shown` keys present in `metrics`, each short name once."""
+    """``reward 0.742 · completion_length 3.12 · policy_loss -0.0123``: the `shown` keys present in `metrics`."""
     parts, names = [], set()
     for key, name in shown:
         if key in metrics and name not in names:
@@ -62,8 +56,8 @@ class RunProgress(ProgressBar):
     """One bar for the whole run, validation lines and an end-of-run summary (global rank 0 only).
 
     Args:
-        metrics: extra ``{logged key: short name}`` shown on the bar after the defaults (e.g.
-            ``{"train/entropy": "entropy"}``).
+        metrics: extra ``{logged key: name shown}`` on the bar after the defaults (e.g.
+            ``{"train/entropy": "entropy"}``; the defaults show the logged name without ``train/``).
         line_every_s: without a terminal, print a progress line at least this often (seconds) besides each tenth
             of the run.
     """
@@ -270,7 +264,8 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and logger._run_id:
             rows += [("MLflow", f"run {logger._run_name or ''} ({logger.run_id}) in experiment "
-                                f"'{logger._experiment_name}'"), ("", mlflow_link(logger))]
+                                f"'{logger._experiment_name}'"), ("", mlflow_link(logger)),
+                     ("compare", experiment_link(logger).rsplit(" ", 1)[-1])]
     lines = [f"{name} finished: {done} {unit}{'s' if done != 1 else ''} in {_duration(seconds)}"]
     lines += [f"  {label:<11} {text}" for label, text in rows if text]  # the 2nd MLflow line: blank label
     return "\n".join(lines)
@@ -279,10 +274,23 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
 def mlflow_link(logger: Any) -> str:
     """How to open the run's page in the MLflow UI, in its model-training view.
 
-    The UI's GenAI view is the default of a new browser; ``workflowType`` in the address picks the other.
+    MLflow 3.17's UI picks its view from the address's ``workflowType``, else from the browser's last choice (GenAI
+    in a fresh browser); it does not read the experiment's ``mlflow.experimentKind`` tag. The link carries
+    ``workflowType=machine_learning``.
     """
+    return _ui_address(logger, f"#/experiments/{logger.experiment_id}/runs/{logger.run_id}?{ML_VIEW}")
+
+
+def experiment_link(logger: Any) -> str:
+    """The experiment's runs table and charts (select runs, then Compare), in the model-training view."""
+    return _ui_address(logger, f"#/experiments/{logger.experiment_id}/runs?{ML_VIEW}")
+
+
+ML_VIEW = "workflowType=machine_learning"
+
+
+def _ui_address(logger: Any, page: str) -> str:
     uri = logger._tracking_uri or ""
-    page = f"#/experiments/{logger.experiment_id}/runs/{logger.run_id}?workflowType=machine_learning"
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}"
     return f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/{page}"

@@ -286,7 +286,7 @@ def run(argv: list[str]) -> Any:
     """Parse the tune arguments, validate the space, run the study; returns the `optuna.Study`."""
     import optuna
 
-    from rl_lightning.cli.main import run_name
+    from rl_lightning.cli.run_names import configs_name
 
     args, fit_args = build_parser().parse_known_args(argv)
     space = load_space(args.search, grid=args.sampler == "grid")
@@ -298,7 +298,7 @@ def run(argv: list[str]) -> Any:
     if n_trials < 1:
         raise ConfigError(f"--n-trials must be at least 1, got {n_trials}")
     direction = args.direction or ("minimize" if "loss" in args.metric else "maximize")
-    study_name = args.study_name or f"{run_name(args.config[-1])}-tune"
+    study_name = args.study_name or f"{configs_name(args.config)}-tune"
     tuner = Tuner(args, fit_args, space)
     parent = tuner.start_parent(study_name, direction, n_trials)
     print(f"tune: {n_trials} trials, {direction} the {args.objective_reduce} value of {args.metric}, "

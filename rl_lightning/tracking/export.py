@@ -182,10 +182,11 @@ class HFExport(L.Callback):
 
         for logger in loggers:
             client, run_id = logger.experiment, logger.run_id
-            model = lineage.log_model(client, logger._tracking_uri, run_id, dirpath, tags, self.log_weights)
+            name = lineage.model_name(client.get_run(run_id).info.run_name)
+            model = lineage.log_model(client, logger._tracking_uri, run_id, dirpath, tags, self.log_weights, name)
             log.info("logged the export as MLflow model %s", model.model_uri)
             if self.registered_model_name is not None:
                 version = lineage.register(client, self.registered_model_name, model, run_id, tags)
-                client.set_tag(run_id, "rl_lightning.registered_model",
+                client.set_tag(run_id, "registered_model",
                                f"{self.registered_model_name}/{version.version}")
                 log.info("registered %s version %s", self.registered_model_name, version.version)

@@ -4,16 +4,13 @@ The plots (`rl_lightning.tracking.plots`) and the model card (`rl_lightning.trac
 at the end rather than collecting values during the run: a resumed run (``--ckpt_path last``) logs to the same MLflow
 run, so the history holds the whole run, the part before the resume included.
 
-Positions. Lightning logs a step's ``train/*`` metrics, and a validation that runs after that step, both at MLflow
-step ``s`` (0-based), and PPO logs the validation of the starting policy at step 0 too. So a ``train/*`` value at
-step ``s`` is placed at ``s + 1`` (optimizer steps or rollouts done), and a ``val/*`` value at one more than the step
-of the last ``train/*`` value logged before it (its timestamp), 0 when none was: the start. When a resumed run logs
-a step again, the later value wins.
+Positions. The CLI's logger (`rl_lightning.tracking.logger.MLFlowLogger`) logs every value at the run's own step
+(rollouts or optimizer steps done; 0 = the start), the axis the terminal counts and the charts of the MLflow UI
+use, so a value's MLflow step is its position. When a resumed run logs a step again, the later value wins.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import Any, NamedTuple
 
 
@@ -52,33 +49,18 @@ def read_history(client: Any, run_id: str, prefixes: tuple[str, ...] = ("train/"
     return history
 
 
-def train_timeline(history: dict[str, list[Point]]) -> list[tuple[int, int]]:
-    """``(timestamp, step)`` of every ``train/*`` value, in time order: when each step's training was logged."""
-    return sorted((p.timestamp, p.step) for name, points in history.items() if name.startswith("train/")
-                  for p in points)
-
-
-def position(name: str, point: Point, timeline: list[tuple[int, int]]) -> int:
-    """Where `point` of metric `name` sits on the run's axis (see the module docstring)."""
-    if not name.startswith("val/"):
-        return point.step + 1
-    before = bisect.bisect_right(timeline, (point.timestamp, float("inf")))  # train values logged at or before it
-    return timeline[before - 1][1] + 1 if before else 0
-
-
-def series(name: str, points: list[Point], timeline: list[tuple[int, int]]) -> Series:
-    """The metric `name` on the run's axis: one value per position (the last logged), positions increasing."""
+def series(points: list[Point]) -> Series:
+    """A metric on the run's axis: one value per step (the last logged), steps increasing."""
     latest: dict[int, float] = {}
     for point in sorted(points, key=lambda p: p.timestamp):
-        latest[position(name, point, timeline)] = point.value
+        latest[point.step] = point.value
     xs = sorted(latest)
     return Series(xs, [latest[x] for x in xs])
 
 
 def all_series(history: dict[str, list[Point]]) -> dict[str, Series]:
     """`series` of every metric in `history`."""
-    timeline = train_timeline(history)
-    return {name: series(name, points, timeline) for name, points in history.items()}
+    return {name: series(points) for name, points in history.items()}
 
 
 def first_and_last(history: dict[str, list[Point]], prefix: str = "val/") -> dict[str, tuple[XY, XY]]:

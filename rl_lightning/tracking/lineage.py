@@ -1,21 +1,22 @@
 """A run's lineage (what it was trained from) and the MLflow model of its Hugging Face export.
 
-Lineage tags (on the MLflow run at train start, and on the logged model and the registered model version):
+Lineage tags (on the MLflow run at train start, and on the logged model and the registered model version), short so
+the MLflow UI shows them whole:
 
-- ``rl_lightning.recipe``: the config file(s) given with ``--config``;
-- ``rl_lightning.base_model``: the ``model_name`` training started from;
-- ``rl_lightning.data.path`` / ``.sha256`` (and ``rl_lightning.data.val_path`` / ``.val_sha256``): the data and the
-  SHA-256 of its content (a folder: of its files, in name order; a ``reasoning_gym:`` spec or a hub dataset name: of
-  the string itself, since the rows come from a generator or the hub);
-- ``rl_lightning.env.path`` / ``.sha256``: an RL task's environment file (``model.rollout.env_path``), also uploaded
-  as the run artifact ``environment/<file name>``;
-- ``mlflow.source.git.commit`` (MLflow's own tag) and ``rl_lightning.git.commit`` / ``.dirty``: the commit of the git
+- ``recipe``: the config file(s) given with ``--config``;
+- ``base_model``: the ``model_name`` training started from;
+- ``data`` / ``data.sha256`` (and ``val_data`` / ``val_data.sha256``): the data and the SHA-256 of its content (a
+  folder: of its files, in name order; a ``reasoning_gym:`` spec or a hub dataset name: of the string itself, since
+  the rows come from a generator or the hub);
+- ``env`` / ``env.sha256``: an RL task's environment file (``model.rollout.env_path``), also uploaded as the run
+  artifact ``environment/<file name>``;
+- ``mlflow.source.git.commit`` (MLflow's own tag) and ``git.commit`` / ``git.dirty``: the commit of the git
   repository holding the working directory, when there is one (no tag otherwise).
 
-The export is logged with MLflow's transformers flavor into an MLflow 3 *logged model* whose source run is the
-training run (the run page's "Logged models", the experiment's "Models" tab), so ``mlflow.transformers.load_model``
+The export is logged with MLflow's transformers flavor into an MLflow 3 *logged model* named after the run
+(`model_name`: ``grpo lr=2e-05``) whose source run is the training run (the run page's "Logged models", the experiment's "Models" tab), so ``mlflow.transformers.load_model``
 and ``client.create_model_version`` (the registry) both work with it. With ``log_weights=False`` the logged model
-holds only the export's config and tokenizer files, with the export folder as ``rl_lightning.export_dir``.
+holds only the export's config and tokenizer files, with the export folder as ``export_dir``.
 """
 
 from __future__ import annotations
@@ -90,20 +91,25 @@ def collect(trainer: Any, pl_module: Any) -> dict[str, str]:
     """Every lineage tag of the run (see the module docstring)."""
     tags: dict[str, str] = {}
     if (files := recipe(trainer)) is not None:
-        tags["rl_lightning.recipe"] = files
+        tags["recipe"] = files
     if (model_name := getattr(pl_module.hparams, "model_name", None)) is not None:
-        tags["rl_lightning.base_model"] = str(model_name)
+        tags["base_model"] = str(model_name)
     data = getattr(getattr(trainer, "datamodule", None), "hparams", {})
-    for key, suffix in (("path", "sha256"), ("val_path", "val_sha256")):
+    for key, tag in (("path", "data"), ("val_path", "val_data")):
         if data.get(key):
-            tags[f"rl_lightning.data.{key}"] = str(data[key])
-            tags[f"rl_lightning.data.{suffix}"] = data_sha256(str(data[key]))
+            tags[tag], tags[f"{tag}.sha256"] = str(data[key]), data_sha256(str(data[key]))
     if (env := env_path(pl_module)) is not None:
-        tags["rl_lightning.env.path"], tags["rl_lightning.env.sha256"] = str(env), sha256(env)
+        tags["env"], tags["env.sha256"] = str(env), sha256(env)
     if (git := git_commit()) is not None:
-        tags["mlflow.source.git.commit"] = tags["rl_lightning.git.commit"] = git[0]
-        tags["rl_lightning.git.dirty"] = str(git[1]).lower()
+        tags["mlflow.source.git.commit"] = tags["git.commit"] = git[0]
+        tags["git.dirty"] = str(git[1]).lower()
     return tags
+
+
+def model_name(run_name: str | None) -> str:
+    """A logged model's name from its run's: MLflow refuses ``/ : . % " '`` in it (``lr=0.001`` -> ``lr=0_001``)."""
+    name = "".join("_" if c in "/:.%\"'" else c for c in (run_name or "").strip())
+    return name or "model"
 
 
 def tag_run(client: Any, run_id: str, tags: dict[str, str], env: Path | None) -> None:
@@ -126,7 +132,7 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
     from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     experiment_id = client.get_run(run_id).info.experiment_id
-    tags = {**tags, "rl_lightning.export_dir": str(Path(export_dir).resolve())}
+    tags = {**tags, "export_dir": str(Path(export_dir).resolve())}
     model = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, tags=tags)
     if log_weights:
         flavor_log = logging.getLogger("mlflow.transformers")

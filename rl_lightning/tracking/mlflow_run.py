@@ -1,7 +1,11 @@
 """What the CLI adds to the MLflow run beyond metrics and the config.
 
-- The experiment is marked as model training (``mlflow.experimentKind``), so the MLflow UI opens it with runs and
-  charts rather than in GenAI mode.
+- Every `rl_lightning.tracking.logger.MLFlowLogger` follows the trainer: values are logged at the run's step
+  (rollouts or optimizer steps done), counters only when they move.
+- The experiment is marked as model training (``mlflow.experimentKind``). MLflow 3.17's UI does not read that tag
+  to pick its view (a feature flag makes it follow the ``workflowType`` address parameter, else the browser's last
+  choice, GenAI for a fresh browser), so the terminal prints links that carry ``workflowType=machine_learning``
+  (`rl_lightning.cli.progress.mlflow_link`); the tag is kept for MLflow versions and tools that read it.
 - MLflow's system metrics (``system/*``: CPU, memory, disk, network; GPU utilisation and memory on CUDA machines with
   ``pynvml``) are sampled for the whole run.
 - The data counters (``data/train_rows``, ...) and the config are logged at train start, once every start-up check
@@ -11,7 +15,7 @@
 - The run's lineage (recipe, data and environment file with their hashes, git commit, base model:
   `rl_lightning.tracking.lineage`) is set as tags at train start, and an RL task's environment file is uploaded as the
   artifact ``environment/<file name>``. (The export is logged as a model by ``HFExport``, at train end.)
-- Any other failed run gets the error as its description and an ``rl_lightning.error`` tag.
+- Any other failed run gets the error as its description and an ``error`` tag.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ class MLflowTracking(L.Callback):
         self.system_metrics, self.lineage = system_metrics, lineage
         self.sampling_interval_s = sampling_interval_s
         self._monitors: list[Any] = []
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from rl_lightning.tracking.logger import MLFlowLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                logger.follow(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -106,7 +118,7 @@ class MLflowTracking(L.Callback):
                     logger.experiment.delete_run(logger.run_id)
                     logger._initialized = False  # Lightning's finalize("failed") would touch the deleted run
                     continue
-                logger.experiment.set_tag(logger.run_id, "rl_lightning.error", message[:5000])
+                logger.experiment.set_tag(logger.run_id, "error", message[:5000])
                 logger.experiment.set_tag(logger.run_id, "mlflow.note.content",
                                           f"Failed: {type(exception).__name__}: {message}")
             except Exception as e:  # noqa: BLE001 - the original error matters more than this note

@@ -99,18 +99,14 @@ def _training_section(info: CardInfo) -> list[str]:
     note = f" ({info.base_note})" if info.base_note else ""
     rows = [("task", f"{info.task} ({info.algorithm})"), ("base model", f"`{info.base_model}`{note}")]
     lineage = info.lineage
-    if "rl_lightning.recipe" in lineage:
-        rows.append(("recipe", f"`{lineage['rl_lightning.recipe']}`"))
-    for key, label in (("path", "data"), ("val_path", "validation data")):
-        if f"rl_lightning.data.{key}" in lineage:
-            digest = lineage.get(f"rl_lightning.data.{key.replace('path', 'sha256')}", "")
-            rows.append((label, f"`{lineage[f'rl_lightning.data.{key}']}` (SHA-256 `{digest[:16]}`)"))
-    if "rl_lightning.env.path" in lineage:
-        rows.append(("environment", f"`{lineage['rl_lightning.env.path']}` "
-                                    f"(SHA-256 `{lineage.get('rl_lightning.env.sha256', '')[:16]}`)"))
-    if "rl_lightning.git.commit" in lineage:
-        dirty = " (with uncommitted changes)" if lineage.get("rl_lightning.git.dirty") == "true" else ""
-        rows.append(("git commit", f"`{lineage['rl_lightning.git.commit']}`{dirty}"))
+    if "recipe" in lineage:
+        rows.append(("recipe", f"`{lineage['recipe']}`"))
+    for key, label in (("data", "data"), ("val_data", "validation data"), ("env", "environment")):
+        if key in lineage:
+            rows.append((label, f"`{lineage[key]}` (SHA-256 `{lineage.get(f'{key}.sha256', '')[:16]}`)"))
+    if "git.commit" in lineage:
+        dirty = " (with uncommitted changes)" if lineage.get("git.dirty") == "true" else ""
+        rows.append(("git commit", f"`{lineage['git.commit']}`{dirty}"))
     if info.mlflow:
         rows.append(("MLflow", info.mlflow))
     rows += [(f"`{key}`", f"`{value}`".replace("|", "\\|")) for key, value in info.settings.items()]
@@ -131,7 +127,7 @@ def _metrics_section(info: CardInfo) -> list[str]:
 def _command_section(info: CardInfo) -> list[str]:
     if info.command is None:
         return []
-    commit = info.lineage.get("rl_lightning.git.commit")
+    commit = info.lineage.get("git.commit")
     where = f"at commit `{commit[:12]}`" if commit else "(the paths are relative to its root)"
     return ["## Reproduce", "", f"From a checkout of rl_lightning {where}:", "", "```bash", info.command, "```", ""]
 

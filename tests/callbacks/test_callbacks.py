@@ -84,7 +84,7 @@ def test_rollout_samples_appends_one_table_of_the_logged_rollouts(grpo_run, tmp_
     assert table["columns"] == COLUMNS
     rows = [dict(zip(COLUMNS, row, strict=True)) for row in table["data"]]
     assert len(rows) == 4 * 2 and [r["rollout"] for r in rows] == [1] * 4 + [2] * 4  # rollout 3 is not logged
-    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # one optimizer step per rollout
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # the run's step: rollouts done (MLflow's chart axis)
     assert len({r["reward"] for r in rows}) > 1  # the warm-started model: some answers are bare numbers
     for row, i in zip(rows, [0, 1, 2, 3] * 2, strict=True):
         reward, components, completion, length, finished, prompt, answer = recorder.rollouts[row["rollout"]][i]
@@ -141,8 +141,9 @@ def test_a_resumed_run_appends_to_its_table_and_multi_turn_completions_keep_thei
         table = json.load(f)
     assert table["columns"] == ["rollout", "step", "prompt", "answer", "completion", "reward", "reward/correct",
                                 "completion_length", "finished", "reward/format"]
-    assert table["data"] == [[1, 7, "2 + 2?", "18", "calc(2+2)\n[tool] 4\n4", 1.0, 1.0, 2, True, None],
-                             [2, 7, "2 + 2?", "", "4", 0.5, 0.0, 2, True, 1.0]]
+    # the step is the run's (rollouts done), not the optimizer's global step (7)
+    assert table["data"] == [[1, 1, "2 + 2?", "18", "calc(2+2)\n[tool] 4\n4", 1.0, 1.0, 2, True, None],
+                             [2, 2, "2 + 2?", "", "4", 0.5, 0.0, 2, True, 1.0]]
 
 
 def test_memory_stats_reach_mlflow_every_step(grpo_run):

@@ -108,8 +108,10 @@ def test_rollout_keys_override_from_the_command_line(workdir, tmp_path):
     config = callback.config
     assert (config.engine, config.responses_per_prompt, config.temperature) == ("hf", 3, 0.6)
     assert config.reward_weights == {"correct": 1.0, "format": 0.5}  # the recipe's other rollout keys stay
-    # the run is named after the recipe; its output folder follows it (made at setup: tests/test_cli_runs.py)
-    assert cli.trainer.logger._run_name == "grpo" and cli.trainer.logger._experiment_name == "rl_lightning/rl"
+    # the run is named after the recipe and the settings the command line changed (MLflow's runs table, legends,
+    # compare page); its output folder after the recipe only (made at setup: tests/test_cli_runs.py)
+    assert cli.trainer.logger._run_name == "grpo env_path=my_env engine=hf responses_per_prompt=3 temperature=0.6"
+    assert cli.trainer.logger._experiment_name == "rl_lightning/rl"
     (outputs,) = [c for c in cli.trainer.callbacks if isinstance(c, RunOutputs)]
     assert outputs.name == "grpo" and outputs.dirpath is None
     assert [c.dirpath for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint | HFExport)] == [None, None]

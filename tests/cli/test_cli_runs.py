@@ -90,7 +90,7 @@ def test_two_runs_two_folders_then_resume_the_latest(workdir, capsys):
     client = MlflowClient("sqlite:///mlflow.db")
     runs = {r.info.run_id: r for r in _runs(client)}
     assert len(runs) == 2
-    by_folder = {r.data.tags["rl_lightning.output_dir"]: r for r in runs.values()}
+    by_folder = {r.data.tags["output_dir"]: r for r in runs.values()}
     assert set(by_folder) == {str(first.resolve()), str(second.resolve())}
     assert by_folder[str(second.resolve())].data.params["config"] == "[recipes/sft.yaml]"  # not [Path_fsr(...)]
     out = capsys.readouterr().out

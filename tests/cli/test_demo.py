@@ -51,7 +51,7 @@ def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
                            "--trainer.val_check_interval", "1"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
-    run = (REPO / "outputs" / "demo" / "latest").resolve()
+    run = (REPO / "outputs" / "real-grpo+demo" / "latest").resolve()
     try:
         numbers = json.loads((run / "demo.json").read_text())
         before, after = numbers["before"], numbers["after"]

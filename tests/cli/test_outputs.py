@@ -86,7 +86,7 @@ def test_mlflow_run_records_kind_system_metrics_data_counters_and_folder(tmp_pat
     assert run.data.metrics["data/train_rows"] == 2000
     system = [k for k in run.data.metrics if k.startswith("system/")]
     assert "system/cpu_utilization_percentage" in system and "system/system_memory_usage_megabytes" in system, system
-    assert run.data.tags["rl_lightning.output_dir"] == str(outputs.dirpath.resolve())
+    assert run.data.tags["output_dir"] == str(outputs.dirpath.resolve())
     assert read_run_file(outputs.dirpath)["mlflow_run_id"] == logger.run_id
     assert json.loads((outputs.dirpath / "run.json").read_text())["mlflow_tracking_uri"] == uri
 
@@ -126,7 +126,7 @@ def test_a_failure_after_start_is_written_on_the_run(tmp_path):
         _sft_run(tmp_path, [MLflowTracking(system_metrics=False), _FailAtStep()], max_steps=5, logger=logger)
     run = logger.experiment.get_run(logger.run_id)
     assert run.info.status == "FAILED"
-    assert run.data.tags["rl_lightning.error"] == "disk full"
+    assert run.data.tags["error"] == "disk full"
     assert run.data.tags["mlflow.note.content"] == "Failed: RuntimeError: disk full"
 
 

@@ -15,8 +15,8 @@ ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
 def test_format_metrics_picks_known_keys_in_order():
     metrics = {"train/loss": 0.5, "train/reward": 0.25, "train/completion_length": 7.0, "train/lr": 1e-3,
                "train/policy_loss": -0.125}
-    # the policy loss is PPO's loss; the plain loss (another task's) does not show twice under the same name
-    assert format_metrics(metrics) == "reward 0.25 · len 7 · loss -0.125"
+    # the names are MLflow's without train/ (what a user searches for in MLflow)
+    assert format_metrics(metrics) == "reward 0.25 · completion_length 7 · policy_loss -0.125 · loss 0.5"
     assert format_metrics({"train/loss": 1.23456789}) == "loss 1.235"
     assert format_metrics({"train/lr": 1.0}) == ""
     assert format_metrics({"train/entropy": 2.0}, (("train/entropy", "entropy"),)) == "entropy 2"
@@ -41,7 +41,8 @@ def test_ppo_run_counts_rollouts_prints_validation_and_summary(tmp_path, capsys)
     lines = _lines(capsys.readouterr().out)
     progress = [line for line in lines if line.startswith("grpo-test rollout")]
     assert [re.match(r"grpo-test rollout (\d+)/3 ", line).group(1) for line in progress] == ["1", "2", "3"], lines
-    assert all("reward " in line and "len " in line and "loss " in line for line in progress), progress
+    assert all(" reward " in line and " completion_length " in line and " policy_loss " in line
+               for line in progress), progress
     assert not any("Epoch" in line for line in lines)
     summary = [i for i, line in enumerate(lines) if line.startswith("grpo-test finished: 3 rollouts in ")]
     assert len(summary) == 1 and summary[0] > lines.index(progress[-1])
@@ -50,6 +51,8 @@ def test_ppo_run_counts_rollouts_prints_validation_and_summary(tmp_path, capsys)
     assert any(f"({logger.run_id}) in experiment 'progress'" in line for line in tail)
     link = f"#/experiments/{logger.experiment_id}/runs/{logger.run_id}?workflowType=machine_learning"
     assert any("mlflow ui --backend-store-uri sqlite:///" in line and link in line for line in tail)
+    compare = f"http://127.0.0.1:5000/#/experiments/{logger.experiment_id}/runs?workflowType=machine_learning"
+    assert any(line.split() == ["compare", compare] for line in tail), tail
 
 
 def test_ppo_validation_lines_and_summary(tmp_path, capsys):

@@ -46,7 +46,7 @@ def _only_run(client: MlflowClient, experiment: str, workdir: Path):
     """The test's run (by its output folder: MLflow caches its sqlite store by URI, so in one process every test's
     relative ``sqlite:///mlflow.db`` may be the first test's file)."""
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    (run,) = [r for r in runs if r.data.tags["rl_lightning.output_dir"].startswith(str(workdir.resolve()))]
+    (run,) = [r for r in runs if r.data.tags["output_dir"].startswith(str(workdir.resolve()))]
     return run
 
 
@@ -59,14 +59,14 @@ def test_grpo_run_registers_its_export_with_lineage_and_env_file(workdir):
     run = _only_run(client, "rl_lightning/rl", workdir)
     env, data, val = ("examples/envs/arithmetic_format.py", "rl_lightning/assets/data/easy.jsonl",
                       "rl_lightning/assets/data/easy_test.jsonl")
-    expected = {"rl_lightning.recipe": "register.yaml, recipes/grpo.yaml",
-                "rl_lightning.base_model": "rl_lightning/assets/tiny-qwen2-sft",
-                "rl_lightning.data.path": data, "rl_lightning.data.sha256": _digest(data),
-                "rl_lightning.data.val_path": val, "rl_lightning.data.val_sha256": _digest(val),
-                "rl_lightning.env.path": env, "rl_lightning.env.sha256": _digest(env)}
+    expected = {"recipe": "register.yaml, recipes/grpo.yaml",
+                "base_model": "rl_lightning/assets/tiny-qwen2-sft",
+                "data": data, "data.sha256": _digest(data),
+                "val_data": val, "val_data.sha256": _digest(val),
+                "env": env, "env.sha256": _digest(env)}
     if commit is not None:
-        expected |= {"mlflow.source.git.commit": commit, "rl_lightning.git.commit": commit,
-                     "rl_lightning.git.dirty": "false"}
+        expected |= {"mlflow.source.git.commit": commit, "git.commit": commit,
+                     "git.dirty": "false"}
     assert expected.items() <= run.data.tags.items()
 
     # the environment file, as run artifact
@@ -74,12 +74,12 @@ def test_grpo_run_registers_its_export_with_lineage_and_env_file(workdir):
     assert Path(local).read_text() == Path(env).read_text()
 
     # the registered version: lineage tags, from the run's logged model
-    name, number = run.data.tags["rl_lightning.registered_model"].split("/")
+    name, number = run.data.tags["registered_model"].split("/")
     assert name == "tiny-grpo"
     version = client.get_model_version(name, number)
     assert version.run_id == run.info.run_id
     assert expected.items() <= version.tags.items()
-    assert "rl_lightning.data.sha256: " + _digest(data) in version.description
+    assert "data.sha256: " + _digest(data) in version.description
     assert version.source.startswith("models:/m-")  # the logged model (the sqlite store leaves `model_id` unset)
     model = client.get_logged_model(version.source.removeprefix("models:/"))
     assert model.source_run_id == run.info.run_id and model.status == LoggedModelStatus.READY
@@ -95,7 +95,7 @@ def test_grpo_run_registers_its_export_with_lineage_and_env_file(workdir):
 
     with _use_tracking_uri("sqlite:///mlflow.db"):
         loaded = mlflow.transformers.load_model(f"models:/tiny-grpo/{version.version}", return_type="components")
-    export = AutoModelForCausalLM.from_pretrained(model.tags["rl_lightning.export_dir"])
+    export = AutoModelForCausalLM.from_pretrained(model.tags["export_dir"])
     for (name, a), (_, b) in zip(loaded["model"].state_dict().items(), export.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
@@ -112,9 +112,9 @@ def test_sft_run_logs_the_model_without_registering(workdir):
     main(["fit", "--config", "recipes/sft.yaml", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"])
     client = MlflowClient("sqlite:///mlflow.db")
     run = _only_run(client, "rl_lightning/sft", workdir)
-    assert "rl_lightning.registered_model" not in run.data.tags
-    assert "rl_lightning.env.path" not in run.data.tags
-    assert run.data.tags["rl_lightning.data.sha256"] == _digest("rl_lightning/assets/data/sft.jsonl")
+    assert "registered_model" not in run.data.tags
+    assert "env" not in run.data.tags
+    assert run.data.tags["data.sha256"] == _digest("rl_lightning/assets/data/sft.jsonl")
     # this run's models only: MLflow's sqlite engines are cached per URI string, so an earlier in-process test's
     # relative sqlite:///mlflow.db may share this store (see `_only_run`)
     models = [m for m in client.search_logged_models([run.info.experiment_id]) if m.source_run_id == run.info.run_id]
@@ -133,7 +133,7 @@ def test_export_without_weights_keeps_config_and_tokenizer_only(workdir):
     model = lineage.log_model(client, "sqlite:///mlflow.db", run.info.run_id, TINY_MODEL, {"a": "b"}, log_weights=False)
     names = {f.path for f in client.list_logged_model_artifacts(model.model_id)}
     assert "config.json" in names and "tokenizer.json" in names and "model.safetensors" not in names
-    assert model.tags["rl_lightning.export_dir"] == str(TINY_MODEL) and model.tags["a"] == "b"
+    assert model.tags["export_dir"] == str(TINY_MODEL) and model.tags["a"] == "b"
 
 
 def test_lineage_helpers(tmp_path):

@@ -64,9 +64,9 @@ def test_sft_export_has_a_model_card_and_still_loads(workdir):
 def _card(**changes) -> CardInfo:
     info = CardInfo(base_model="Qwen/Qwen2.5-0.5B-Instruct", task="PPO", algorithm="Dr. GRPO",
                     length="40 rollouts (80 optimizer steps)", version="0.1.0", run_name="grpo", license="apache-2.0",
-                    lineage={"rl_lightning.recipe": "recipes/grpo.yaml", "rl_lightning.data.path": "d.jsonl",
-                             "rl_lightning.data.sha256": "ab" * 32, "rl_lightning.git.commit": "c0ffee" * 7,
-                             "rl_lightning.git.dirty": "true"},
+                    lineage={"recipe": "recipes/grpo.yaml", "data": "d.jsonl",
+                             "data.sha256": "ab" * 32, "git.commit": "c0ffee" * 7,
+                             "git.dirty": "true"},
                     settings={"model.kl.coef": 0.0, "model.rollout.reward_weights": {"a|b": 1.0}},
                     metrics={"val/reward": ((0, 0.25), (40, 0.75)), "val/reward/correct": ((40, 0.5), (40, 0.5))},
                     x_unit="rollout", command="python -m rl_lightning fit \\\n    --config recipes/grpo.yaml",

@@ -111,16 +111,16 @@ def test_dpo_run_plots_loss_accuracy_margin_with_validation(workdir):
     assert accuracy["val/accuracy"][1] == _logged(client, run_id, "val/accuracy")
 
 
-def test_validation_sits_after_the_step_it_follows_and_a_resume_overwrites():
-    # start validation (step 0, before any training), steps 0-2, validation after step 1 (logged at step 1)
-    history = {"train/loss": [Point(0, 10, 3.0), Point(1, 20, 2.0), Point(2, 30, 1.5)],
-               "val/loss": [Point(0, 5, 4.0), Point(1, 25, 2.5)]}
+def test_the_mlflow_step_is_the_position_and_a_resume_overwrites():
+    # start validation at 0, steps 1-3 (the logger logs at steps done), a validation after step 2
+    history = {"train/loss": [Point(1, 10, 3.0), Point(2, 20, 2.0), Point(3, 30, 1.5)],
+               "val/loss": [Point(0, 5, 4.0), Point(2, 25, 2.5)]}
     series = all_series(history)
     assert series["train/loss"] == Series([1, 2, 3], [3.0, 2.0, 1.5])
     assert series["val/loss"] == Series([0, 2], [4.0, 2.5])
-    # resumed from the checkpoint after step 1: step 2 logged again, a validation after it
-    history["train/loss"].append(Point(2, 50, 1.25))
-    history["val/loss"].append(Point(2, 55, 1.1))
+    # resumed from the checkpoint after step 2: step 3 logged again, a validation after it
+    history["train/loss"].append(Point(3, 50, 1.25))
+    history["val/loss"].append(Point(3, 55, 1.1))
     series = all_series(history)
     assert series["train/loss"] == Series([1, 2, 3], [3.0, 2.0, 1.25])  # the later value wins
     assert series["val/loss"] == Series([0, 2, 3], [4.0, 2.5, 1.1])

@@ -1,0 +1,86 @@
+"""The CLI's MLflow logger: one step axis for MLflow, the terminal and the plots, and counters only when they move.
+
+``rl_lightning.tracking.logger.MLFlowLogger`` is Lightning's ``MLFlowLogger`` (same arguments, same class name, so
+``isinstance`` checks and recipes that name a logger by its class keep working) with two changes once it follows a
+trainer (`MLflowTracking` makes every logger of this class follow its trainer at setup):
+
+- **Step.** Every value is logged at the run's own step, `steps_done`: rollouts done for PPO-family tasks (the
+  terminal's ``rollout 10/40``, the ``rollout`` and ``step`` columns of ``rollout_samples.json``), optimizer steps
+  done for the others. A step's ``train/*`` values sit at that step, a validation after it at the same step, the
+  validation of the starting policy (and the data counters) at 0. Lightning's own logger puts a step's values one
+  step earlier (the number of batches stepped *before* it) and adds an ``epoch`` metric to every call.
+- **Counters.** The names in `COUNTERS` are logged only when their value changes: counters that start at 0 (OOM
+  retries, refills, reward failures and timeouts, skipped steps, dropped rows, and Lightning's ``epoch``) not at all
+  while they stay 0, and values that rarely change (``train/trajectories``, ``train/max_length_per_device``) once
+  and then on change. A constant line is not a chart worth drawing, and a counter's MLflow history is its changes.
+
+Without a trainer (used on its own) it logs exactly as Lightning's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
+from typing_extensions import override
+
+# name -> the value taken as already logged at the start (0.0: a counter; None: log the first value)
+COUNTERS: dict[str, float | None] = {
+    "epoch": 0.0,  # Lightning adds it to every call: a chart only for runs of several epochs
+    "train/oom_retries": 0.0,
+    "train/refills": 0.0,
+    "train/reward_failures": 0.0,
+    "train/skipped_steps": 0.0,
+    "rollout/reward_timeouts": 0.0,
+    "train/trajectories": None,
+    "train/max_length_per_device": None,
+}
+COUNTER_SUFFIXES = {"_dropped": 0.0}  # data/train_dropped, data/val_dropped, ...: rows dropped by the data checks
+
+
+def steps_done(trainer: Any) -> int:
+    """The run's step: rollouts done (PPO-family tasks, ``pl_module.rollouts``), else optimizer steps done."""
+    return int(getattr(trainer.lightning_module, "rollouts", trainer.global_step))
+
+
+def counter_start(name: str) -> tuple[bool, float | None]:
+    """Whether `name` is logged only on change, and the value taken as logged at the start."""
+    if name in COUNTERS:
+        return True, COUNTERS[name]
+    for suffix, start in COUNTER_SUFFIXES.items():
+        if name.endswith(suffix):
+            return True, start
+    return False, None
+
+
+class MLFlowLogger(LightningMLFlowLogger):
+    """Lightning's ``MLFlowLogger`` logging at the run's step, counters only when they move (see the module)."""
+
+    # no __init__ of its own: LightningCLI documents and checks the arguments of Lightning's
+    _trainer: Any = None
+    _last: dict[str, float | None]  # counter -> the value last logged (set by `follow`)
+
+    def follow(self, trainer: Any) -> None:
+        """Log at `trainer`'s `steps_done` from now on."""
+        self._trainer, self._last = trainer, {}
+
+    def changed(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`metrics` without the counters whose value is the one last logged (records the others)."""
+        kept = {}
+        for name, value in metrics.items():
+            is_counter, start = counter_start(name)
+            if is_counter:
+                if self._last.get(name, start) == float(value):
+                    continue
+                self._last[name] = float(value)
+            kept[name] = value
+        return kept
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._trainer is not None:
+            step = steps_done(self._trainer)
+            metrics = self.changed(metrics)
+            if not metrics:
+                return
+        super().log_metrics(metrics, step)
