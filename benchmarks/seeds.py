@@ -52,9 +52,9 @@ def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str])
     return json.loads(result.read_text())["rows"]
 
 
-def _mean_std(values: list[float]) -> str:
+def _mean_std(values: list[float], digits: int = 3) -> str:
     std = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {std:.{digits}f}"
 
 
 def table(task: str, runs: list[dict], k: int) -> str:
@@ -66,7 +66,7 @@ def table(task: str, runs: list[dict], k: int) -> str:
         if not rows:
             continue
         gains = [row["greedy"] - run["before"]["greedy"] for row, run in zip(rows, runs, strict=False)]
-        wall = _mean_std([row["train"]["seconds"] for row in rows]) if "train" in rows[0] else ""
+        wall = _mean_std([row["train"]["seconds"] for row in rows], 0) if "train" in rows[0] else ""
         lines.append(f"| {name} | {_mean_std([r['greedy'] for r in rows])} | "
                      f"{_mean_std([r.get('pass_at_k', float('nan')) for r in rows])} | "
                      f"{_mean_std(gains) if name != 'before' else ''} | {wall} |")
@@ -91,8 +91,8 @@ def plot(task: str, runs: list[dict], path: Path) -> None:
         steps, mean, std = np.arange(1, length + 1), values.mean(0), values.std(0)
         axes.plot(steps, mean, color=colour, label=f"{name} ({len(curves)} seeds)")
         axes.fill_between(steps, mean - std, mean + std, color=colour, alpha=0.2)
-    axes.set(title=f"GRPO on SmolLM2-135M-Instruct: {task.split(':', 1)[1]}", xlabel="rollout",
-             ylabel="training reward: correct (share of completions)")
+    axes.set_title(f"GRPO on SmolLM2-135M-Instruct, mean ± std over seeds\n{task.split(':', 1)[1]}", fontsize=10)
+    axes.set(xlabel="rollout", ylabel="correct completions (share)")
     axes.legend()
     axes.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
