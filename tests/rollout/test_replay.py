@@ -77,6 +77,32 @@ def test_replay_with_the_hf_engine_is_bit_identical(dumped):
     assert final.keys() == weights.keys() and all(torch.equal(final[n], weights[n]) for n in weights)
 
 
+def test_a_replay_resumed_from_its_checkpoint_ends_with_the_same_weights(dumped, tmp_path):
+    """A replay checkpointed after rollout 2 (optimizer step 4), resumed from there for rollout 3: the original's
+    weights (the resumed run needs the dump's rollout 3 only)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    dirpath, raising, history, weights, _ = dumped
+    L.seed_everything(0)
+    model = ppo_task(raising, rollout={**ROLLOUT, "replay": str(dirpath)}, max_rollouts=3, **TASK)
+    saved = ModelCheckpoint(tmp_path, filename="half", every_n_train_steps=4, save_top_k=-1)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=-1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=[saved]).fit(model, datamodule=prompts(2))
+    partial = tmp_path / "partial"  # the dump without rollouts 1-2
+    partial.mkdir()
+    shutil.copy(dirpath / "manifest.json", partial)
+    lines = (dirpath / "rollouts-rank0-0.jsonl").read_text().splitlines(keepends=True)
+    (partial / "rollouts-rank0-0.jsonl").write_text("".join(lines[16:]))
+    L.seed_everything(0)
+    resumed, metrics = ppo_task(raising, rollout={**ROLLOUT, "replay": str(partial)}, max_rollouts=3, **TASK), Metrics()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=-1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[metrics])
+    trainer.fit(resumed, datamodule=prompts(2), ckpt_path=tmp_path / "half.ckpt")
+    assert resumed.rollouts == 3 and metrics.history[0]["train/grad_norm"] == history[2]["train/grad_norm"]
+    final = _weights(resumed)
+    assert all(torch.equal(final[n], weights[n]) for n in weights)
+
+
 def test_the_dump_is_documented_and_versioned(dumped):
     dirpath, *_ = dumped
     manifest = json.loads((dirpath / "manifest.json").read_text())
