@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rl_lightning.data.steps import unit_sequences
 from rl_lightning.errors import ConfigError, UserError
 from rl_lightning.models.memory_fit import Keys, largest_budget, refusal
 from rl_lightning.models.memory_phases import rss_mib
@@ -79,10 +80,10 @@ def parallel_layout(trainer: Any) -> tuple[Layout, bool]:
 
 
 def _unit_stats(units: list[Any]) -> tuple[int, float]:
-    """(longest unit in tokens, largest share of a unit's tokens that are targets) of SFT examples or DPO pairs."""
+    """(longest unit in tokens, largest share of a unit's tokens that are targets) of the task's packing units."""
     longest, fraction = 1, 0.0
     for unit in units:
-        sides = (unit.chosen, unit.rejected) if hasattr(unit, "chosen") else (unit,)
+        sides = unit_sequences(unit)
         tokens = sum(len(side.input_ids) for side in sides)
         targets = sum(sum(side.loss_mask) for side in sides)
         longest, fraction = max(longest, tokens), max(fraction, targets / max(1, tokens))
