@@ -277,12 +277,13 @@ def test_rollout_dump_writes_every_trajectory_and_rotates(tmp_path):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=-1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[capture, dump, small])
     trainer.fit(model, datamodule=prompts(2))
-    (written,) = sorted((tmp_path / "all").iterdir())
+    (written,) = sorted((tmp_path / "all").glob("*.jsonl"))
+    assert json.loads((tmp_path / "all" / "manifest.json").read_text())["format"] == 2  # replayable: test_replay
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     assert [r["reward"] for r in rows] == capture.rewards and len(rows) == 3 * 2 * 4
     assert [r["rollout"] for r in rows] == [1] * 8 + [2] * 8 + [3] * 8
     assert rows[0]["messages"][-1]["role"] == "assistant" and rows[0]["prompt_row"].endswith("line 1")
-    kept = sorted(p.name for p in (tmp_path / "small").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "small").glob("*.jsonl"))
     assert kept == ["rollouts-rank0-1.jsonl", "rollouts-rank0-2.jsonl"]  # rollout 1's file was rotated out
     assert json.loads((tmp_path / "small" / kept[-1]).read_text().splitlines()[0])["rollout"] == 3
     with pytest.raises(ConfigError, match=r"callbacks.rollout_dump.RolloutDump: max_file_mb must be > 0, got 0"):

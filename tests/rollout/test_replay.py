@@ -238,3 +238,14 @@ def test_replay_of_a_vllm_run_through_the_cli_is_bit_identical(workdir, parity_e
     assert len(original["history"]) == 3 and replayed["history"] == original["history"]
     assert {"train/policy_loss", "train/grad_norm"} <= set(original["history"][0])
     assert all(torch.equal(replayed["weights"][n], w) for n, w in original["weights"].items())
+
+
+def test_a_dump_folder_of_another_run_is_refused(dumped, tmp_path, parity_env):
+    """A run dumping into a folder that holds another run's dump (here: another model) stops before it trains."""
+    dirpath, *_ = dumped
+    shutil.copy(dirpath / "manifest.json", tmp_path)
+    with pytest.raises(ConfigError) as info:
+        _grpo(parity_env, 1, [RolloutDump(str(tmp_path))], model_name=str(SFT_MODEL))
+    assert str(info.value) == (f"callbacks.rollout_dump.RolloutDump: dirpath={tmp_path} holds another run's dump "
+                               "(model_name differ): choose another dirpath")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # nothing written
