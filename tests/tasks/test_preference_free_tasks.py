@@ -218,3 +218,27 @@ def test_kto_first_step_closed_form_at_the_reference():
     assert_close(trainer.callback_metrics["train/loss"], torch.tensor(0.75))
     assert trainer.callback_metrics["train/kl"].item() == 0.0
     assert math.isclose(trainer.callback_metrics["train/pairs"].item(), 8)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "orpo"])
+def test_packing_and_micro_batch_split_leave_the_gradient_unchanged(loss_type):
+    """One unit per padded micro-batch against 4 packed micro-batches: the same loss and gradients (KTO's reference
+    point is taken over the whole step, so it does not depend on the split either)."""
+    from helpers import GradientRecorder, assert_same_grads, fit
+
+    from rl_lightning.models.optim import OptimConfig
+
+    model_kwargs = ({"loss_type": "kto", "ref_model_name": str(SFT_MODEL)} if loss_type == "kto" else
+                    {"loss_type": "orpo", "reference_free": True})
+    recorders, trainers = [], []
+    for data_kwargs in ({"packing": False, "micro_batch_size": 1}, {"packing": True, "max_length_per_device": 400}):
+        torch.manual_seed(0)
+        data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8,
+                                    shuffle=False, max_length=128, **data_kwargs)
+        model = DPO(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0),
+                    **model_kwargs)
+        recorders.append(GradientRecorder())
+        trainers.append(fit(model, data, callbacks=[recorders[-1]]))
+    assert recorders[0].micro_batches == [8] and recorders[1].micro_batches[0] > 1
+    assert_same_grads(*recorders)
+    assert_close(trainers[1].callback_metrics["train/loss"], trainers[0].callback_metrics["train/loss"], atol=1e-5)
