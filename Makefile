@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar off torch==2.13.0
-	$(BIN)/pip install --progress-bar off -e ".[cpu,test,real,reasoning,bench,tune,docs]"
+	$(BIN)/pip install --progress-bar off -e ".[cpu,test,real,reasoning,bench,tune,docs,envs]"
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

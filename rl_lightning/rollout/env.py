@@ -33,6 +33,7 @@ import torch
 from rl_lightning.algorithms.reward_combination import tchebycheff, weighted_sum
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.rewards.isolation import require_isolation
+from rl_lightning.rollout.env_adapters import is_adapter, load_adapter
 from rl_lightning.rollout.scoring import RewardFailure, describe, env_module_name
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,9 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got '{on_error}'")
     if combination not in COMBINATIONS:
         raise ConfigError(f"reward_combination must be one of {', '.join(COMBINATIONS)}, got '{combination}'")
+    adapter = load_adapter(env_path, key) if is_adapter(env_path) else None  # verifiers:/openenv: environments
+    if adapter is not None:
+        weights = adapter.resolve_weights(weights, f"{key}={env_path!r}")
     if weights is not None and (not weights or any(not math.isfinite(w) or w < 0 for w in weights.values())):
         raise ConfigError(f"reward_weights must map each component name to a finite weight >= 0, got {weights}")
     names = sorted(weights or {})
@@ -270,17 +274,7 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
     if ideal is not None and sorted(ideal) != names:
         raise ConfigError(f"reward_ideal must name the same components as reward_weights {names} (with the reward "
                           f"model's, if any), got {sorted(ideal)}")
-    path = Path(env_path)
-    if not path.is_file():
-        raise ConfigError(f"{key} '{env_path}' does not exist (resolved to {path.resolve()})")
-    spec = importlib.util.spec_from_file_location(env_module_name(str(path)), path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{key} '{env_path}' is not a Python file (importlib finds no loader for it)")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - report any import-time failure of user code as one line
-        raise ConfigError(f"{key} '{env_path}' failed to import: {type(e).__name__}: {e}") from None
+    module = adapter if adapter is not None else _import_file(env_path, key)
     if _uses_code_sandbox(module):
         require_isolation()  # logs the isolation level once; refuses code rewards without it unless opted in
     reward_fn = getattr(module, "reward_fn", None)
@@ -292,9 +286,25 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         if not callable(interact):
             raise ConfigError(f"{key} '{env_path}': interact must be a function interact(messages) -> list of messages")
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
-    return Environment(reward_fn, interact, str(path), on_error, weights=weights, combination=combination,
+    return Environment(reward_fn, interact, env_path if adapter else str(Path(env_path)), on_error, weights=weights, combination=combination,
                        ideal=ideal, reward_model=None if reward_model is None else reward_model.build(),
                        reward_model_config=reward_model)
+
+
+def _import_file(env_path: str, key: str) -> Any:
+    """Import the environment file `env_path` (the module), any failure one `ConfigError` naming `key`."""
+    path = Path(env_path)
+    if not path.is_file():
+        raise ConfigError(f"{key} '{env_path}' does not exist (resolved to {path.resolve()})")
+    spec = importlib.util.spec_from_file_location(env_module_name(str(path)), path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{key} '{env_path}' is not a Python file (importlib finds no loader for it)")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - report any import-time failure of user code as one line
+        raise ConfigError(f"{key} '{env_path}' failed to import: {type(e).__name__}: {e}") from None
+    return module
 
 
 def _uses_code_sandbox(module: Any) -> bool:
