@@ -33,6 +33,7 @@ from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.memory_check import check_memory
+from rl_lightning.tasks.ppo import distill as distillation
 from rl_lightning.tasks.ppo import metrics, minibatches, scoring, update
 from rl_lightning.tasks.ppo.config import (
     ConstraintConfig,
@@ -112,6 +113,8 @@ class PPO(L.LightningModule):
         memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
             line naming the keys that would fit; the plan is printed either way, see
             `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
+        distill: on-policy distillation from a frozen teacher (``model.distill.*``, see
+            `rl_lightning.tasks.ppo.distill.DistillConfig`): its per-token reverse KL as a reward or GKD's JSD as a loss.
     """
 
     def __init__(
@@ -147,12 +150,13 @@ class PPO(L.LightningModule):
         lora: LoRAConfig | None = None,
         lm_head_chunk: int | None = 1024,
         memory_check: bool = True,
+        distill: distillation.DistillConfig | None = None,
     ) -> None:
         super().__init__()
         check_lm_head_chunk(lm_head_chunk)
         rollout, kl = typed(RolloutConfig, rollout), typed(KLConfig, kl)
         constraints, optim = typed(ConstraintConfig, constraints), typed(OptimConfig, optim)
-        correction = typed(CorrectionConfig, correction)
+        correction, self.distill = typed(CorrectionConfig, correction), distillation.distill_config(distill)
         errors = argument_errors(
             rollout=rollout, max_rollouts=max_rollouts, advantage_estimator=advantage_estimator,
             update_per_rollout=update_per_rollout, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
@@ -171,9 +175,13 @@ class PPO(L.LightningModule):
             kl.estimator, kl_in_loss=kl.type == "loss", entropy_constrained=constraints.entropy_min is not None)
         self.automatic_optimization = False
         self.tokenizer = load_tokenizer(model_name)
+        if self.distill is not None:  # a missing teacher or another tokenizer: refused before anything loads
+            distillation.check_teacher(self.distill, self.tokenizer, model_name, aggregation)
+        self.distill_reward = self.distill is not None and self.distill.type == "reward"  # in the advantages
         self.model: Any = None
         self.critic: Any = None
         self._reference: Any = None  # not a submodule: frozen, out of the optimizer and checkpoints
+        self._teacher: Any = None  # likewise (model.distill)
         self.rollouts = 0  # completed rollouts
         self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
         self.controllers = make_controllers(kl, constraints, max_rollouts)
@@ -230,6 +238,8 @@ class PPO(L.LightningModule):
             reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
             object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
                                                                    trainable=False))
+        if self._teacher is None and self.distill is not None:
+            object.__setattr__(self, "_teacher", distillation.load_teacher(self, self.distill))
 
     def run_rollouts(self) -> int:
         """Rollouts this run takes: `max_rollouts`, or fewer when the trainer's epochs of prompts end first."""
@@ -256,8 +266,9 @@ class PPO(L.LightningModule):
         strategy = self.trainer.strategy
         if isinstance(strategy, ParallelStrategy) and strategy.cpu_offload:
             return  # FSDP2 keeps the offloaded reference's shards on the CPU and streams them in
-        if self._reference is not None:
-            self._reference.to(self.device)
+        for frozen in (self._reference, self._teacher):
+            if frozen is not None:
+                frozen.to(self.device)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -303,10 +314,10 @@ class PPO(L.LightningModule):
     def score(self, packed: list[minibatches.Minibatch]) -> None:
         """Record the sampling policy's and the reference's log-probabilities and the critic's values."""
         kl_reward = self.kl_config.type == "reward" and self._reference is not None
-        needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS
+        needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS or self.distill_reward
         with phase("train/score"):
             scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature,
-                          needed_now, self.hparams.lm_head_chunk)
+                          needed_now, self.hparams.lm_head_chunk, self._teacher)
 
     def assign_advantages(self, rollout: Rollout, micro_batches: list[minibatches.MicroBatch]) -> torch.Tensor:
         """Per-token advantages (and returns) written into the micro-batches; their global (sum, sum sq, count)."""
@@ -316,7 +327,7 @@ class PPO(L.LightningModule):
             self.trainer, rollout, micro_batches, self.device, estimator=hp.advantage_estimator,
             critic=self.critic is not None, kl_reward_coef=self.controllers.kl_coef if kl_reward else None,
             kl_estimator=self.kl_config.estimator, gamma=hp.gamma, lam=hp.lam, rho_bar=hp.vtrace_rho_bar,
-            c_bar=hp.vtrace_c_bar, nstep=hp.nstep)
+            c_bar=hp.vtrace_c_bar, nstep=hp.nstep, distill_coef=self.distill.coef if self.distill_reward else None)
 
     def update(self, rollout: Rollout, packed: list[minibatches.Minibatch]
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -331,8 +342,13 @@ class PPO(L.LightningModule):
                                             chunk_size=self.hparams.lm_head_chunk)
         if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
             mb["old_logprobs"] = logprobs.detach()
-        return self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,
-                                   self.controllers.penalty)
+        loss, sums = self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,
+                                         self.controllers.penalty)
+        if self.distill is not None and self.distill.type == "loss":  # GKD's JSD over the vocabulary
+            jsd, sums["distill_jsd"] = distillation.jsd_loss(self.model, self._teacher, mb, normaliser, self.distill,
+                                                             self.rollout_config.temperature)
+            loss = loss + jsd
+        return loss, sums
 
     def value_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The critic's forward on `mb` and its share of the minibatch's value loss, with metric sums."""

@@ -79,7 +79,7 @@ class PolicyObjective:
             logprobs: (1, N) the policy's log-probabilities of the targets (with grad).
             entropy: (1, N) its entropies.
             mb: the packed micro-batch (``old_logprobs``, ``advantages``, ``target_engine_logprobs``, and
-                ``ref_logprobs`` with a reference).
+                ``ref_logprobs`` with a reference, ``teacher_logprobs`` with a distillation teacher).
             normaliser: the minibatch's global normaliser under `aggregation`, over the gradient-averaging size.
             kl_coef: the KL coefficient of this rollout.
             penalty: the Lagrangian constraint terms of the measured ``entropy`` (and ``kl``).
@@ -101,6 +101,8 @@ class PolicyObjective:
         loss = regularised_policy_loss(loss, entropy, self.entropy_coef, kl_term, kl_coef, penalty(measured))
         metrics.update({k: v.detach() for k, v in measured.items()})
         metrics["approx_kl"] = kl_k3(logprobs.detach(), mb["old_logprobs"])  # KL(pi_old || pi_theta), k3
+        if "teacher_logprobs" in mb:  # distillation: k1 estimate of KL(sampling policy || teacher) per token
+            metrics["distill_reverse_kl"] = mb["old_logprobs"] - mb["teacher_logprobs"]
         metrics["engine_logprob_diff"] = (mb["old_logprobs"] - mb["target_engine_logprobs"]).abs()
         metrics["mismatch_kl"] = mismatch_kl(mb["old_logprobs"], mb["target_engine_logprobs"])
         if self.skip_threshold is not None:  # skipped trajectories keep their share of the normaliser: weight 0

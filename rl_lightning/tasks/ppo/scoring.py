@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS, estimate_advantages
+from rl_lightning.algorithms.distill import distillation_advantages
 from rl_lightning.algorithms.kl import KL_ESTIMATORS, kl_reward_penalty
 from rl_lightning.models.loading import model_inputs, target_logprobs
 from rl_lightning.parallel.reductions import data_parallel_sum
@@ -36,7 +37,7 @@ def critic_values(critic: Any, micro_batch: MicroBatch) -> torch.Tensor:
 
 @torch.no_grad()
 def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any, temperature: float,
-          first_minibatch: bool, lm_head_chunk: int | None = None) -> None:
+          first_minibatch: bool, lm_head_chunk: int | None = None, teacher: Any = None) -> None:
     """Record, on this rank's tokens, the sampling policy's and the reference's log-probabilities and the values.
 
     Nothing has changed the policy since it sampled, so its log-probabilities are ``old_logprobs``. The first
@@ -52,6 +53,7 @@ def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any,
         first_minibatch: record ``old_logprobs`` for the first minibatch too (KL as a reward, the off-policy
             estimators).
         lm_head_chunk: positions per chunk of the output head (`target_logprobs`' `chunk_size`); None: full logits.
+        teacher: the frozen distillation teacher (``model.distill``), or None: its ``teacher_logprobs``.
     """
     for k, (_, micro_batches) in enumerate(minibatches):
         for mb in micro_batches:
@@ -59,13 +61,16 @@ def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any,
                 mb["old_logprobs"] = target_logprobs(model, mb, temperature, chunk_size=lm_head_chunk)[0]
             if reference is not None:
                 mb["ref_logprobs"] = target_logprobs(reference, mb, temperature, chunk_size=lm_head_chunk)[0]
+            if teacher is not None:
+                mb["teacher_logprobs"] = target_logprobs(teacher, mb, temperature, chunk_size=lm_head_chunk)[0]
             if critic is not None:
                 mb["old_values"] = critic_values(critic, mb)
 
 
 def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroBatch], device: torch.device, *,
                       estimator: str, critic: bool, kl_reward_coef: float | None, kl_estimator: str, gamma: float,
-                      lam: float, rho_bar: float, c_bar: float, nstep: int) -> torch.Tensor:
+                      lam: float, rho_bar: float, c_bar: float, nstep: int, distill_coef: float | None = None
+                      ) -> torch.Tensor:
     """Per-token advantages (and returns) of this rank's trajectories, written into the micro-batches.
 
     ``vtrace`` and ``retrace`` weigh by pi / mu with pi the trainer at score time (``old_logprobs``) and mu the
@@ -85,6 +90,8 @@ def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroB
         rho_bar: ``vtrace``'s rho-bar.
         c_bar: ``vtrace``'s c-bar.
         nstep: ``nstep``'s n.
+        distill_coef: ``model.distill.coef`` when the teacher's reverse KL is a per-token reward (``type: reward``):
+            coef x (teacher_logprobs - old_logprobs) is added to each completion token's advantage; else None.
 
     Returns:
         The advantages' (sum, sum of squares, count) over data-parallel ranks, for logging.
@@ -106,6 +113,10 @@ def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroB
         estimator, rewards, grid, rollout.group_size, kl_penalty, values, gamma, lam,
         global_sum=lambda x: data_parallel_sum(trainer, x), target_logprobs=logprobs,
         behaviour_logprobs=engine_logprobs, rho_bar=rho_bar, c_bar=c_bar, nstep=nstep)
+    if distill_coef is not None:  # the teacher's per-token reverse-KL reward, discount 0
+        student, teacher = (gather(trainer, micro_batches, [mb[k] for mb in micro_batches], grid)
+                            for k in ("old_logprobs", "teacher_logprobs"))
+        advantages = distillation_advantages(advantages, student, teacher, grid, distill_coef)
     for mb in micro_batches:
         mb["advantages"] = scatter(mb, advantages)
         if returns is not None:

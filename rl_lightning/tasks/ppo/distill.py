@@ -1,0 +1,144 @@
+"""On-policy distillation in the PPO task: ``model.distill.*`` and the teacher.
+
+The student (the policy) samples; a frozen teacher scores the student's own tokens. Two uses of the teacher
+(`rl_lightning.algorithms.distill`):
+
+- ``type: reward`` (default; prime-rl's ``opd``, Thinking Machines' on-policy distillation): each completion token's
+  advantage gains ``coef`` x (log pi_teacher - log pi_student) of the sampled token (discount 0), next to the task
+  reward's advantages (which may be zero: ``rollout.reward_weights`` all 0 is distillation alone). Both
+  log-probabilities are taken at the rollout's temperature when the rollout is scored, so the term is fixed for
+  the rollout's updates and goes through PPO's clipped surrogate like any advantage.
+- ``type: loss`` (GKD on the student's samples, lambda = 1): ``coef`` x the generalised Jensen-Shannon divergence
+  JSD_beta between the teacher's and the student's next-token distributions over the whole vocabulary at every
+  completion position, a token mean with the same global normaliser as the policy loss, added to it. It costs a
+  second forward of the policy with full logits and a teacher forward per micro-batch.
+
+The teacher is any causal LM folder (hub name, ``asset:``) with the student's tokenizer, colocated: loaded frozen
+(no gradients, no optimizer state, not in checkpoints), sharded like the reference. When it names the policy's own
+``model_name`` under LoRA, it is the policy with its adapters disabled (no second copy). Either way
+``train/distill_reverse_kl`` logs the per-token mean of log pi_student - log pi_teacher of the sampled tokens (the
+k1 estimate of KL(student || teacher) of the sampling policy). A served teacher is not built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_lightning.algorithms.distill import generalized_jsd
+from rl_lightning.algorithms.policy import token_mean
+from rl_lightning.assets.real import resolve_model
+from rl_lightning.errors import ConfigError
+from rl_lightning.models.loading import load_causal_lm, load_tokenizer, model_inputs
+from rl_lightning.models.lora import AdaptersDisabled
+from rl_lightning.parallel.parallelize import parallelize_for
+
+DISTILL_TYPES = ("reward", "loss")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation from a frozen teacher (``model.distill.*``; null: off).
+
+    Args:
+        teacher: the teacher: a causal LM folder, hub name or ``asset:<name>`` with the student's tokenizer; the
+            policy's own ``model.model_name`` under ``model.lora`` means the base model (adapters disabled).
+        coef: weight of the distillation term (reward or loss).
+        type: ``reward`` (per-token reverse-KL reward added to the advantages) or ``loss`` (GKD's generalised JSD
+            over the vocabulary, added to the policy loss).
+        beta: ``type: loss``: JSD_beta's teacher weight in [0, 1]; 0 is the forward KL(teacher || student), 1 the
+            reverse KL(student || teacher), 0.5 the Jensen-Shannon divergence.
+    """
+
+    teacher: str
+    coef: float = 1.0
+    type: str = "reward"
+    beta: float = 0.5
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not self.teacher:
+            errors.append("model.distill.teacher is empty: name the teacher's folder or hub id")
+        if self.coef <= 0:
+            errors.append(f"model.distill.coef must be > 0, got {self.coef}")
+        if self.type not in DISTILL_TYPES:
+            errors.append(f"model.distill.type must be one of {', '.join(DISTILL_TYPES)}, got '{self.type}'")
+        if not 0.0 <= self.beta <= 1.0:
+            errors.append(f"model.distill.beta must be in [0, 1], got {self.beta}")
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+
+def distill_config(value: Any) -> DistillConfig | None:
+    """The ``distill`` argument as a `DistillConfig` (the CLI passes one, a checkpoint a dict), or None."""
+    return DistillConfig(**value) if isinstance(value, dict) else value
+
+
+def check_teacher(config: DistillConfig, student_tokenizer: Any, model_name: str, aggregation: str) -> None:
+    """Refuse, at construction, a teacher that is missing or tokenizes differently from the student (one line)."""
+    if config.type == "loss" and aggregation == "sequence_mean":
+        raise ConfigError("model.distill.type=loss is a token mean and needs model.aggregation token_mean or "
+                          "token_sum, got 'sequence_mean'; change one of them")
+    name = config.teacher
+    path = resolve_model(name)
+    local = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or Path(path).expanduser().exists()
+    if local and not Path(path).expanduser().is_dir():
+        raise ConfigError(f"model.distill.teacher '{name}': no such model folder ({Path(path).expanduser().resolve()})"
+                          f"; set model.distill.teacher to a causal LM folder or hub id with the student's tokenizer")
+    if name == model_name:
+        return
+    try:
+        teacher_vocab = load_tokenizer(path).get_vocab()
+    except ConfigError as e:
+        raise ConfigError(f"model.distill.teacher '{name}': {str(e).split(': ', 1)[-1]}") from None
+    student_vocab = student_tokenizer.get_vocab()
+    if teacher_vocab != student_vocab:
+        differ = len(set(teacher_vocab.items()) ^ set(student_vocab.items()))
+        raise ConfigError(f"model.distill.teacher '{name}' has a different tokenizer from model.model_name "
+                          f"'{model_name}' ({len(teacher_vocab)} vs {len(student_vocab)} tokens, {differ} entries "
+                          "differ): the teacher scores the student's token ids, so pick a teacher with the same "
+                          "tokenizer (token mappings are not supported)")
+
+
+def load_teacher(task: Any, config: DistillConfig) -> Any:
+    """The frozen teacher of `task` (a `rl_lightning.tasks.PPO`): the base under LoRA, else a loaded, sharded copy."""
+    hp = task.hparams
+    if config.teacher == hp.model_name and hp.lora is not None:
+        return AdaptersDisabled(task.model)
+    teacher = load_causal_lm(config.teacher, attn_implementation=hp.attn_implementation)
+    student_vocab, teacher_vocab = task.model.get_output_embeddings().weight.shape[0], teacher.config.vocab_size
+    if config.type == "loss" and student_vocab != teacher_vocab:
+        raise ConfigError(f"model.distill.type=loss compares full distributions, but the teacher "
+                          f"'{config.teacher}' has {teacher_vocab} output logits and the student {student_vocab}; "
+                          "use model.distill.type reward (it compares sampled tokens only)")
+    return parallelize_for(task, teacher.eval().requires_grad_(False), trainable=False)
+
+
+def jsd_loss(model: Any, teacher: Any, mb: dict[str, Any], normaliser: torch.Tensor, config: DistillConfig,
+             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``coef`` x this micro-batch's share of the token-mean JSD_beta(teacher || student), and the JSD's token sum.
+
+    Args:
+        model: the policy (a forward with gradients and full logits at the target positions).
+        teacher: the frozen teacher.
+        mb: the packed micro-batch (``target_mask``).
+        normaliser: the minibatch's global token normaliser (the policy loss's).
+        config: ``model.distill``.
+        temperature: the rollout's temperature (both distributions are taken at it).
+
+    Returns:
+        The scalar loss and the (detached) sum of the per-token JSD over the target tokens.
+    """
+    mask = mb["target_mask"].float()  # (1, N)
+    keep = (mask > 0).any(0).nonzero()[:, 0]
+    if len(keep) == 0:  # a filler micro-batch: one position, so the backward still reaches every parameter
+        keep = keep.new_zeros(1)
+    student_logits = model(**model_inputs(mb), logits_to_keep=keep).logits  # (1, K, V)
+    with torch.no_grad():
+        teacher_logits = teacher(**model_inputs(mb), logits_to_keep=keep).logits  # (1, K, V)
+    per_token = generalized_jsd(student_logits, teacher_logits, config.beta, temperature)  # (1, K)
+    kept_mask = mask[:, keep]  # (1, K)
+    return config.coef * token_mean(per_token, kept_mask, normaliser), (per_token.detach() * kept_mask).sum()
