@@ -26,7 +26,8 @@ class RolloutConfig:
     """How trajectories are sampled and scored: ``model.rollout.*``.
 
     Args:
-        env_path: Python file defining ``reward_fn(messages, answer)`` (and optionally ``interact(messages)``).
+        env_path: Python file defining ``reward_fn(messages, answer)`` (and optionally ``interact(messages)``), or a
+            standard environment: ``verifiers:<taskset>``, ``openenv:<module>`` (`rl_lightning.rollout.env_adapters`).
         responses_per_prompt: completions sampled per prompt (the group size of group-baseline estimators).
         max_turns: assistant turns per conversation (> 1 needs ``interact``).
         temperature: sampling temperature; the task recomputes old, reference and current log-probabilities at it.
