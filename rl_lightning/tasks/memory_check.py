@@ -125,7 +125,7 @@ def _ppo_fields(module: Any, trainer: Any) -> tuple[dict[str, Any], int]:
             "reference": ("adapters" if hp.lora is not None else "model") if module.needs_reference else "none",
             "critic": hp.advantage_estimator in CRITIC_ESTIMATORS, "host_trim": True,
             "accumulates": cap > module.max_length_per_device,
-            "engine": engine}, longest
+            "engine": None if rollout.replay else engine}, longest  # a replay builds no engine
 
 
 def _lora_fields(lora: Any, shape: ModelShape) -> dict[str, Any]:

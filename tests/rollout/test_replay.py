@@ -18,6 +18,7 @@ from helpers import Metrics, fit, ppo_task, prompts, run_on_cpu_ranks
 from callbacks.rollout_dump import RolloutDump
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.replay import _ranges
+from rl_lightning.tasks.memory_check import _ppo_fields
 
 SFT_MODEL = REPO / "rl_lightning" / "assets" / "tiny-qwen2-sft"  # same tokenizer, other weights
 ROLLOUT = {"reward_workers": 0}
@@ -66,8 +67,9 @@ def test_replay_with_the_hf_engine_is_bit_identical(dumped):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             replayed.append([(t.input_ids, t.engine_logprobs, t.reward) for t in batch["rollout"].trajectories])
 
-    model, _ = _grpo(raising, 3, [metrics, Tokens()], rollout={"replay": str(dirpath)})
+    model, trainer = _grpo(raising, 3, [metrics, Tokens()], rollout={"replay": str(dirpath)})
     assert model.rollout_callback.engine is None and model.rollout_callback.env.scorer is None  # nothing sampled
+    assert _ppo_fields(model, trainer)[0]["engine"] is None  # the memory plan counts no engine either
     assert replayed == recorded  # token ids, engine log-probabilities, rewards: the same Python values
     keys = [k for k in history[0] if k.startswith("train/")]
     assert {"train/policy_loss", "train/grad_norm", "train/kl", "train/reward"} <= set(keys)
