@@ -209,3 +209,18 @@ def test_grpo_through_the_cli_logs_the_openenv_rubric_multi_turn(workdir, monkey
     for correct, bare, reward in zip(metrics["train/reward/correct"], metrics["train/reward/bare_number"],
                                      metrics["train/reward"], strict=True):
         assert reward == pytest.approx(0.8 * correct + 0.2 * bare, abs=1e-6)  # float32 logging of the means
+
+
+def test_an_installed_taskset_by_module_name_and_a_class_picked_by_name(tmp_path, monkeypatch):
+    """``verifiers:<module>`` imports from sys.path (as verifiers' own ids do); two tasksets need ``:<Name>``."""
+    source = (REPO / "examples/envs/verifiers_arithmetic.py").read_text()
+    (tmp_path / "my_tasksets.py").write_text(source + "\n\nclass Harder(ArithmeticTaskset):\n    pass\n\n\n"
+                                             "__all__ = ['ArithmeticTaskset', 'Harder']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^env_path='verifiers:my_tasksets': my_tasksets defines 2 \(\['ArithmeticTaskset', "
+                                          r"'Harder'\]\) verifiers.v1.taskset.Taskset subclasses; pick one with :<Name>$"):
+        load_environment("verifiers:my_tasksets")
+    env = load_environment("verifiers:my_tasksets:Harder")
+    assert env.score([*PROMPT, {"role": "assistant", "content": "7"}], "7", "r") == (
+        1.5, {"correct": 1.0, "bare_number": 1.0})
+    monkeypatch.delitem(sys.modules, "my_tasksets")
