@@ -185,7 +185,8 @@ class PromptCurriculum:
                                  torch.tensor(rewards, dtype=torch.float64), self.config.solved_threshold,
                                  self.num_prompts)
         device = root_device(trainer)
-        counts = data_parallel_sum(trainer, torch.stack([c, n]).to(device)).cpu()  # (2, P)
+        # whole counts: exact in the all-reduce's float32 up to 2**24 completions per prompt and rollout
+        counts = data_parallel_sum(trainer, torch.stack([c, n]).to(device)).cpu().to(torch.float64)  # (2, P)
         self.pass_rates, self.seen = update_pass_rates(self.pass_rates, self.seen, counts[0], counts[1],
                                                        self.config.decay)
         self.last_seen = torch.where(counts[1] > 0, self.rollouts, self.last_seen)
