@@ -227,8 +227,7 @@ class RolloutCallback(L.Callback):
         if self.replay is not None:  # the dumped rollout: nothing is sampled or scored
             batch["rollout"] = rollout = self.replay.rollout(
                 task.rollouts, None if self.config.filter_range is not None else batch["prompts"])
-            if self.pareto is not None:
-                rollout.metrics.update(self._track_pareto(trainer, task, rollout.trajectories))
+            self._observe(trainer, task, rollout.trajectories, rollout.metrics)
             return
         if self.generator is not None:
             self._async_rollout(self.generator, trainer, task, batch, batch_idx)
@@ -283,14 +282,19 @@ class RolloutCallback(L.Callback):
         if self.weight_sync is not None:
             metrics["rollout/weight_sync_s"] = self.weight_sync.seconds  # 0: skipped (no optimizer step)
             metrics["rollout/weight_sync_mb"] = self.weight_sync.stats.bytes / 2**20  # adapter sync: the adapter's
+        self._observe(trainer, task, trajectories, metrics)
+        return Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names, self.env.failures,
+                       self.refills, metrics)
+
+    def _observe(self, trainer: L.Trainer, task: PolicyTask, trajectories: list[Trajectory],
+                 metrics: dict[str, float]) -> None:
+        """What a rollout, sampled or replayed, feeds: the Pareto archive, the data curriculum (into `metrics`)."""
         if self.pareto is not None:
             metrics.update(self._track_pareto(trainer, task, trajectories))
         curriculum = getattr(_datamodule(trainer), "curriculum", None)
         if curriculum is not None:  # data.curriculum: each prompt's pass rate decides what the next rollouts draw
             metrics.update(curriculum.observe(trainer, [t.prompt.index for t in trajectories],
                                               [t.reward for t in trajectories]))
-        return Rollout(trajectories, self.config.responses_per_prompt, self.env.component_names, self.env.failures,
-                       self.refills, metrics)
 
     def _track_pareto(self, trainer: L.Trainer, task: PolicyTask, trajectories: list[Trajectory]
                       ) -> dict[str, float]:

@@ -283,3 +283,25 @@ def test_replay_under_data_parallelism_is_bit_identical(tmp_path, parity_env):
         assert [{k: h[k] for k in keys} for h in replayed["history"]] == [
             {k: h[k] for k in keys} for h in original["history"]]
         assert all(torch.equal(replayed["weights"][n], w) for n, w in original["weights"].items())
+
+
+def test_a_replay_feeds_the_data_curriculum_as_the_run_did(tmp_path, parity_env):
+    """Under ``data.curriculum`` each rollout's rewards decide the next prompts: the replay observes the dumped
+    rewards, so it draws the dumped run's prompts (checked per batch) and makes its updates."""
+    from rl_lightning.data.curriculum import CurriculumConfig
+
+    def run(env, callbacks, rollout=None):  # pairs of completions: a group all passes or all fails half the time
+        data = prompts(2, curriculum=CurriculumConfig(readmit_after=2))
+        return _grpo(env, 4, callbacks, rollout={"responses_per_prompt": 2, **(rollout or {})}, data=data)
+
+    original, replayed = Metrics(), Metrics()
+    model, _ = run(parity_env, [original, RolloutDump(str(tmp_path / "rollouts"))])
+    assert any(h["curriculum/solved"] + h["curriculum/hopeless"] > 0 for h in original.history)  # prompts parked
+    raising = tmp_path / "raising.py"
+    raising.write_text(RAISING_ENV)
+    replay, _ = run(str(raising), [replayed], rollout={"replay": str(tmp_path / "rollouts")})
+    def kept(history):  # all but the original's timings
+        return [{k: v for k, v in h.items() if not k.startswith("rollout/")} for h in history]
+
+    assert kept(replayed.history) == kept(original.history) and len(original.history) == 4
+    assert all(torch.equal(p, q) for p, q in zip(model.model.parameters(), replay.model.parameters(), strict=True))
