@@ -13,8 +13,8 @@ Two forms, as pure tensor functions:
   https://arxiv.org/abs/2306.13649): with p_t, p_s the teacher's and student's next-token distributions and the
   mixture m = beta p_t + (1 - beta) p_s, JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m). beta = 0 and 1
   are, by the paper's convention (and TRL's ``GKDTrainer``), the limits of JSD_beta / beta and JSD_beta / (1 - beta):
-  the forward KL(p_t || p_s) and the reverse KL(p_s || p_t). `on_policy_rows` draws which rows of a batch are the
-  student's own samples (fraction lambda) rather than dataset completions.
+  the forward KL(p_t || p_s) and the reverse KL(p_s || p_t). GKD's on-policy fraction lambda < 1 (mixing dataset
+  completions in) is not built here: the PPO task trains on the student's own samples only (lambda = 1).
 
 Paper links: GKD https://arxiv.org/abs/2306.13649; MiniLLM (reverse KL) https://arxiv.org/abs/2306.08543.
 """
@@ -26,8 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["distillation_advantages", "generalized_jsd", "masked_token_mean", "on_policy_rows", "reverse_kl_rewards",
-           "token_kl"]
+__all__ = ["distillation_advantages", "generalized_jsd", "masked_token_mean", "reverse_kl_rewards", "token_kl"]
 
 
 def reverse_kl_rewards(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, completion_mask: torch.Tensor
@@ -129,17 +128,3 @@ def masked_token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: torc
     total = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
     return (values * mask).sum() / total
 
-
-def on_policy_rows(draws: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Which rows train on the student's own samples: GKD's lambda, from uniform draws in [0, 1).
-
-    Args:
-        draws: (B,) uniform draws (from a seeded generator, so ranks and resumed runs agree).
-        fraction: lambda in [0, 1]: 1 is fully on-policy, 0 is supervised on the dataset's completions.
-
-    Returns:
-        (B,) bool, True where the row's completion is sampled from the student.
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    return draws < fraction

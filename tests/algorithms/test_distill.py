@@ -10,7 +10,6 @@ from rl_lightning.algorithms.distill import (
     distillation_advantages,
     generalized_jsd,
     masked_token_mean,
-    on_policy_rows,
     reverse_kl_rewards,
     token_kl,
 )
@@ -101,10 +100,3 @@ def test_masked_token_mean_uses_the_global_normaliser_so_shards_add_up():
     assert_close(shards, whole)
     assert float(masked_token_mean(values, torch.zeros(2, 4))) == 0.0  # fully masked: 0, not NaN
 
-
-def test_on_policy_rows_take_the_fraction_of_draws_below_lambda():
-    draws = torch.tensor([0.05, 0.5, 0.95, 0.3])
-    assert on_policy_rows(draws, 0.4).tolist() == [True, False, False, True]
-    assert on_policy_rows(draws, 1.0).all() and not on_policy_rows(draws, 0.0).any()
-    with pytest.raises(ValueError, match="fraction must be in"):
-        on_policy_rows(draws, 1.5)

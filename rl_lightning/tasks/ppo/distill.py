@@ -82,18 +82,22 @@ def check_teacher(config: DistillConfig, student_tokenizer: Any, model_name: str
     if config.type == "loss" and aggregation == "sequence_mean":
         raise ConfigError("model.distill.type=loss is a token mean and needs model.aggregation token_mean or "
                           "token_sum, got 'sequence_mean'; change one of them")
-    name = config.teacher
-    path = resolve_model(name)
+    name, fix = config.teacher, "set model.distill.teacher to a causal LM folder or hub id with the student's tokenizer"
+    try:
+        path = resolve_model(name)  # asset:<name> -> its built folder (or an error saying how to build it)
+    except ConfigError as e:
+        raise ConfigError(f"model.distill.teacher: {e}") from None
     local = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or Path(path).expanduser().exists()
     if local and not Path(path).expanduser().is_dir():
         raise ConfigError(f"model.distill.teacher '{name}': no such model folder ({Path(path).expanduser().resolve()})"
-                          f"; set model.distill.teacher to a causal LM folder or hub id with the student's tokenizer")
+                          f"; {fix}")
     if name == model_name:
         return
     try:
         teacher_vocab = load_tokenizer(path).get_vocab()
     except ConfigError as e:
-        raise ConfigError(f"model.distill.teacher '{name}': {str(e).split(': ', 1)[-1]}") from None
+        reason = str(e).split(": ", 1)[-1].removesuffix("; check model.model_name")
+        raise ConfigError(f"model.distill.teacher '{name}': cannot load its tokenizer ({reason}); {fix}") from None
     student_vocab = student_tokenizer.get_vocab()
     if teacher_vocab != student_vocab:
         differ = len(set(teacher_vocab.items()) ^ set(student_vocab.items()))

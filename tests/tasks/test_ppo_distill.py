@@ -121,6 +121,9 @@ def _other_tokenizer(folder):
                                            r"model.distill.teacher to a causal LM folder"),
         ({"teacher": "OTHER"}, r"^model.distill.teacher '.*' has a different tokenizer from model.model_name .*"
                                r"\((\d+) vs \1 tokens, 4 entries differ\).*same tokenizer"),
+        ({"teacher": "no-such-org/no-such-teacher"}, r"^model.distill.teacher 'no-such-org/no-such-teacher': cannot "
+                                                     r"load its tokenizer \(.*\); set model.distill.teacher to"),
+        ({"teacher": "asset:nothing"}, r"^model.distill.teacher: model 'asset:nothing' is not built"),
         ({"teacher": str(TEACHER), "type": "kl"}, "model.distill.type must be one of reward, loss, got 'kl'"),
         ({"teacher": str(TEACHER), "beta": 2.0}, r"model.distill.beta must be in \[0, 1\], got 2.0"),
         ({"teacher": str(TEACHER), "coef": 0.0}, "model.distill.coef must be > 0, got 0.0"),
