@@ -4,7 +4,8 @@ One figure per question, plus ``summary.png`` with all of them:
 
 - RL (PPO, GRPO, DAPO...): ``reward.png`` (the training reward and its components per rollout, the held-out reward
   as points), ``heldout.png`` (the held-out reward by component and by named validation set: e.g. the share of
-  correct answers), ``completion_length.png``, ``entropy.png``, ``kl.png``;
+  correct answers), ``completion_length.png``, ``entropy.png``, ``kl.png``; with ``data.curriculum``,
+  ``curriculum.png`` (pool sizes and how many seen prompts fall in each pass-rate bin, per rollout);
 - SFT: ``loss.png``; DPO and the reward model: ``loss.png``, ``accuracy.png``, ``margin.png``.
 
 Lines are the values logged per step (optimizer step, or rollout for RL); dashed lines with dots are the validation
@@ -70,6 +71,8 @@ RL_PANELS = (
     Panel("entropy", "Policy entropy on the sampled completions", "entropy (nats per token)", ("train/entropy",)),
     Panel("kl", "KL divergence", "KL (nats per token)", ("train/kl", "train/approx_kl", "train/mismatch_kl"),
           hide_zero=True),
+    Panel("curriculum", "Prompt curriculum (data.curriculum): pools and pass-rate histogram", "prompts",
+          ("curriculum/active", "curriculum/solved", "curriculum/hopeless", "curriculum/pass_rate/*")),
 )
 SFT_PANELS = (Panel("loss", "Loss (assistant tokens)", "cross-entropy (nats per token)", ("train/loss",),
                     ("val/loss",)),)

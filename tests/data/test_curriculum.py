@@ -157,3 +157,15 @@ def test_data_parallel_ranks_pool_their_counts_and_draw_alike():
     metrics, rates, _ = results[0]
     assert rates[:3] == [0.25, 1.0, 0.0]
     assert (metrics["curriculum/solved"], metrics["curriculum/hopeless"], metrics["curriculum/active"]) == (1, 1, 4)
+
+
+def test_the_run_plots_draw_the_pools_and_the_histogram():
+    """An RL run that logged curriculum metrics gets the curriculum panel, with every pool and histogram bin."""
+    from rl_lightning.tracking.plots import matching, panels_for
+
+    names = ["train/rollouts", "train/reward", *_observe(PromptCurriculum(CurriculumConfig(), 4, seed=0), {0: 1})]
+    panels, _ = panels_for(names)
+    (panel,) = [p for p in panels if p.name == "curriculum"]
+    assert matching(panel.lines, names) == ["curriculum/active", "curriculum/solved", "curriculum/hopeless",
+                                            *sorted(n for n in names if n.startswith("curriculum/pass_rate/"))]
+    assert "curriculum" not in [p.name for p in panels_for(["train/rollouts", "train/reward"])[0]]
