@@ -18,6 +18,7 @@ of the student's own sampled completions (temperature 1, ``--samples`` per promp
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -92,13 +93,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=None, help="held-out prompts used (default: all)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON")
     parser.add_argument("--out", default=None, help="markdown file for the results table")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     tokenizer, teacher = load_tokenizer(str(STUDENT)), load(TEACHER)
-    prompts = load_prompts(DEFAULT_DATA, tokenizer)
-    rows = [("teacher (tiny-qwen2-sft)", "-", 0.0, mean_reward(teacher, tokenizer, prompts, str(ENV),
-                                                               max_new_tokens=args.max_new_tokens))]
+    prompts = load_prompts(DEFAULT_DATA, tokenizer)[:args.prompts]
+    rows = [("teacher (tiny-qwen2-sft)", "-", *measure(TEACHER, teacher, tokenizer, prompts, args))]  # KL 0: a check
     rows.append(("student at start (tiny-qwen2)", "-", *measure(STUDENT, teacher, tokenizer, prompts, args)))
     with tempfile.TemporaryDirectory() as scratch:
         for arm in args.arms:
@@ -114,6 +116,9 @@ def main() -> None:
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
+    if args.json:
+        keys = ("model", "fit_s", "kl", "accuracy")
+        Path(args.json).write_text(json.dumps({"rows": [dict(zip(keys, row, strict=True)) for row in rows]}))
 
 
 if __name__ == "__main__":

@@ -110,3 +110,15 @@ def test_memory_benchmark_compares_peaks_and_sweeps_the_token_budget(tmp_path):
     assert slope["budgets"] == [256, 512, 1024] and slope["full"] > 100 and slope["chunked"] < 0.5 * slope["full"]
     assert (tmp_path / "memory_budget_cpu.png").stat().st_size > 0
     assert "| sft | ours | chunked 64 |" in (tmp_path / "memory_cpu.md").read_text()
+
+
+@pytest.mark.slow  # two CLI fits of one rollout each
+def test_distill_benchmark_measures_the_teacher_at_zero_and_the_students_against_it(tmp_path):
+    rows, stdout = _run_benchmark(["benchmarks/distill.py", "--rollouts", "1", "--arms", "reward", "control",
+                                   "--prompts", "4", "--samples", "1"], tmp_path)
+    kl = {row["model"].split(",")[-1].strip(): row["kl"] for row in rows}
+    assert list(kl) == ["teacher (tiny-qwen2-sft)", "student at start (tiny-qwen2)", "reward", "control"]
+    assert kl["teacher (tiny-qwen2-sft)"] == 0.0  # the teacher against itself: exactly 0
+    assert kl["student at start (tiny-qwen2)"] > 1.0  # random init vs the SFT'd teacher
+    assert kl["reward"] != kl["student at start (tiny-qwen2)"] and kl["control"] != kl["reward"]  # both fits moved
+    assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows) and "| student after 1 rollouts, reward |" in stdout
