@@ -169,3 +169,19 @@ def test_the_run_plots_draw_the_pools_and_the_histogram():
     assert matching(panel.lines, names) == ["curriculum/active", "curriculum/solved", "curriculum/hopeless",
                                             *sorted(n for n in names if n.startswith("curriculum/pass_rate/"))]
     assert "curriculum" not in [p.name for p in panels_for(["train/rollouts", "train/reward"])[0]]
+
+
+@pytest.mark.parametrize("task, message", [
+    (types.SimpleNamespace(), "data.curriculum needs a task that samples groups of completions per prompt (model: "
+                              "rl_lightning.tasks.PPO), got SimpleNamespace; set data.curriculum: null"),
+    (types.SimpleNamespace(rollout_config=types.SimpleNamespace(responses_per_prompt=8, async_steps=1)),
+     "data.curriculum draws each rollout's prompts from the previous rollout's pass rates, but "
+     "model.rollout.async_steps=1 reads them ahead; set async_steps: 0 or data.curriculum: null"),
+])
+def test_tasks_the_curriculum_cannot_serve_are_one_line(task, message):
+    """(responses_per_prompt 1 and SFT go through the real CLI in tests/tasks/test_curriculum_resume.py.)"""
+    from rl_lightning.data.curriculum import check_curriculum_task
+
+    with pytest.raises(ConfigError) as info:
+        check_curriculum_task(task)
+    assert str(info.value) == message
