@@ -21,9 +21,9 @@ Mapping (what the adapter returns is what a ``reward_fn`` file would):
   taskset's toolsets, called in-process; ``interact`` answers each ``<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>`` block of the last assistant turn (the Hermes/Qwen form) with a ``tool`` message, and ends the
   conversation when there is none.
-- OpenEnv: the environment owns the task. A row is an episode: its prompt is the ``reset`` observation's text and its
-  first message keeps the ``reset`` arguments under ``"reset"`` (`export_rows` writes such rows; chat templates
-  ignore the key). Our protocol is stateless (``interact`` gets only the conversation, and it and ``reward_fn`` may
+- OpenEnv: the environment owns the task. A row is an episode: its prompt is the ``reset`` observation's text and a
+  prompt message (the first that has one) keeps the ``reset`` arguments under ``"reset"`` (`export_rows` writes such
+  rows; chat templates ignore the key). Our protocol is stateless (``interact`` gets only the conversation, and it and ``reward_fn`` may
   run in different processes), so every call replays the episode: ``reset(**reset)``, then one ``step`` per
   assistant turn with the completion text in the action's one ``str`` field. The reward is the episode's return (the
   sum of its steps' ``observation.reward``; the row's ``answer`` is not used); with a ``WeightedSum`` rubric its

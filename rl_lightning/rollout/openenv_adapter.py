@@ -42,7 +42,7 @@ class OpenEnvAdapter:
         Returns the last observation (the reset's when no turn) and the components summed over the steps.
         """
         env = self.env_class()
-        observation = env.reset(**(messages[0].get("reset") or {} if messages else {}))
+        observation = env.reset(**next((m["reset"] for m in messages if m.get("reset")), {}))
         totals = dict.fromkeys(self.names, 0.0)
         for message in messages:
             if message["role"] != "assistant" or observation.done:

@@ -224,3 +224,12 @@ def test_an_installed_taskset_by_module_name_and_a_class_picked_by_name(tmp_path
     assert env.score([*PROMPT, {"role": "assistant", "content": "7"}], "7", "r") == (
         1.5, {"correct": 1.0, "bare_number": 1.0})
     monkeypatch.delitem(sys.modules, "my_tasksets")
+
+
+def test_openenv_reset_arguments_may_follow_a_system_message():
+    env = load_environment(OPENENV)
+    user = {"role": "user", "content": "What is 2 + 2?", "reset": {"a": 2, "b": 2}}
+    system = {"role": "system", "content": "Answer with the number only."}
+    completion = {"role": "assistant", "content": "4"}
+    assert env.score([system, user, completion], None, "r") == env.score([user, completion], None, "r") == (
+        pytest.approx(1.0, abs=1e-12), {"correct": 1.0, "bare_number": 1.0})
