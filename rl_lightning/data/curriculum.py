@@ -126,6 +126,7 @@ class PromptCurriculum:
         self.rollouts = 0  # rollouts observed: the curriculum's clock
         self.passes, self.cursor = 0, 0  # the walk: which permutation, where in it
         self.fingerprint = 0  # a running hash of every draw (index and order), to compare runs
+        self._cached_walk: tuple[int, list[int], list[float]] = (-1, [], [])
 
     # ------------------------------------------------------------------------------------------------- drawing
 
@@ -137,9 +138,12 @@ class PromptCurriculum:
 
     def _walk(self, index: int) -> tuple[list[int], list[float]]:
         """Permutation `index` of the prompts and the coins the walk tosses for parked prompts along it."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7_919 * index + 17)
-        order = torch.randperm(self.num_prompts, generator=generator).tolist()
-        return order, torch.rand(self.num_prompts, generator=generator, dtype=torch.float64).tolist()
+        if self._cached_walk[0] != index:  # a pass is walked over many draws: build it once
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7_919 * index + 17)
+            order = torch.randperm(self.num_prompts, generator=generator).tolist()
+            coins = torch.rand(self.num_prompts, generator=generator, dtype=torch.float64).tolist()
+            self._cached_walk = (index, order, coins)
+        return self._cached_walk[1], self._cached_walk[2]
 
     def draw(self, rows: int) -> list[int]:
         """The next `rows` distinct prompt indices (every rank's share, in rank order); advances the walk."""
