@@ -15,6 +15,11 @@ trainer (`MLflowTracking` makes every logger of this class follow its trainer at
   and then on change. A constant line is not a chart worth drawing, and a counter's MLflow history is its changes.
 
 Without a trainer (used on its own) it logs exactly as Lightning's.
+
+- **Rank 0 only.** Lightning's logger opens an MLflow client, and so the tracking store, in every process: with a
+  ``sqlite:`` store on a shared file system, every rank of a multi-node job creates and migrates the same database at
+  start-up (and on a node-local disk leaves an empty ``mlflow.db`` behind). Only global rank 0 logs, so the other
+  ranks make no client at all (`NoClient`: any use raises, naming the rank).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 # name -> the value taken as already logged at the start (0.0: a counter; None: log the first value)
@@ -53,12 +59,35 @@ def counter_start(name: str) -> tuple[bool, float | None]:
     return False, None
 
 
+class NoClient:
+    """The MLflow client of a rank other than global rank 0, which never logs: made without touching the store."""
+
+    def __init__(self, tracking_uri: str | None = None, *args: Any, **kwargs: Any) -> None:
+        self.tracking_uri = tracking_uri
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"MLflow is used from global rank {rank_zero_only.rank} (client.{name}); only rank 0 "
+                           "logs: guard the call with lightning's rank_zero_only or trainer.is_global_zero")
+
+
 class MLFlowLogger(LightningMLFlowLogger):
     """Lightning's ``MLFlowLogger`` logging at the run's step, counters only when they move (see the module)."""
 
-    # no __init__ of its own: LightningCLI documents and checks the arguments of Lightning's
     _trainer: Any = None
     _last: dict[str, float | None]  # counter -> the value last logged (set by `follow`)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning's arguments (LightningCLI reads them through this call); the client is made where Lightning's
+        # __init__ imports it, so a non-zero rank swaps in `NoClient` for that call only
+        import mlflow.tracking
+
+        real = mlflow.tracking.MlflowClient
+        if getattr(rank_zero_only, "rank", 0) != 0:
+            mlflow.tracking.MlflowClient = NoClient  # type: ignore[misc,assignment]
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            mlflow.tracking.MlflowClient = real  # type: ignore[misc]
 
     def follow(self, trainer: Any) -> None:
         """Log at `trainer`'s `steps_done` from now on."""
