@@ -58,11 +58,11 @@ def probe(model_dir: str, args: argparse.Namespace, out: Path) -> dict:
                         limit=args.candidates, reward_weights=json.dumps(real_grpo.WEIGHTS),
                         env=str(real_grpo.REPO / "examples" / "envs" / "reasoning_gym_env.py"))
     run_eval(config, on_samples=keep)
-    chosen = [row for rate, row in rates if args.low <= rate <= args.high][:args.max_prompts]
-    out.write_text("".join(json.dumps(row) + "\n" for row in chosen))
+    chosen = [(rate, row) for rate, row in rates if args.low <= rate <= args.high][:args.max_prompts]
+    out.write_text("".join(json.dumps(row) + "\n" for _, row in chosen))
     histogram = {f"{r:.3f}": sum(1 for rate, _ in rates if rate == r) for r in sorted({rate for rate, _ in rates})}
     return {"candidates": len(rates), "chosen": len(chosen), "pass_rate_histogram": histogram,
-            "chosen_mean_rate": sum(rate for rate, _ in rates if args.low <= rate <= args.high) / max(1, len(chosen))}
+            "chosen_mean_rate": sum(rate for rate, _ in chosen) / max(1, len(chosen))}
 
 
 def _child(mode: str, target: str, args: argparse.Namespace, workdir: Path) -> dict:
