@@ -94,15 +94,18 @@ def test_loss_mode_adds_gkd_jsd_equal_to_trls_on_the_same_tokens(zero_env):
     assert len(moved) > 0
 
 
-def test_a_lora_student_of_its_own_base_is_taught_by_the_base_with_adapters_disabled(zero_env):
+@pytest.mark.parametrize("kind", ["reward", "loss"])
+def test_a_lora_student_of_its_own_base_is_taught_by_the_base_with_adapters_disabled(zero_env, kind):
     """teacher = model.model_name under LoRA: the teacher is the policy with its adapters off (no second model);
-    before the first step B = 0, so student and teacher agree exactly: reverse KL 0 and zero advantages."""
+    before the first step B = 0, so student and teacher agree exactly: reverse KL 0, zero advantages, JSD 0."""
     metrics = Metrics()
     model, _ = run_ppo(zero_env, callbacks=[metrics], lora={"r": 4},
-                       distill=DistillConfig(str(TINY_MODEL)))
+                       distill=DistillConfig(str(TINY_MODEL), type=kind))
     assert isinstance(model._teacher, AdaptersDisabled) and model._teacher.model is model.model
     assert abs(metrics.history[0]["train/distill_reverse_kl"]) < 1e-6
     assert abs(metrics.history[0]["train/advantage_std"]) < 1e-6
+    if kind == "loss":
+        assert abs(metrics.history[0]["train/distill_jsd"]) < 1e-7
 
 
 def _other_tokenizer(folder):
