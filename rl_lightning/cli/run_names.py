@@ -8,8 +8,13 @@ A run's name is its configs followed by the settings the command line changed:
 - each config file by its path below ``recipes/`` without the extension, ``/`` -> ``-`` (other files: their stem),
   joined with ``+`` (an overlay adds to the recipe's name instead of replacing it);
 - each command-line setting as ``key=value`` with the key's last part (the whole key where two settings share it),
-  numbers as Python prints them (``2e-05``), a path by its file name without extension; the outputs' and the
-  logger's own settings (`UNNAMED`) are left out.
+  numbers as Python prints them (``2e-05``), a path (a value with ``/``) by its file name without extension; the
+  trainer's settings (devices, run length, validation and logging intervals; `UNNAMED`) are left out but for
+  precision, gradient accumulation and clipping.
+
+MLflow's runs table and chart legends show about the first 20 characters of a name; runs that differ in many settings
+are easier to tell apart with an overlay file for the shared ones (``--config my_base.yaml``, named ``+my_base``) or a
+``run_name`` of their own.
 
 ``trainer.logger.init_args.run_name`` set anywhere replaces the whole name. The run's folder
 (``outputs/<name>/<time>``, `rl_lightning.cli.outputs`) takes the configs' part only, so ``--ckpt_path last``
@@ -22,9 +27,10 @@ import os
 from collections.abc import Sequence
 from pathlib import PurePath
 
-# command-line settings that say where and how a run is recorded, not what it trains
-UNNAMED = ("config", "ckpt_path", "print_config", "trainer.logger", "trainer.callbacks", "trainer.default_root_dir",
-           "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps")
+# command-line settings that say where, how long and how often a run is recorded, not what it trains: the trainer's
+# (all but the three below) and the resume point. MLflow's legends show a name's first ~20 characters.
+UNNAMED = ("config", "ckpt_path", "print_config", "trainer")
+NAMED_TRAINER = ("trainer.precision", "trainer.accumulate_grad_batches", "trainer.gradient_clip_val")
 MAX_VALUE_CHARS = 40
 
 
@@ -56,7 +62,7 @@ def command_line_settings(argv: Sequence[str]) -> list[tuple[str, str]]:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 continue  # a flag without a value (--print_config)
             value = argv[i + 1]
-        if not any(key == skip or key.startswith(f"{skip}.") for skip in UNNAMED):
+        if key in NAMED_TRAINER or not any(key == skip or key.startswith(f"{skip}.") for skip in UNNAMED):
             settings.append((key.replace(".init_args.", "."), value))
     return settings
 

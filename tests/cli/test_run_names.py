@@ -23,8 +23,10 @@ def test_an_overlay_adds_to_the_name_instead_of_replacing_it():
 
 def test_command_line_settings_skip_the_configs_outputs_and_flags():
     argv = ["fit", "--config", "recipes/grpo.yaml", "--model.init_args.optim.lr=2e-5", "--print_config",
-            "--ckpt_path", "last", "--trainer.logger.init_args.run_id", "abc", "--trainer.max_steps", "3"]
-    assert command_line_settings(argv) == [("model.optim.lr", "2e-5"), ("trainer.max_steps", "3")]
+            "--ckpt_path", "last", "--trainer.logger.init_args.run_id", "abc", "--trainer.max_steps", "3",
+            "--trainer.devices", "2", "--trainer.precision", "bf16-true", "--data.batch_size", "4"]
+    assert command_line_settings(argv) == [("model.optim.lr", "2e-5"), ("trainer.precision", "bf16-true"),
+                                           ("data.batch_size", "4")]
 
 
 @pytest.mark.parametrize(("value", "expected"), [("2e-5", "2e-05"), ("0.0010", "0.001"), ("3", "3"), ("-2", "-2"),

@@ -185,11 +185,12 @@ def test_plots_can_be_switched_off(workdir):
 def test_a_crashed_run_still_gets_its_plots(workdir):
     import lightning as L
     from conftest import DEMO_DATA, TINY_MODEL
-    from lightning.pytorch.loggers import MLFlowLogger
 
     from rl_lightning.data import SFTDataModule
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT
+    from rl_lightning.tracking.logger import MLFlowLogger
+    from rl_lightning.tracking.mlflow_run import MLflowTracking
 
     class Crash(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -204,7 +205,8 @@ def test_a_crashed_run_still_gets_its_plots(workdir):
                          max_length_per_device=256)
     trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=logger, log_every_n_steps=1, limit_val_batches=0,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[RunPlots(str(workdir / "plots")), Crash()])
+                        callbacks=[RunPlots(str(workdir / "plots")), Crash(),
+                                   MLflowTracking(system_metrics=False, lineage=False)])  # the CLI's logging
     with pytest.raises(RuntimeError, match="out of luck"):
         trainer.fit(model, datamodule=data)
     assert _png_size(workdir / "plots" / "loss.png")[0] >= 600
