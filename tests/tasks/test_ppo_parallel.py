@@ -1,11 +1,14 @@
 """PPO under ParallelStrategy on CPU/gloo gives the single-process run: the same sampled completions (per-prompt
 seeds, whatever rank holds the prompt), rewards, KL, entropy, gradient norms, KL coefficient and Lagrange multipliers
-per rollout, for data, tensor and context parallelism, with the critic (GAE), and with CPU offload.
+per rollout, for data, tensor and context parallelism, with the critic (GAE), with CPU offload, and with a
+distillation teacher (its reverse-KL reward under dp = 2, GKD's JSD loss under cp = 2).
 
 Under context parallelism completions are 32 tokens, so every completion spans both zigzag shards: per-token sums
 measured on one shard (KL, entropy, token counts) must be completed over the context-parallel group before they feed
 the adaptive KL controller and the multipliers, or the peers' controllers diverge and the logs show one shard. The
 other layouts use 8-token completions (the test's cost is mostly generation and updates of long completions)."""
+
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -17,7 +20,8 @@ from rl_lightning.parallel import ParallelStrategy
 PROMPTS_PER_ROLLOUT = 4
 COMPARED = ("train/reward", "train/completion_length", "train/entropy", "train/kl", "train/grad_norm",
             "train/approx_kl", "train/value_loss", "train/critic_grad_norm", "train/kl_coef", "train/entropy_multiplier",
-            "train/kl_multiplier", "train/advantage_mean", "train/advantage_std")
+            "train/kl_multiplier", "train/advantage_mean", "train/advantage_std", "train/distill_reverse_kl",
+            "train/distill_jsd")
 PARITY_ENV = '''
 def reward_fn(messages, answer):
     return float(len(messages[-1]["content"]) % 2)
@@ -26,6 +30,9 @@ def reward_fn(messages, answer):
 CONTROLLED = {"kl": {"coef": 0.05, "controller": "adaptive", "target": 0.001, "horizon": 20.0},
               "constraints": {"entropy_min": 10.0, "kl_max": 0.05, "multiplier_lr": 0.5}}
 GAE = {"advantage_estimator": "gae", "critic_lr": 1e-3, "lam": 0.9, "gamma": 0.99}
+TEACHER = str(Path(__file__).resolve().parents[2] / "rl_lightning" / "assets" / "tiny-qwen2-sft")
+DISTILL = {"distill": {"teacher": TEACHER, "coef": 0.5}}  # the teacher's per-token reverse KL in the advantages
+GKD = {"distill": {"teacher": TEACHER, "type": "loss", "beta": 0.5}}  # its JSD over the vocabulary as a loss
 
 
 def _tokens(cp):
@@ -64,8 +71,9 @@ SINGLE = {}  # single-process histories, shared by the layouts that compare agai
 @pytest.mark.parametrize(
     ("sizes", "task_kwargs", "strategy_kwargs"),
     [((2, 1, 1), CONTROLLED, {}), ((1, 1, 2), CONTROLLED, {}), ((1, 2, 1), CONTROLLED, {}), ((2, 1, 1), GAE, {}),
-     ((1, 2, 1), {**GAE, "kl": {"coef": 0.05, "type": "reward"}}, {}), ((2, 1, 1), CONTROLLED, {"cpu_offload": True})],
-    ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload"],
+     ((1, 2, 1), {**GAE, "kl": {"coef": 0.05, "type": "reward"}}, {}), ((2, 1, 1), CONTROLLED, {"cpu_offload": True}),
+     ((2, 1, 1), DISTILL, {}), ((1, 2, 1), GKD, {})],
+    ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload", "dp2-distill", "cp2-gkd"],
 )
 def test_ppo_parallel_equals_single_process(sizes, task_kwargs, strategy_kwargs, env, tmp_path):
     tokens = _tokens(sizes[1])
