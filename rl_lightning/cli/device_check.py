@@ -7,6 +7,7 @@ the processes start. Both become one line naming the key, the value and the fix.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rl_lightning.errors import ConfigError
@@ -54,10 +55,43 @@ def check_devices(accelerator: Any, devices: Any, cuda_count: int, torch_cuda: s
                           f"({cuda_count} CUDA device(s)); pick from those, or give a count")
 
 
+def check_launch(devices: Any, num_nodes: Any, env: Mapping[str, str]) -> None:
+    """Refuse, in one line, ``trainer.devices`` / ``trainer.num_nodes`` that disagree with the launcher's processes.
+
+    Under torchrun (``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE`` set, ``srun torchrun`` included) ``devices`` must be the
+    processes per node (``--nproc-per-node``) and ``num_nodes`` their number (``--nnodes``); under ``srun`` alone,
+    ``num_nodes`` must be ``SLURM_NNODES`` and ``devices`` ``SLURM_NTASKS_PER_NODE``. Otherwise every process loads
+    its model before Lightning's environment check fails, or the ranks wait for peers that never come.
+    """
+    nodes = int(num_nodes or 1)
+    wanted = requested_devices(devices)
+    count = len(wanted) if isinstance(wanted, list) else wanted
+    if "LOCAL_WORLD_SIZE" in env and "WORLD_SIZE" in env:
+        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+        launched, per_node, flag = world // max(local, 1), local, "torchrun --nproc-per-node"
+        node_flag = "torchrun --nnodes"
+    elif "SLURM_NTASKS" in env and "SLURM_NNODES" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        launched, node_flag = int(env["SLURM_NNODES"]), "sbatch/srun --nodes"
+        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or int(env["SLURM_NTASKS"]) // launched
+        flag = "srun --ntasks-per-node"
+    else:
+        return
+    if count is not None and count != per_node:
+        raise ConfigError(f"trainer.devices={devices}: the launcher started {per_node} process(es) on this node "
+                          f"({flag} {per_node}); set --trainer.devices {per_node}, or launch {count} per node")
+    if nodes != launched:
+        raise ConfigError(f"trainer.num_nodes={num_nodes}: the launcher started {launched} node(s) of {per_node} "
+                          f"process(es) ({node_flag} {launched}); set --trainer.num_nodes {launched}, or launch "
+                          f"{nodes} node(s)")
+
+
 def check_trainer_devices(trainer: Any) -> None:
-    """`check_devices` for a parsed ``trainer`` config section, against this machine's torch."""
+    """`check_devices` for a parsed ``trainer`` config section, against this machine's torch and launcher."""
+    import os
+
     import torch
 
+    check_launch(trainer.get("devices", "auto"), trainer.get("num_nodes", 1), os.environ)
     accelerator = trainer.get("accelerator", "auto")
     if str(accelerator).lower() not in GPU_ACCELERATORS:  # no CUDA query (and no CUDA init) for CPU runs
         return
