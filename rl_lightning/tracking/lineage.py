@@ -5,12 +5,12 @@ the MLflow UI shows them whole:
 
 - ``recipe``: the config file(s) given with ``--config``;
 - ``base_model``: the ``model_name`` training started from;
-- ``data`` / ``data.sha256`` (and ``val_data`` / ``val_data.sha256``): the data and the SHA-256 of its content (a
+- ``data`` / ``data_sha256`` (and ``val_data`` / ``val_data_sha256``): the data and the SHA-256 of its content (a
   folder: of its files, in name order; a ``reasoning_gym:`` spec or a hub dataset name: of the string itself, since
   the rows come from a generator or the hub);
-- ``env`` / ``env.sha256``: an RL task's environment file (``model.rollout.env_path``), also uploaded as the run
+- ``env`` / ``env_sha256``: an RL task's environment file (``model.rollout.env_path``), also uploaded as the run
   artifact ``environment/<file name>``;
-- ``mlflow.source.git.commit`` (MLflow's own tag) and ``git.commit`` / ``git.dirty``: the commit of the git
+- ``mlflow.source.git.commit`` (MLflow's own tag) and ``git_commit`` / ``git_dirty``: the commit of the git
   repository holding the working directory, when there is one (no tag otherwise).
 
 The export is logged with MLflow's transformers flavor into an MLflow 3 *logged model* named after the run
@@ -97,12 +97,12 @@ def collect(trainer: Any, pl_module: Any) -> dict[str, str]:
     data = getattr(getattr(trainer, "datamodule", None), "hparams", {})
     for key, tag in (("path", "data"), ("val_path", "val_data")):
         if data.get(key):
-            tags[tag], tags[f"{tag}.sha256"] = str(data[key]), data_sha256(str(data[key]))
+            tags[tag], tags[f"{tag}_sha256"] = str(data[key]), data_sha256(str(data[key]))
     if (env := env_path(pl_module)) is not None:
-        tags["env"], tags["env.sha256"] = str(env), sha256(env)
+        tags["env"], tags["env_sha256"] = str(env), sha256(env)
     if (git := git_commit()) is not None:
-        tags["mlflow.source.git.commit"] = tags["git.commit"] = git[0]
-        tags["git.dirty"] = str(git[1]).lower()
+        tags["mlflow.source.git.commit"] = tags["git_commit"] = git[0]
+        tags["git_dirty"] = str(git[1]).lower()
     return tags
 
 

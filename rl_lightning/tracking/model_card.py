@@ -103,10 +103,10 @@ def _training_section(info: CardInfo) -> list[str]:
         rows.append(("recipe", f"`{lineage['recipe']}`"))
     for key, label in (("data", "data"), ("val_data", "validation data"), ("env", "environment")):
         if key in lineage:
-            rows.append((label, f"`{lineage[key]}` (SHA-256 `{lineage.get(f'{key}.sha256', '')[:16]}`)"))
-    if "git.commit" in lineage:
-        dirty = " (with uncommitted changes)" if lineage.get("git.dirty") == "true" else ""
-        rows.append(("git commit", f"`{lineage['git.commit']}`{dirty}"))
+            rows.append((label, f"`{lineage[key]}` (SHA-256 `{lineage.get(f'{key}_sha256', '')[:16]}`)"))
+    if "git_commit" in lineage:
+        dirty = " (with uncommitted changes)" if lineage.get("git_dirty") == "true" else ""
+        rows.append(("git commit", f"`{lineage['git_commit']}`{dirty}"))
     if info.mlflow:
         rows.append(("MLflow", info.mlflow))
     rows += [(f"`{key}`", f"`{value}`".replace("|", "\\|")) for key, value in info.settings.items()]
@@ -127,7 +127,7 @@ def _metrics_section(info: CardInfo) -> list[str]:
 def _command_section(info: CardInfo) -> list[str]:
     if info.command is None:
         return []
-    commit = info.lineage.get("git.commit")
+    commit = info.lineage.get("git_commit")
     where = f"at commit `{commit[:12]}`" if commit else "(the paths are relative to its root)"
     return ["## Reproduce", "", f"From a checkout of rl_lightning {where}:", "", "```bash", info.command, "```", ""]
 

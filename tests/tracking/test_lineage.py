@@ -61,12 +61,12 @@ def test_grpo_run_registers_its_export_with_lineage_and_env_file(workdir):
                       "rl_lightning/assets/data/easy_test.jsonl")
     expected = {"recipe": "register.yaml, recipes/grpo.yaml",
                 "base_model": "rl_lightning/assets/tiny-qwen2-sft",
-                "data": data, "data.sha256": _digest(data),
-                "val_data": val, "val_data.sha256": _digest(val),
-                "env": env, "env.sha256": _digest(env)}
+                "data": data, "data_sha256": _digest(data),
+                "val_data": val, "val_data_sha256": _digest(val),
+                "env": env, "env_sha256": _digest(env)}
     if commit is not None:
-        expected |= {"mlflow.source.git.commit": commit, "git.commit": commit,
-                     "git.dirty": "false"}
+        expected |= {"mlflow.source.git.commit": commit, "git_commit": commit,
+                     "git_dirty": "false"}
     assert expected.items() <= run.data.tags.items()
 
     # the environment file, as run artifact
@@ -79,7 +79,7 @@ def test_grpo_run_registers_its_export_with_lineage_and_env_file(workdir):
     version = client.get_model_version(name, number)
     assert version.run_id == run.info.run_id
     assert expected.items() <= version.tags.items()
-    assert "data.sha256: " + _digest(data) in version.description
+    assert "data_sha256: " + _digest(data) in version.description
     assert version.source.startswith("models:/m-")  # the logged model (the sqlite store leaves `model_id` unset)
     model = client.get_logged_model(version.source.removeprefix("models:/"))
     assert model.source_run_id == run.info.run_id and model.status == LoggedModelStatus.READY
@@ -114,7 +114,7 @@ def test_sft_run_logs_the_model_without_registering(workdir):
     run = _only_run(client, "rl_lightning/sft", workdir)
     assert "registered_model" not in run.data.tags
     assert "env" not in run.data.tags
-    assert run.data.tags["data.sha256"] == _digest("rl_lightning/assets/data/sft.jsonl")
+    assert run.data.tags["data_sha256"] == _digest("rl_lightning/assets/data/sft.jsonl")
     # this run's models only: MLflow's sqlite engines are cached per URI string, so an earlier in-process test's
     # relative sqlite:///mlflow.db may share this store (see `_only_run`)
     models = [m for m in client.search_logged_models([run.info.experiment_id]) if m.source_run_id == run.info.run_id]
