@@ -188,7 +188,8 @@ class DPO(L.LightningModule):
         return self.hparams.loss_type in UNPAIRED_LOSSES
 
     @torch.no_grad()
-    def kto_reference_point(self, micro_batches: list[dict[str, Any]], reference: list[torch.Tensor]) -> torch.Tensor:
+    def mismatched_reference_point(self, micro_batches: list[dict[str, Any]],
+                                   reference: list[torch.Tensor]) -> torch.Tensor:
         """() KTO's z0 over the global step: the policy's mismatched log-ratios, a no-gradient pass of its own."""
         layout, logratio_sum = parallel_layout(self.trainer), torch.zeros((), device=self.device)
         for micro_batch, ref_logprobs in zip(micro_batches, reference, strict=True):
@@ -201,7 +202,7 @@ class DPO(L.LightningModule):
     def _extras(self, micro_batches: list[dict[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per micro-batch: reference log-probabilities and (KTO) the step's reference point."""
         reference = self.reference_logprobs(micro_batches)
-        point = self.kto_reference_point(micro_batches, reference) if self.unpaired_examples else None
+        point = self.mismatched_reference_point(micro_batches, reference) if self.unpaired_examples else None
         return [(ref_logprobs, point) for ref_logprobs in reference]
 
     def _pair_loss(self, micro_batch: dict, extra: tuple, normaliser: Any) -> tuple[torch.Tensor, dict]:
