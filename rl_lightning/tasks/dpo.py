@@ -193,7 +193,8 @@ class DPO(L.LightningModule):
         """() KTO's z0 over the global step: the policy's mismatched log-ratios, a no-gradient pass of its own."""
         layout, logratio_sum = parallel_layout(self.trainer), torch.zeros((), device=self.device)
         for micro_batch, ref_logprobs in zip(micro_batches, reference, strict=True):
-            logprobs = completion_logprobs(self.model, local_micro_batch(layout, micro_batch), self.hparams.lm_head_chunk)
+            local = local_micro_batch(layout, micro_batch)
+            logprobs = completion_logprobs(self.model, local, self.hparams.lm_head_chunk)  # (S,)
             _, mismatched = pair_slices(logprobs - ref_logprobs, int(micro_batch["num_units"]))  # (U,)
             logratio_sum += mismatched.sum()
         num_examples = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
@@ -211,7 +212,7 @@ class DPO(L.LightningModule):
         logprobs = completion_logprobs(self.model, local, hp.lm_head_chunk)  # (S,)
         num_tokens = completion_token_counts(local) if hp.loss_type in REFERENCE_FREE_LOSSES else None
         loss, metrics = preference_objective(hp, logprobs, extra[0], num_tokens, micro_batch, normaliser, extra[1])
-        if int(micro_batch["num_units"]) == 0:  # a filler micro-batch: keep the graph so every rank runs the same backward
+        if int(micro_batch["num_units"]) == 0:  # a filler micro-batch: keep the graph, every rank runs a backward
             loss = loss + 0.0 * logprobs.sum()
         return loss, metrics
 
