@@ -176,6 +176,10 @@ class RLLightningCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
         parser.set_defaults(TRAINER_DEFAULTS)
+        parser.add_argument("--load_weights_only", type=bool, default=False,
+                            help="fit: take only the model weights of --ckpt_path and start a new run under this "
+                                 "config (step 0, fresh optimizer); without it a resume must match the checkpoint's "
+                                 "run (task, model, rollout mode)")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -211,9 +215,23 @@ class RLLightningCLI(LightningCLI):
         family = EXPERIMENTS.get(str(config.get("model", {}).get("class_path", "")).rsplit(".", 1)[-1])
         if family and not self.mentions("experiment_name"):
             logger.init_args.experiment_name = f"rl_lightning/{family}"
-        self.place_outputs(trainer, logger, config.get("ckpt_path"), folder)
+        weights_only = config.get("load_weights_only")  # a new run (folder, MLflow run) from another's weights
+        self.place_outputs(trainer, logger, None if weights_only else config.get("ckpt_path"), folder)
         if config.get("ckpt_path") == "last":
             config.ckpt_path = last_checkpoint(trainer.callbacks)
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep this run's model arguments on ``--ckpt_path FILE``.
+
+        Lightning would replace them with the checkpoint's hyperparameters, silently (a changed model or learning rate
+        ignored; and only for a file, not ``last``); `before_fit` refuses a checkpoint of another run instead.
+        """
+
+    def before_fit(self) -> None:
+        """Refuse ``--ckpt_path`` of another run before anything loads (`rl_lightning.cli.resume_check`)."""
+        from rl_lightning.cli.resume_check import check_resume
+
+        check_resume(self.config_init[self.subcommand], self.model, self.trainer)
 
     def mentions(self, key: str) -> bool:
         """Whether the command line or a config file names `key` (the user chose it: leave it as written)."""

@@ -1,0 +1,124 @@
+"""``--ckpt_path`` resumes only the checkpoint's own run (`rl_lightning.cli.resume_check`): another task, model,
+architecture or rollout mode is refused in one line naming each difference, before any weights load; other settings
+may change; ``--load_weights_only true`` starts a new run from the checkpoint's weights alone (bit for bit), and
+still refuses weights that do not fit. Real CLI runs of the tiny model, real checkpoints."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_MODEL
+
+from rl_lightning.cli.main import main
+
+SFT = ["fit", "--config", "recipes/sft.yaml", "--trainer.limit_val_batches", "0"]
+WEIGHTS_AT_START = '''
+import lightning as L
+import torch
+
+class WeightsAtStart(L.Callback):
+    """Save the model's weights as training starts (after a weights-only load)."""
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, "weights_at_start.pt")
+'''
+
+
+def _train(*args: str, steps: int = 2) -> Path:
+    """Run SFT for `steps` steps; the run's last checkpoint."""
+    main([*SFT, "--trainer.max_steps", str(steps), *args])
+    (checkpoint,) = Path("outputs").glob("*/latest/checkpoints/last.ckpt")
+    return checkpoint.resolve().relative_to(Path.cwd().resolve())  # this run's, whatever `latest` points to later
+
+
+def _refused(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    assert info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("rl_lightning: error: ")
+    return error.removeprefix("rl_lightning: error: ")
+
+
+def _hint() -> str:
+    return ("(checkpoint -> this run); resume with the checkpoint's settings, or pass --load_weights_only true to "
+            "start a new run from its weights")
+
+
+def test_another_model_or_task_is_refused_and_other_settings_may_change(workdir, capsys):
+    checkpoint = _train()
+    sft = "rl_lightning/assets/tiny-qwen2-sft"
+    assert _refused(capsys, *SFT, "--ckpt_path", str(checkpoint), "--model.model_name", sft) == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.model_name 'rl_lightning/assets/tiny-qwen2' "
+        f"-> '{sft}' {_hint()}")
+    lora = _refused(capsys, *SFT, "--ckpt_path", str(checkpoint), "--model.lora", "{r: 4}")
+    assert lora.startswith(f"--ckpt_path {checkpoint} is a checkpoint of another run: model.lora None -> {{'r': 4,")
+    assert _refused(capsys, "fit", "--config", "recipes/dpo.yaml", "--ckpt_path", str(checkpoint)) == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.class_path SFT -> DPO {_hint()}")
+    # the same model by its absolute path, a new learning rate: resumed, on to step 3
+    main([*SFT, "--trainer.max_steps", "3", "--ckpt_path", str(checkpoint), "--model.model_name", str(TINY_MODEL),
+          "--model.optim.lr", "1e-3"])
+    resumed = torch.load(checkpoint.parent / "epoch=0-step=3.ckpt", weights_only=False)  # the same run folder
+    assert resumed["global_step"] == 3 and resumed["hyper_parameters"]["optim"]["lr"] == 1e-3
+
+
+def test_a_changed_architecture_is_refused_and_its_weights_do_not_load(workdir, capsys):
+    shutil.copytree(TINY_MODEL, "model")
+    checkpoint = _train("--model.model_name", "model")
+    config = json.loads(Path("model/config.json").read_text())
+    old = f"{config['num_hidden_layers']} layers, hidden size {config['hidden_size']}, vocabulary {config['vocab_size']}"
+    config["num_hidden_layers"] += 1
+    config["layer_types"] = config.get("layer_types", ["full_attention"] * 2) + ["full_attention"]
+    Path("model/config.json").write_text(json.dumps(config))
+    new = f"{config['num_hidden_layers']} layers, hidden size {config['hidden_size']}, vocabulary {config['vocab_size']}"
+    assert _refused(capsys, *SFT, "--model.model_name", "model", "--ckpt_path", str(checkpoint)) == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: architecture of model.model_name 'model': {old} -> "
+        f"{new} {_hint()}")
+    error = _refused(capsys, *SFT, "--model.model_name", "model", "--ckpt_path", str(checkpoint),
+                     "--load_weights_only", "true", "--trainer.max_steps", "1")
+    assert error.startswith(f"--ckpt_path {checkpoint} with --load_weights_only: its weights do not fit this model (")
+    assert error.endswith("); use a checkpoint of the same model (model.model_name, model.lora)")
+
+
+def test_weights_only_starts_a_new_run_from_the_checkpoints_weights(workdir, capsys):
+    checkpoint = _train()
+    Path("probe.py").write_text(WEIGHTS_AT_START)
+    Path("probe.yaml").write_text("trainer:\n  callbacks:\n    - class_path: probe.WeightsAtStart\n")
+    main([*SFT, "--config", "probe.yaml", "--trainer.logger.init_args.run_name", "sft", "--trainer.max_steps", "1",
+          "--ckpt_path", str(checkpoint), "--load_weights_only", "true", "--model.optim.lr", "1e-4",
+          "--model.optim.warmup_steps", "0"])
+    saved = torch.load(checkpoint, weights_only=False)
+    loaded = torch.load("weights_at_start.pt")
+    assert saved["state_dict"].keys() == loaded.keys()
+    assert all(torch.equal(saved["state_dict"][k], loaded[k]) for k in loaded)  # bit for bit
+    runs = sorted(p for p in Path("outputs/sft").iterdir() if p.name != "latest")
+    assert len(runs) == 2 and checkpoint.resolve().is_relative_to(runs[0].resolve())  # a new run folder
+    new = torch.load(runs[1] / "checkpoints" / "last.ckpt", weights_only=False)
+    assert new["global_step"] == 1 and new["hyper_parameters"]["optim"]["lr"] == 1e-4  # from step 0, this config
+    assert saved["global_step"] == 2  # the old run's checkpoint untouched
+    assert _refused(capsys, *SFT, "--ckpt_path", "last", "--load_weights_only", "true") == (
+        "--load_weights_only needs the checkpoint's path, got --ckpt_path last: name the file (or the sharded "
+        "checkpoint's folder)")
+
+
+def test_a_missing_checkpoint_is_one_line(workdir, capsys):
+    assert _refused(capsys, *SFT, "--ckpt_path", "nowhere.ckpt") == (
+        f"--ckpt_path nowhere.ckpt does not exist (resolved to {workdir / 'nowhere.ckpt'})")
+
+
+@pytest.mark.slow
+def test_a_changed_rollout_mode_is_refused(workdir, capsys):
+    grpo = ["fit", "--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
+            "--model.rollout.responses_per_prompt", "2", "--model.rollout.max_new_tokens", "4", "--data.batch_size", "2"]
+    main([*grpo, "--model.max_rollouts", "1"])
+    (checkpoint,) = Path("outputs").glob("*/latest/checkpoints/last.ckpt")
+    assert _refused(capsys, *grpo, "--model.max_rollouts", "2", "--ckpt_path", str(checkpoint),
+                    "--model.rollout.engine", "vllm", "--model.rollout.async_steps", "1") == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.rollout.engine 'hf' -> 'vllm'; "
+        f"model.rollout.async_steps 0 -> 1 {_hint()}")
+    assert _refused(capsys, *grpo, "--model.max_rollouts", "2", "--ckpt_path", str(checkpoint),
+                    "--model.advantage_estimator", "gae") == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.advantage_estimator drgrpo -> gae (adds the "
+        f"critic) {_hint()}")
