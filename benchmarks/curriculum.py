@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.set_defaults(task=TASK, train_size=24, test_size=64, rollouts=12, prompts=4, lr=2e-5, threads=1,
                         workdir=Path("/tmp/rl_lightning_curriculum"))
     parser.add_argument("--readmit-after", type=int, default=12, help="rollouts a parked prompt stays parked")
+    parser.add_argument("--arms", default="plain,curriculum",
+                        help="arms trained now; the others' results are reused from --workdir (same settings)")
     return parser
 
 
@@ -95,11 +97,15 @@ def main() -> None:
     from rl_lightning.assets.real import resolve_model
 
     (args.workdir / "base").mkdir(parents=True, exist_ok=True)
-    rows = {"before": _child(resolve_model("asset:SmolLM2-135M-Instruct"), args, args.workdir / "base")}
+    rows = {"before": _cached(args.workdir / "base", args, True,
+                              lambda: _child(resolve_model("asset:SmolLM2-135M-Instruct"), args, args.workdir / "base"))}
     print(f"before: {rows['before']}", flush=True)
     for name, curriculum in (("plain", False), ("curriculum", True)):
-        trained = train(args, args.workdir / name, curriculum)
-        rows[name] = {**_child(trained["export"], args, args.workdir / name), "train": trained}
+        def run(name: str = name, curriculum: bool = curriculum) -> dict:
+            trained = train(args, args.workdir / name, curriculum)
+            return {**_child(trained["export"], args, args.workdir / name), "train": trained}
+
+        rows[name] = _cached(args.workdir / name, args, name in args.arms.split(","), run)
         print(f"{name}: {rows[name]}", flush=True)
     table = _table(rows, args)
     print(table)
@@ -108,6 +114,20 @@ def main() -> None:
         args.out.write_text(table + "\n")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))
+
+
+def _cached(workdir: Path, args: argparse.Namespace, fresh: bool, work) -> dict:
+    """`work()`'s result, kept in `workdir`/result.json for the same settings; with `fresh` false a kept one is reused
+    (``--arms`` reruns some arms only; the base model's evaluation is always reused)."""
+    key = {k: str(v) for k, v in vars(args).items() if k not in ("arms", "out", "json", "workdir", "_eval")}
+    path = workdir / "result.json"
+    kept = json.loads(path.read_text()) if path.is_file() else None
+    if kept is not None and kept["settings"] == key and (not fresh or workdir.name == "base"):
+        return kept["result"]
+    result = work()
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": key, "result": result}))
+    return result
 
 
 def _child(model_dir: str, args: argparse.Namespace, workdir: Path) -> dict:

@@ -139,7 +139,8 @@ class PromptCurriculum:
     def _walk(self, index: int) -> tuple[list[int], list[float]]:
         """Permutation `index` of the prompts and the coins the walk tosses for parked prompts along it."""
         if self._cached_walk[0] != index:  # a pass is walked over many draws: build it once
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7_919 * index + 17)
+            # the plain loader's seed for epoch `index`: unobserved, the walk draws what the plain run draws
+            generator = torch.Generator().manual_seed(self.seed + index)
             order = torch.randperm(self.num_prompts, generator=generator).tolist()
             coins = torch.rand(self.num_prompts, generator=generator, dtype=torch.float64).tolist()
             self._cached_walk = (index, order, coins)
