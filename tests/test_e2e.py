@@ -53,7 +53,7 @@ def test_loss_falls_and_is_logged_to_mlflow(sft_run):
     assert run.info.status == "FINISHED"
     history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
     losses = [m.value for m in history]
-    assert len(losses) == 30 and [m.step for m in history] == list(range(30))
+    assert len(losses) == 30 and [m.step for m in history] == list(range(1, 31))  # optimizer steps done
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
     assert run.data.params["model.optim.lr"] == "0.003" and run.data.params["trainer.max_steps"] == "30"
     assert run.data.metrics["data/train_rows"] == 2000
@@ -166,7 +166,7 @@ def test_grpo_demo_raises_held_out_reward(grpo_run):
     client, run = _run(workdir)
     assert run.info.status == "FINISHED"
     history = sorted(client.get_metric_history(run.info.run_id, "val/reward"), key=lambda m: m.step)
-    assert [m.step for m in history] == [0, 9, 19, 29, 39], history  # step 0 = the warm start, then every 10
+    assert [m.step for m in history] == [0, 10, 20, 30, 40], history  # 0 = the warm start, then every 10 rollouts
     rewards = [m.value for m in history]
     assert rewards[-1] > rewards[0] + 0.10, (engine, rewards)
     assert _history(client, run, "val/reward/format")[-1] > 0.8

@@ -281,7 +281,7 @@ def test_every_recipe_passes_the_structured_check(recipe, workdir, capsys, monke
         (["--config", "nested.yaml"], "model.lora.rr: not an option of LoRAConfig (value 4 in nested.yaml); did you "
                                       "mean 'model.lora.r'?"),
         (["--trainer.logger.init_args.run_namee", "x"], "trainer.logger.run_namee: not an option of "
-         "rl_lightning.tracking.logger.MLFlowLogger (value 'x' on the command line); did you mean 'trainer.logger.run_name'?"),
+         "MLFlowLogger (value 'x' on the command line); did you mean 'trainer.logger.run_name'?"),
         (["--config", "callback.yaml"], "trainer.callbacks[0].monitr: not an option of "
          "lightning.pytorch.callbacks.EarlyStopping (value 'x' in callback.yaml); did you mean "
          "'trainer.callbacks[0].monitor'?"),

@@ -292,7 +292,7 @@ def test_sft_dpo_and_grpo_recipes_run_with_lora_from_the_command_line_and_yaml(w
     main(["fit", "--config", "recipes/sft.yaml", "--model.lora.r", "8", "--trainer.max_steps", "2", *quiet])
     main(["fit", "--config", "recipes/sft.yaml", "--model.lora.r", "8", "--trainer.max_steps", "3", "--ckpt_path",
           "last", *quiet])
-    assert "sft finished: 3 steps" in capsys.readouterr().out
+    assert "sft r=8 finished: 3 steps" in capsys.readouterr().out  # named after the recipe and --model.lora.r
     sft = _latest(workdir, "sft")
     assert _adapter_config(sft)["r"] == 8 and AutoModelForCausalLM.from_pretrained(sft / "export") is not None
 
