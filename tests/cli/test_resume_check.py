@@ -1,10 +1,14 @@
 """``--ckpt_path`` resumes only the checkpoint's own run (`rl_lightning.cli.resume_check`): another task, model,
 architecture or rollout mode is refused in one line naming each difference, before any weights load; other settings
 may change; ``--load_weights_only true`` starts a new run from the checkpoint's weights alone (bit for bit), and
-still refuses weights that do not fit. Real CLI runs of the tiny model, real checkpoints."""
+still refuses weights that do not fit; sharded (DCP, dp=2) checkpoints alike. Real CLI runs of the tiny model,
+real checkpoints."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +126,52 @@ def test_a_changed_rollout_mode_is_refused(workdir, capsys):
                     "--model.advantage_estimator", "gae") == (
         f"--ckpt_path {checkpoint} is a checkpoint of another run: model.advantage_estimator drgrpo -> gae (adds the "
         f"critic) {_hint()}")
+
+
+FULL_WEIGHTS_AT_START = '''
+import lightning as L
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+class FullWeightsAtStart(L.Callback):
+    """Save the model's full (gathered) weights as training starts, on rank 0."""
+
+    def on_train_start(self, trainer, pl_module):
+        weights = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            torch.save(weights, "weights_at_start.pt")
+'''
+DP2 = ["--trainer.devices", "2", "--trainer.strategy", "rl_lightning.parallel.ParallelStrategy",
+       "--trainer.strategy.data_parallel_size", "2", "--trainer.max_steps", "2"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rl_lightning", *SFT, *DP2, *args], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_is_checked_and_its_weights_load_alone(workdir):
+    """ParallelStrategy dp=2 writes DCP folders: hyperparameters from meta.pt, shapes from DCP's metadata."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shutil.copytree(TINY_MODEL, "model")
+    assert _cli("--model.model_name", "model").returncode == 0
+    checkpoint = Path("outputs/sft/latest/checkpoints/epoch=0-step=2.ckpt").resolve().relative_to(Path.cwd().resolve())
+    assert checkpoint.is_dir()
+    config = json.loads(Path("model/config.json").read_text())
+    Path("model/config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    refused = _cli("--model.model_name", "model", "--ckpt_path", str(checkpoint))
+    assert refused.returncode == 2
+    assert f"architecture of model.model_name 'model': 2 layers, hidden size {config['hidden_size']}, vocabulary " \
+           f"{config['vocab_size']} -> 2 layers, hidden size {config['hidden_size']}, vocabulary " \
+           f"{config['vocab_size'] + 64} " in refused.stderr
+    Path("model/config.json").write_text(json.dumps(config))
+    Path("probe.py").write_text(FULL_WEIGHTS_AT_START)
+    Path("probe.yaml").write_text("trainer:\n  callbacks:\n    - class_path: probe.FullWeightsAtStart\n")
+    started = _cli("--config", "probe.yaml", "--model.model_name", "model", "--ckpt_path", str(checkpoint),
+                   "--load_weights_only", "true", "--model.optim.lr", "1e-4")
+    assert started.returncode == 0, started.stderr[-3000:]
+    dcp_to_torch_save(checkpoint, "saved.pt")
+    saved, loaded = torch.load("saved.pt")["state_dict"], torch.load("weights_at_start.pt")
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in loaded)  # bit for bit
