@@ -1,6 +1,6 @@
 """The prompt curriculum's sampler (`rl_lightning.data.curriculum.PromptCurriculum`): the walk, parking and
 re-admission, the fill when too few prompts are active, its checkpointed state, and data-parallel agreement under
-real gloo ranks. The pool maths is in tests/algorithms/test_curriculum.py; the end-to-end resume in
+real gloo ranks. The pool maths is in tests/algorithms/test_curriculum_state.py; the end-to-end resume in
 tests/tasks/test_curriculum_resume.py."""
 
 import io
