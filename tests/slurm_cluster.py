@@ -98,5 +98,6 @@ def _wait_for(ready, timeout_s: float, folder: Path, what: str) -> None:
         if time.monotonic() > deadline:
             errors = [line for log in sorted((folder / "log").glob("*")) for line in log.read_text().splitlines()
                       if "error" in line.lower() or "fatal" in line.lower()]
-            raise RuntimeError(f"{what} within {timeout_s}s; daemon errors:\n" + "\n".join(errors[-30:]))
+            errors = sorted(errors, key=lambda line: "fatal" not in line)[:30]  # the fatal lines say why first
+            raise RuntimeError(f"{what} within {timeout_s}s; daemon errors:\n" + "\n".join(errors))
         time.sleep(0.5)

@@ -123,6 +123,8 @@ def test_sft_script_on_two_slurm_nodes_equals_torchrun_standalone(slurm, tmp_pat
     (got,), (want,) = (list(f.glob("outputs/sft/20*/export/model.safetensors")) for f in (job, single))
     got, want = load_file(got), load_file(want)
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    initial = load_file(ASSETS / "tiny-qwen2" / "model.safetensors")
+    assert any(not torch.equal(want[name], initial[name]) for name in want.keys() & initial.keys())  # it trained
     assert (job / "outputs" / "sft" / "latest" / "checkpoints" / "last.ckpt").exists()
     from mlflow import MlflowClient
 
