@@ -155,15 +155,27 @@ class WeightsFromCheckpoint(L.Callback):
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
                 state_dict = torch.load(self.path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+                misfits = _misfits(state_dict, pl_module.state_dict())
+                if misfits:
+                    raise KeyError(misfits)
                 set_model_state_dict(pl_module, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
         except (RuntimeError, KeyError, ValueError) as e:
-            first = str(e).strip().splitlines()
+            first = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines()
             raise ConfigError(f"--ckpt_path {self.path} with --load_weights_only: its weights do not fit this model "
                               f"({' '.join(line.strip() for line in first[:3])[:400]}); use a checkpoint of the same "
                               "model (model.model_name, model.lora)") from None
 
 
 _MISSING = object()
+
+
+def _misfits(loaded: dict[str, Any], expected: dict[str, Any]) -> str:
+    """What keeps `loaded` from fitting a module whose state dict is `expected` ("" when it fits)."""
+    missing, unexpected = sorted(set(expected) - set(loaded)), sorted(set(loaded) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(loaded) if tuple(expected[k].shape) != tuple(loaded[k].shape))
+    parts = [f"{what} {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''} ({len(keys)})"
+             for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if keys]
+    return "; ".join(parts)
 
 
 def _get(hparams: dict[str, Any], dotted: str) -> Any:

@@ -82,7 +82,8 @@ def test_a_changed_architecture_is_refused_and_its_weights_do_not_load(workdir, 
         f"{new} {_hint()}")
     error = _refused(capsys, *SFT, "--model.model_name", "model", "--ckpt_path", str(checkpoint),
                      "--load_weights_only", "true", "--trainer.max_steps", "1")
-    assert error.startswith(f"--ckpt_path {checkpoint} with --load_weights_only: its weights do not fit this model (")
+    assert error.startswith(f"--ckpt_path {checkpoint} with --load_weights_only: its weights do not fit this model "
+                            "(missing model.model.layers.2.")  # the third layer's weights
     assert error.endswith("); use a checkpoint of the same model (model.model_name, model.lora)")
 
 
