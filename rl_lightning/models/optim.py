@@ -164,6 +164,26 @@ def optimizer_step(module: Any, optim: OptimConfig, index: int | None = None,
     return grad_norm
 
 
+class SkippedStepsState:
+    """Checkpointed skipped-step counts: a mixin, before ``L.LightningModule``, of a task using `optimizer_step`.
+
+    Its `SkippedSteps` ride in the checkpoint, so a resumed run logs the uninterrupted run's ``train/skipped_steps``
+    and a streak goes on counting.
+    """
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the counts (none before the first step)."""
+        skipped = self.__dict__.get("skipped_steps")
+        if skipped is not None:
+            checkpoint["skipped_steps"] = {"total": skipped.total, "streaks": list(skipped.streaks.items())}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the counts (a checkpoint from before they were stored has none)."""
+        state = checkpoint.get("skipped_steps")
+        if state is not None:
+            self.__dict__["skipped_steps"] = SkippedSteps(state["total"], dict(map(tuple, state["streaks"])))
+
+
 @dataclass
 class SkippedSteps:
     """Optimizer steps skipped for a non-finite gradient norm: the run's total and the current streak per optimizer."""

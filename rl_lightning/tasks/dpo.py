@@ -25,7 +25,7 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.memory_phases import phase
-from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
+from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import data_parallel_sum, local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
@@ -51,7 +51,7 @@ def completion_token_counts(micro_batch: dict[str, Any]) -> torch.Tensor:
     return sequence_sums(mask.float(), mask, micro_batch)
 
 
-class DPO(L.LightningModule):
+class DPO(SkippedStepsState, L.LightningModule):
     """DPO-family preference optimisation of a causal LM (against a frozen reference, or none), SimPO, ORPO and KTO.
 
     Args:

@@ -18,7 +18,7 @@ from typing_extensions import override
 from rl_lightning.algorithms import bradley_terry_loss
 from rl_lightning.models.loading import load_reward_model, model_inputs
 from rl_lightning.models.lora import LoRAConfig, apply_lora, base_model, lora_config
-from rl_lightning.models.optim import OptimConfig, configure_adamw, run_length, typed
+from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.tasks.memory_check import check_memory
@@ -33,7 +33,7 @@ def sequence_rewards(model: Any, micro_batch: dict[str, Any]) -> torch.Tensor:
     return sequence_sums(scores, micro_batch["last_mask"], micro_batch)
 
 
-class RewardModel(L.LightningModule):
+class RewardModel(SkippedStepsState, L.LightningModule):
     """Bradley–Terry reward model.
 
     Args:

@@ -21,7 +21,7 @@ from rl_lightning.algorithms import sft_loss
 from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
 from rl_lightning.models.lora import LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.memory_phases import phase
-from rl_lightning.models.optim import OptimConfig, configure_adamw, optimizer_step, run_length, typed
+from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, optimizer_step, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
     data_parallel_sum,
@@ -33,7 +33,7 @@ from rl_lightning.parallel.reductions import (
 from rl_lightning.tasks.memory_check import check_memory
 
 
-class SFT(L.LightningModule):
+class SFT(SkippedStepsState, L.LightningModule):
     """Supervised fine-tuning of a causal LM.
 
     Args:

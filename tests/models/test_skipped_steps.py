@@ -6,7 +6,7 @@ in a row stop the run with one line."""
 import lightning as L
 import pytest
 import torch
-from conftest import DEMO_DATA, TINY_MODEL
+from conftest import DEMO_DATA, REPO, TINY_MODEL
 from faults import NaNGradient, NaNLoss
 from helpers import fit, run_on_cpu_ranks, run_ppo
 
@@ -124,3 +124,42 @@ def test_k_skipped_steps_in_a_row_stop_the_cli_run_with_one_line(workdir, capsys
                       "nan) and were skipped (model.optim.max_skipped_steps=3); lower model.optim.lr, check the data, "
                       "or raise model.optim.max_skipped_steps"], err[-3000:]
     assert "Traceback" not in err
+
+
+def _resume(model, data, path, max_steps):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=data, ckpt_path=str(path))
+    return trainer
+
+
+@pytest.mark.parametrize("task", ["sft", "ppo"])
+def test_skipped_step_counts_survive_a_checkpoint(task, tmp_path):
+    """A run resumed from a checkpoint written after a skipped step goes on from the same count: it logs
+    ``train/skipped_steps`` 1 (not 0) at its next step, and the open streak is restored."""
+    from helpers import ppo_task, prompts
+
+    path = tmp_path / "skipped.ckpt"
+
+    class SaveAfterTheSkip(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                trainer.save_checkpoint(path)
+
+    if task == "sft":
+        first = _sft([NaNLoss(batches=[1]), SaveAfterTheSkip()], max_steps=2)  # batch 1 is skipped, batch 2 trains
+        L.seed_everything(0)
+        data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4,
+                             max_length=96, max_length_per_device=256)
+        resumed = _resume(SFT(str(TINY_MODEL), optim=OptimConfig(**OPTIM)), data, path, max_steps=3)
+    else:
+        first = run_ppo(rollouts=2, callbacks=[NaNGradient(batches=[1]), SaveAfterTheSkip()], optim=OPTIM)[1]
+        L.seed_everything(0)
+        model = ppo_task(str(REPO / "examples" / "envs" / "arithmetic.py"), max_rollouts=3, optim=OPTIM)
+        resumed = _resume(model, prompts(2), path, max_steps=-1)
+    assert first.lightning_module.skipped_steps.total == 1
+    saved = torch.load(path, weights_only=False)["skipped_steps"]
+    assert saved["total"] == 1 and [n for _, n in saved["streaks"]] == [1]  # written mid-streak
+    restored = resumed.lightning_module.skipped_steps
+    assert resumed.callback_metrics["train/skipped_steps"] == 1 and restored.total == 1
+    assert list(restored.streaks.values()) == [0]  # the resumed run's step trained, ending the streak

@@ -27,7 +27,7 @@ from rl_lightning.models.loading import (
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
 from rl_lightning.models.memory import initial_budget
 from rl_lightning.models.memory_phases import phase
-from rl_lightning.models.optim import OptimConfig, configure_adamw, typed
+from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
@@ -46,7 +46,7 @@ from rl_lightning.tasks.ppo.config import (
 from rl_lightning.tasks.ppo.objective import PolicyObjective, value_loss
 
 
-class PPO(L.LightningModule):
+class PPO(SkippedStepsState, L.LightningModule):
     """PPO-family policy optimisation.
 
     Args:
@@ -272,12 +272,14 @@ class PPO(L.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)  # the skipped-step counts
         checkpoint["rollouts"] = self.rollouts
         checkpoint["controllers"] = self.controllers.state_dict()
         checkpoint["max_length_per_device"] = self.max_length_per_device
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.rollouts = checkpoint.get("rollouts", 0)
         self.controllers.load_state_dict(checkpoint.get("controllers", {}))
         self.max_length_per_device = min(self.max_length_per_device,  # a budget that ran out of memory stays down
