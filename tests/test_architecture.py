@@ -165,3 +165,12 @@ def test_no_file_over_400_lines_and_no_function_over_80(path):
             for node in ast.walk(ast.parse(text))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80]
     assert long == [], f"{path.relative_to(REPO)}: functions over 80 lines: {long}"
+
+
+def test_test_file_names_are_unique():
+    """Test folders have no ``__init__.py`` (pytest's rootdir-relative import mode): two ``test_x.py`` in different
+    folders break the collection of the whole suite, so each basename appears once."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
