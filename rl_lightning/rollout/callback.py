@@ -14,7 +14,6 @@ rollouts) and ``device``. `RolloutConfig` lives in `rl_lightning.rollout.config`
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any, Protocol, cast
 
@@ -22,15 +21,17 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms.dapo import GroupRefill, keep_groups, overlong_penalty
+from rl_lightning.algorithms.dapo import overlong_penalty
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.memory_phases import phase, release_host_memory
-from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum, root_device
-from rl_lightning.rollout.async_rollout import ThreadGenerator, read_ahead
+from rl_lightning.parallel.reductions import data_parallel_sum, root_device
+from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
 from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
 from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.env import load_environment
+from rl_lightning.rollout.lockstep import Lockstep
 from rl_lightning.rollout.pareto_archive import ParetoArchive
+from rl_lightning.rollout.refill import data_parallel_ranks, refill
 from rl_lightning.rollout.replay import ReplayDump, run_manifest
 from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
@@ -74,6 +75,7 @@ class RolloutCallback(L.Callback):
         self.weight_sync: WeightSync | None = None
         self.adapter_sync = False  # set with the vLLM engine: LoRA adapter-only weight sync
         self.engine: Any = None
+        self.lockstep: Lockstep | None = None  # the HF engine on several processes
         self.engine_devices: list[int] | None = None  # engine: vllm_process on GPU (checked in `setup`)
         self.refills = 0
         # one-step-off-policy rollouts
@@ -106,11 +108,6 @@ class RolloutCallback(L.Callback):
         c, task = self.config, _task(pl_module)
         if self.replay is not None:  # no engine, no reward workers (the rollouts are checked in `on_train_start`)
             return
-        if c.engine == "hf" and trainer.world_size > 1 and (c.filter_range is not None or c.max_turns > 1):
-            # the sharded policy's forwards are collectives, and these loops decide per rank how often to generate
-            raise ConfigError(f"model.rollout.engine=hf on {trainer.world_size} processes does not support dynamic "
-                              f"sampling (filter_range={c.filter_range}) or multi-turn rollouts "
-                              f"(max_turns={c.max_turns}) yet; use engine: vllm or one process")
         if self.env.scorer is None:
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices,
                                          c.interact_timeout_s)
@@ -121,6 +118,8 @@ class RolloutCallback(L.Callback):
 
             # the strategy's device, not the parameters': under strategy.cpu_offload they stay on the CPU
             self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, root_device(trainer))
+            if trainer.world_size > 1:  # its forwards may be collectives: every rank generates equally often
+                self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id)
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             self.engine = self._vllm_engine(trainer, task)
@@ -222,7 +221,12 @@ class RolloutCallback(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
                              ) -> None:
-        """Sample and score the batch's rollout (read ahead in the background with ``async_steps: 1``)."""
+        """Sample and score the batch's rollout (read ahead in the background with ``async_steps: 1``).
+
+        A rollout an earlier callback attached (distillation's dataset completions) is kept: nothing is sampled.
+        """
+        if "rollout" in batch:
+            return
         task = _task(pl_module)
         if self.replay is not None:  # the dumped rollout: nothing is sampled or scored
             batch["rollout"] = rollout = self.replay.rollout(
@@ -326,14 +330,19 @@ class RolloutCallback(L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The Pareto archive (checkpointed with the run), if one is kept."""
-        return {} if self.pareto is None else {"pareto": self.pareto.state_dict()}
+        """The Pareto archive, if one is kept; every rank's in-flight rollout (async_steps: 1) for an exact resume."""
+        state: dict[str, Any] = {} if self.pareto is None else {"pareto": self.pareto.state_dict()}
+        if self.generator is not None:
+            state["pending"] = pending_state(self.generator)
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore `state_dict`'s archive."""
+        """Restore `state_dict`'s archive and this rank's in-flight rollout."""
         if self.pareto is not None and "pareto" in state_dict:
             self.pareto.load_state_dict(state_dict["pareto"])
+        if self.generator is not None and state_dict.get("pending"):
+            restore_pending(self.generator, state_dict["pending"])
 
     @override
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
@@ -348,14 +357,15 @@ class RolloutCallback(L.Callback):
                                 top_p=c.top_p if sampled else 1.0, top_k=c.top_k if sampled else 0,
                                 max_new_tokens=c.max_new_tokens, stop_token_ids=[task.tokenizer.eos_token_id],
                                 seeds=[(c.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
-        trajectories = rollout(self.engine, batch["prompts"], self.env, task.tokenizer, params, c.max_turns)
+        trajectories = rollout(self.engine, batch["prompts"], self.env, task.tokenizer, params, c.max_turns,
+                               self.lockstep)
         batch["rollout"] = Rollout(trajectories, c.val_responses_per_prompt, self.env.component_names,
                                    self.env.failures, self.refills)
         self.engine.sleep()
 
     def _generate(self, prompts: list, tokenizer: Any, params: SamplingParams) -> list[Trajectory]:
         c = self.config
-        trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns)
+        trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns, self.lockstep)
         if c.overlong_cache_length is not None:
             lengths = torch.tensor([t.completion_length for t in trajectories])
             penalties = overlong_penalty(lengths, c.max_completion_tokens, c.overlong_cache_length)
@@ -369,25 +379,16 @@ class RolloutCallback(L.Callback):
 
     def _refill(self, trainer: L.Trainer, task: PolicyTask, prompts: list, trajectories: list[Trajectory],
                 index: int, filter_range: tuple[float, float]) -> list[Trajectory]:
-        """DAPO dynamic sampling: keep informative groups, top up with freshly drawn prompts.
-
-        The extra prompts come from a seeded stream per data-parallel rank and rollout, until the batch is full or
-        the rounds run out; refill rounds are counted.
-        """
+        """DAPO dynamic sampling, decided over the data-parallel ranks (`rl_lightning.rollout.refill`)."""
         c = self.config
-        group = c.responses_per_prompt
-        buffer = GroupRefill(target=len(prompts), max_rounds=c.max_refill_rounds)
-        pool = _datamodule(trainer).prompts["train"]
-        rng = random.Random((c.seed or 0) + 104_729 * index + data_parallel_coords(trainer)[0])
-        low, high = filter_range
-        while True:
-            groups = [trajectories[i : i + group] for i in range(0, len(trajectories), group)]
-            rewards = torch.tensor([t.reward for t in trajectories])
-            buffer.add(groups, keep_groups(rewards, group, low, high))
-            if buffer.exhausted:
-                break
-            self.refills += 1
-            extra = rng.sample(pool, k=min(len(pool), len(prompts)))
-            params = self.sampling_params(index, extra, task.tokenizer.eos_token_id, buffer.rounds)
-            trajectories = self._generate(extra, task.tokenizer, params)
-        return [t for kept in buffer.take() for t in kept]
+
+        def generate(extra: list, refill_round: int) -> list[Trajectory]:
+            params = self.sampling_params(index, extra, task.tokenizer.eos_token_id, refill_round)
+            return self._generate(extra, task.tokenizer, params)
+
+        ranks = data_parallel_ranks(trainer, collectives=self.generator is None)
+        kept, rounds = refill(generate, prompts, trajectories, _datamodule(trainer).prompts["train"],
+                              c.responses_per_prompt, filter_range, c.max_refill_rounds, (c.seed or 0) + 104_729 * index,
+                              ranks)
+        self.refills += rounds
+        return kept

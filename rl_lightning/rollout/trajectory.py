@@ -17,6 +17,7 @@ from rl_lightning.errors import DataError
 from rl_lightning.models.memory_phases import phase
 from rl_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
 from rl_lightning.rollout.env import Environment
+from rl_lightning.rollout.lockstep import Lockstep, generate
 
 
 @dataclass
@@ -112,17 +113,19 @@ def _continuation_seeds(params: SamplingParams, active: list[int], turn: int) ->
 
 
 def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, tokenizer: Any, params: SamplingParams,
-            max_turns: int = 1) -> list[Trajectory]:
+            max_turns: int = 1, lockstep: Lockstep | None = None) -> list[Trajectory]:
     """`params.n` scored trajectories per prompt (grouped: prompt 0's first).
 
     Multi-turn when `max_turns` > 1 and the environment has ``interact``: a turn ends at a stop token;
     ``interact(messages)`` returns tool messages to append (``[]`` ends the conversation), then generation continues,
     up to `max_turns` assistant turns. Truncated turns (no stop token) end the conversation. ``interact`` runs in the
     environment's workers when it has them (`rl_lightning.rollout.env.Environment.interact_all`: a call that fails or
-    times out ends its conversation or stops the run, as ``on_error`` says).
+    times out ends its conversation or stops the run, as ``on_error`` says). With `lockstep` (an engine whose forward
+    is a collective), a turn runs on every rank while any rank has a conversation going; the others generate a
+    filler (`rl_lightning.rollout.lockstep`).
     """
     with phase("rollout/generate"):
-        groups = engine.generate([p.prompt_ids for p in prompts], params)
+        groups = generate(engine, [p.prompt_ids for p in prompts], params, lockstep)
     trajectories = [_start(p, c, tokenizer) for p, group in zip(prompts, groups, strict=True) for c in group]
     last_generated = [c.token_ids for group in groups for c in group]
     for turn in range(1, max_turns):
@@ -132,7 +135,7 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
         replies = env.interact_all([(trajectories[i].messages, trajectories[i].prompt.where) for i in active])
         tool_messages = dict(zip(active, replies, strict=True))
         active = [i for i in active if tool_messages[i]]
-        if not active:
+        if not (active if lockstep is None else lockstep.any(bool(active))):
             break
         for i in active:
             context = _context_tokens(tokenizer, trajectories[i], tool_messages[i], last_generated[i])
@@ -143,7 +146,7 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.messages = t.messages + tool_messages[i]
         seeded = replace(params, n=1, seed=None, seeds=_continuation_seeds(params, active, turn))
         with phase("rollout/generate"):
-            continuations = engine.generate([trajectories[i].input_ids for i in active], seeded)
+            continuations = generate(engine, [trajectories[i].input_ids for i in active], seeded, lockstep)
         for i, (completion,) in zip(active, continuations, strict=True):
             t = trajectories[i]
             t.input_ids += completion.token_ids

@@ -4,7 +4,6 @@ parameters the rollout callback derives from them."""
 
 import dataclasses
 import math
-import types
 
 import pytest
 import torch
@@ -230,13 +229,3 @@ def test_sampling_params_seed_each_prompt_by_rollout_row_and_refill_round(tmp_pa
     assert callback.sampling_params(0, prompts, 3).seeds == [14, 19]
     assert callback.sampling_params(0, prompts, 3).stop_token_ids == [3]
     assert RolloutCallback(dataclasses.replace(config, seed=None)).sampling_params(0, prompts, 3).seeds is None
-
-
-@pytest.mark.parametrize("setting", [{"filter_range": (0.0, 1.0)}, {"max_turns": 2}])
-def test_hf_engine_refuses_per_rank_generation_loops_on_several_processes(tmp_path, setting):
-    """Dynamic sampling and multi-turn rollouts decide per rank how often to generate; with the HF engine on a
-    sharded policy a rank that generates less would leave its peers waiting in a collective forever."""
-    env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n\ndef interact(messages):\n    return []\n")
-    callback = RolloutCallback(RolloutConfig(env, engine="hf", **setting))
-    with pytest.raises(ConfigError, match="model.rollout.engine=hf on 2 processes does not support dynamic sampling"):
-        callback.on_fit_start(types.SimpleNamespace(world_size=2), None)
