@@ -13,8 +13,10 @@ Two forms, as pure tensor functions:
   https://arxiv.org/abs/2306.13649): with p_t, p_s the teacher's and student's next-token distributions and the
   mixture m = beta p_t + (1 - beta) p_s, JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m). beta = 0 and 1
   are, by the paper's convention (and TRL's ``GKDTrainer``), the limits of JSD_beta / beta and JSD_beta / (1 - beta):
-  the forward KL(p_t || p_s) and the reverse KL(p_s || p_t). GKD's on-policy fraction lambda < 1 (mixing dataset
-  completions in) is not built here: the PPO task trains on the student's own samples only (lambda = 1).
+  the forward KL(p_t || p_s) and the reverse KL(p_s || p_t).
+- **GKD's on-policy fraction lambda** (`on_policy_draw`, the paper's Algorithm 1): each step draws u ~ U[0, 1) and
+  trains on the student's own samples when u < lambda, else on the dataset's completions. The draw here is a
+  function of a seed and the step only (its own generator), so every rank and a resumed run draw the same.
 
 Paper links: GKD https://arxiv.org/abs/2306.13649; MiniLLM (reverse KL) https://arxiv.org/abs/2306.08543.
 """
@@ -26,7 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["distillation_advantages", "generalized_jsd", "masked_token_mean", "reverse_kl_rewards", "token_kl"]
+__all__ = ["distillation_advantages", "generalized_jsd", "masked_token_mean", "on_policy_draw", "reverse_kl_rewards",
+           "token_kl"]
 
 
 def reverse_kl_rewards(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, completion_mask: torch.Tensor
@@ -128,3 +131,24 @@ def masked_token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: torc
     total = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
     return (values * mask).sum() / total
 
+
+
+def on_policy_draw(seed: int, step: int, lmbda: float) -> bool:
+    """GKD's per-step choice: the student's own samples (True, probability `lmbda`) or the dataset's completions.
+
+    Algorithm 1 of https://arxiv.org/abs/2306.13649: u ~ U[0, 1); on-policy iff u < lambda. u comes from a generator
+    seeded by (`seed`, `step`) alone and the global random state is untouched, so ranks agree, a resumed run draws
+    what the uninterrupted one drew, and lambda = 1 (always True) changes nothing else.
+
+    Args:
+        seed: the run's seed.
+        step: the step's index (the rollout count).
+        lmbda: lambda in [0, 1]; 1 is fully on-policy, 0 supervised on the dataset's completions only.
+
+    Returns:
+        Whether this step trains on the student's own samples.
+    """
+    if not 0.0 <= lmbda <= 1.0:
+        raise ValueError(f"lmbda must be in [0, 1], got {lmbda}")
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + 7_919 * step + 0x6B0) % 2**63)
+    return bool(torch.rand((), generator=generator) < lmbda)

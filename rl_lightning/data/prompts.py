@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 class Prompt:
     """A tokenised prompt with what the reward function needs (`messages`, `answer`).
 
-    It also carries its row location and its position in the loaded prompt list (`index`, which seeds its sampling).
+    It also carries its row location, its position in the loaded prompt list (`index`, which seeds its sampling) and
+    the row's optional reference ``completion`` text (GKD's dataset completions, ``model.distill.lmbda`` < 1).
     """
 
     prompt_ids: list[int]
@@ -41,6 +42,7 @@ class Prompt:
     answer: Any
     where: str
     index: int = 0
+    completion: str | None = None
 
 
 def encode_prompt(tokenizer: Any, messages: list[dict], apply_chat_template: bool) -> list[int]:
@@ -157,7 +159,8 @@ class PromptDataModule(L.LightningDataModule):
         for i, row in enumerate(rows.rows):
             ids = encode_prompt(self.tokenizer, row["messages"], hp.apply_chat_template)
             if len(ids) <= hp.max_prompt_length:
-                prompts.append(Prompt(ids, row["messages"], row["answer"], rows.locate(i), len(prompts)))
+                prompts.append(Prompt(ids, row["messages"], row["answer"], rows.locate(i), len(prompts),
+                                      row.get("completion")))
         dropped = len(rows) - len(prompts)
         if not prompts:
             raise DataError(f"{rows.source}: every prompt is longer than data.max_prompt_length="

@@ -3,7 +3,8 @@
 - SFT: ``{"messages": [...]}`` with at least one assistant message.
 - Preference (RM, DPO): ``{"messages": [prompt...], "chosen": str, "rejected": str}``; for KTO also unpaired
   ``{"messages" | "prompt": ..., "completion": str, "label": bool}``.
-- Prompts (PPO family): ``{"messages": [prompt...], "answer": ...}``.
+- Prompts (PPO family): ``{"messages": [prompt...], "answer": ...}``, optionally ``"completion": str`` (a reference
+  completion, for distillation's dataset completions).
 
 Every error names the file and row (see `Rows.locate`), the field, the value and what to do.
 """
@@ -125,6 +126,9 @@ def check_prompt_rows(rows: Rows) -> None:
         where = rows.locate(i)
         check_messages(_require(row, where, "messages", "RL prompt"), where)
         _require(row, where, "answer", "RL prompt")
+        if "completion" in row and not isinstance(row["completion"], str):  # optional: GKD's dataset completion
+            raise DataError(f"{where}: 'completion' must be the reference completion's text, got "
+                            f"{type(row['completion']).__name__} {_short(row['completion'])}")
 
 
 def _check_nonempty(rows: Rows) -> None:

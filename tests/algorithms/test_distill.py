@@ -10,6 +10,7 @@ from rl_lightning.algorithms.distill import (
     distillation_advantages,
     generalized_jsd,
     masked_token_mean,
+    on_policy_draw,
     reverse_kl_rewards,
     token_kl,
 )
@@ -100,3 +101,21 @@ def test_masked_token_mean_uses_the_global_normaliser_so_shards_add_up():
     assert_close(shards, whole)
     assert float(masked_token_mean(values, torch.zeros(2, 4))) == 0.0  # fully masked: 0, not NaN
 
+
+
+def test_on_policy_draw_is_a_seeded_bernoulli_of_lambda_that_leaves_the_global_rng_alone():
+    """u ~ U[0, 1) per (seed, step): the same call draws the same; 1 is always on-policy, 0 never; over 4000 steps the
+    on-policy share is lambda within 4 standard deviations (sqrt(0.25 / 4000) = 0.0079, so 0.032); steps decide
+    independently of one another, and the global torch random state does not move."""
+    state = torch.get_rng_state()
+    draws = [on_policy_draw(7, step, 0.3) for step in range(4000)]
+    assert draws == [on_policy_draw(7, step, 0.3) for step in range(4000)]
+    assert abs(sum(draws) / len(draws) - 0.3) < 0.032
+    assert draws != [on_policy_draw(8, step, 0.3) for step in range(4000)]  # another seed, another sequence
+    assert all(on_policy_draw(7, step, 1.0) for step in range(200))
+    assert not any(on_policy_draw(7, step, 0.0) for step in range(200))
+    # a step's u is one number: lambda thresholds it, so a larger lambda keeps every on-policy step of a smaller one
+    assert all(on_policy_draw(7, s, 0.6) for s in range(4000) if draws[s])
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(ValueError, match=r"lmbda must be in \[0, 1\], got 1.5"):
+        on_policy_draw(0, 0, 1.5)

@@ -8,10 +8,16 @@ The student (the policy) samples; a frozen teacher scores the student's own toke
   reward's advantages (which may be zero: ``rollout.reward_weights`` all 0 is distillation alone). Both
   log-probabilities are taken at the rollout's temperature when the rollout is scored, so the term is fixed for
   the rollout's updates and goes through PPO's clipped surrogate like any advantage.
-- ``type: loss`` (GKD on the student's samples, lambda = 1): ``coef`` x the generalised Jensen-Shannon divergence
-  JSD_beta between the teacher's and the student's next-token distributions over the whole vocabulary at every
-  completion position, a token mean with the same global normaliser as the policy loss, added to it. It costs a
-  second forward of the policy with full logits and a teacher forward per micro-batch.
+- ``type: loss`` (GKD): ``coef`` x the generalised Jensen-Shannon divergence JSD_beta between the teacher's and the
+  student's next-token distributions over the whole vocabulary at every completion position, a token mean with the
+  same global normaliser as the policy loss, added to it. It costs a second forward of the policy with full logits
+  and a teacher forward per micro-batch. GKD's on-policy fraction ``lmbda`` (`DatasetCompletions`): each rollout is,
+  with probability 1 - lambda (drawn per rollout from ``model.rollout.seed`` and the rollout count, so every rank
+  and a resumed run agree), the batch's prompts with their rows' ``completion`` text instead of sampled
+  completions (repeated ``responses_per_prompt`` times, so the rollout's shape and optimizer steps are a sampled
+  one's; nothing is generated or scored). Such a rollout trains on the JSD alone: the surrogate, KL and entropy
+  terms are estimates over the policy's own samples and are left out. ``train/distill_on_policy`` logs 1 or 0 per
+  rollout (its mean is the on-policy fraction); ``train/reward`` of a dataset rollout is 0 (not scored).
 
 The teacher is any causal LM folder (hub name, ``asset:``) with the student's tokenizer, colocated: loaded frozen
 (no gradients, no optimizer state, not in checkpoints), sharded like the reference. When it names the policy's own
@@ -26,15 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
+from typing_extensions import override
 
-from rl_lightning.algorithms.distill import generalized_jsd
+from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS
+from rl_lightning.algorithms.distill import generalized_jsd, on_policy_draw
 from rl_lightning.algorithms.policy import token_mean
 from rl_lightning.assets.real import resolve_model
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.loading import load_causal_lm, load_tokenizer, model_inputs
 from rl_lightning.models.lora import AdaptersDisabled
 from rl_lightning.parallel.parallelize import parallelize_for
+from rl_lightning.rollout.config import RolloutConfig
+from rl_lightning.rollout.trajectory import Rollout, Trajectory
 
 DISTILL_TYPES = ("reward", "loss")
 
@@ -51,12 +62,15 @@ class DistillConfig:
             over the vocabulary, added to the policy loss).
         beta: ``type: loss``: JSD_beta's teacher weight in [0, 1]; 0 is the forward KL(teacher || student), 1 the
             reverse KL(student || teacher), 0.5 the Jensen-Shannon divergence.
+        lmbda: ``type: loss``: GKD's on-policy fraction in [0, 1]: each rollout trains on the student's own samples
+            with this probability, else on the prompt rows' ``completion`` texts (JSD only); 1: always on-policy.
     """
 
     teacher: str
     coef: float = 1.0
     type: str = "reward"
     beta: float = 0.5
+    lmbda: float = 1.0
 
     def __post_init__(self) -> None:
         errors = []
@@ -68,6 +82,11 @@ class DistillConfig:
             errors.append(f"model.distill.type must be one of {', '.join(DISTILL_TYPES)}, got '{self.type}'")
         if not 0.0 <= self.beta <= 1.0:
             errors.append(f"model.distill.beta must be in [0, 1], got {self.beta}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            errors.append(f"model.distill.lmbda must be in [0, 1], got {self.lmbda}")
+        elif self.lmbda < 1.0 and self.type != "loss":
+            errors.append(f"model.distill.lmbda={self.lmbda} mixes in dataset completions, which only the JSD loss "
+                          "can train on: set model.distill.type loss, or lmbda 1")
         if errors:
             raise ConfigError("; ".join(errors))
 
@@ -146,3 +165,92 @@ def jsd_loss(model: Any, teacher: Any, mb: dict[str, Any], normaliser: torch.Ten
     per_token = generalized_jsd(student_logits, teacher_logits, config.beta, temperature)  # (1, K)
     kept_mask = mask[:, keep]  # (1, K)
     return config.coef * token_mean(per_token, kept_mask, normaliser), (per_token.detach() * kept_mask).sum()
+
+
+def add_jsd(task: Any, mb: dict[str, Any], normaliser: torch.Tensor, loss: torch.Tensor | None = None,
+            sums: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """`loss` plus ``type: loss``'s `jsd_loss` (the JSD alone without `loss`: a dataset-completion rollout).
+
+    Args:
+        task: the PPO task (``distill``, ``model``, ``_teacher``, ``rollout_config``).
+        mb: the packed micro-batch.
+        normaliser: the minibatch's global normaliser of the policy loss.
+        loss: the policy loss of `mb`, or None.
+        sums: its metric sums.
+
+    Returns:
+        The loss and the metric sums (with ``distill_jsd``).
+    """
+    config, sums = task.distill, dict(sums or {})
+    if config is None or config.type != "loss":
+        return loss, sums
+    jsd, sums["distill_jsd"] = jsd_loss(task.model, task._teacher, mb, normaliser, config,
+                                        task.rollout_config.temperature)
+    return jsd if loss is None else loss + jsd, sums
+
+
+class DatasetCompletions(L.Callback):
+    """GKD's lambda: before a rollout is sampled, draw whether it is on-policy; if not, attach the dataset's.
+
+    Runs before the `rl_lightning.rollout.callback.RolloutCallback`, which keeps a rollout already attached.
+    `on_policy` is the current rollout's draw (the task's policy loss reads it).
+    """
+
+    def __init__(self, lmbda: float, seed: int, group_size: int, max_new_tokens: int) -> None:
+        self.lmbda, self.seed, self.group_size, self.max_new_tokens = lmbda, seed, group_size, max_new_tokens
+        self.on_policy = True
+
+    @classmethod
+    def create(cls, config: DistillConfig | None, rollout: RolloutConfig, advantage_estimator: str,
+               constraints: Any) -> DatasetCompletions | None:
+        """The callback of ``model.distill.type: loss`` (None otherwise); refuses what lmbda < 1 cannot run with."""
+        if config is None or config.type != "loss":
+            return None
+        if config.lmbda < 1.0:
+            clashes = {"model.advantage_estimator": advantage_estimator in CRITIC_ESTIMATORS,
+                       "model.constraints": constraints.entropy_min is not None or constraints.kl_max is not None,
+                       "model.rollout.async_steps": rollout.async_steps > 0,
+                       "model.rollout.replay": rollout.replay is not None}
+            if any(clashes.values()):
+                raise ConfigError(f"model.distill.lmbda={config.lmbda} (dataset-completion rollouts train on the JSD "
+                                  f"alone: no rewards, values or policy measurements) does not run with "
+                                  f"{', '.join(k for k, v in clashes.items() if v)} set; use a critic-free "
+                                  "estimator, no constraints, synchronous sampled rollouts, or lmbda 1")
+        return cls(config.lmbda, rollout.seed or 0, rollout.responses_per_prompt, rollout.max_new_tokens)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse, before any model loads, training prompts without a ``completion`` when lmbda < 1."""
+        prompts = getattr(getattr(trainer, "datamodule", None), "prompts", {}).get("train", [])
+        missing = next((p for p in prompts if p.completion is None), None) if self.lmbda < 1.0 else None
+        if stage == "fit" and missing is not None:
+            raise ConfigError(f"model.distill.lmbda={self.lmbda} trains 1 - lambda of the rollouts on the dataset's "
+                              f"completions, but {missing.where} has no 'completion' field; give every prompt row its "
+                              "reference completion text as 'completion', or set model.distill.lmbda 1")
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
+                             batch_idx: int) -> None:
+        """Draw this rollout's kind (seed, rollout count); a dataset rollout is attached to the batch."""
+        task: Any = pl_module
+        self.on_policy = on_policy_draw(self.seed, task.rollouts, self.lmbda)
+        pl_module.log("train/distill_on_policy", float(self.on_policy))
+        if not self.on_policy:
+            batch["rollout"] = dataset_rollout(batch["prompts"], task.tokenizer, self.group_size, self.max_new_tokens)
+
+
+def dataset_rollout(prompts: list[Any], tokenizer: Any, group_size: int, max_new_tokens: int) -> Rollout:
+    """The prompts with their rows' ``completion`` text (then EOS), each `group_size` times, as an unscored Rollout.
+
+    A completion longer than `max_new_tokens` tokens is cut there (``finished`` False), as sampling would cut it.
+    """
+    trajectories = []
+    for prompt in prompts:
+        ids = (tokenizer(prompt.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        finished = len(ids) <= max_new_tokens
+        ids = ids[:max_new_tokens]
+        messages = [*prompt.messages, {"role": "assistant", "content": prompt.completion}]
+        trajectories += [Trajectory(prompt, prompt.prompt_ids + ids, [0] * len(prompt.prompt_ids) + [1] * len(ids),
+                                    [0.0] * (len(prompt.prompt_ids) + len(ids)), messages, finished)
+                         for _ in range(group_size)]
+    return Rollout(trajectories, group_size)

@@ -178,6 +178,7 @@ class PPO(SkippedStepsState, L.LightningModule):
         if self.distill is not None:  # a missing teacher or another tokenizer: refused before anything loads
             distillation.check_teacher(self.distill, self.tokenizer, model_name, aggregation)
         self.distill_reward = self.distill is not None and self.distill.type == "reward"  # in the advantages
+        self.distill_mix = distillation.DatasetCompletions.create(self.distill, rollout, advantage_estimator, constraints)
         self.model: Any = None
         self.critic: Any = None
         self._reference: Any = None  # not a submodule: frozen, out of the optimizer and checkpoints
@@ -202,7 +203,7 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_callbacks(self) -> list[L.Callback]:
-        return [self.rollout_callback]
+        return [self.distill_mix, self.rollout_callback] if self.distill_mix else [self.rollout_callback]
 
     @override
     def setup(self, stage: str) -> None:
@@ -339,6 +340,8 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     def policy_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The policy's forward on `mb` and its share of the minibatch's policy loss, with metric sums."""
+        if self.distill_mix is not None and not self.distill_mix.on_policy:  # GKD's lambda: dataset completions
+            return distillation.add_jsd(self, mb, normaliser)
         logprobs, entropy = target_logprobs(self.model, mb, self.rollout_config.temperature,
                                             entropy="grad" if self.objective.entropy_needs_grad else "value",
                                             chunk_size=self.hparams.lm_head_chunk)
@@ -346,11 +349,7 @@ class PPO(SkippedStepsState, L.LightningModule):
             mb["old_logprobs"] = logprobs.detach()
         loss, sums = self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,
                                          self.controllers.penalty)
-        if self.distill is not None and self.distill.type == "loss":  # GKD's JSD over the vocabulary
-            jsd, sums["distill_jsd"] = distillation.jsd_loss(self.model, self._teacher, mb, normaliser, self.distill,
-                                                             self.rollout_config.temperature)
-            loss = loss + jsd
-        return loss, sums
+        return distillation.add_jsd(self, mb, normaliser, loss, sums)  # type loss: GKD's JSD over the vocabulary
 
     def value_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The critic's forward on `mb` and its share of the minibatch's value loss, with metric sums."""
