@@ -16,8 +16,9 @@ task's mismatch correction weighs against; the trainer's ``old_logprobs`` are re
 decoupled PPO (Hilton et al. 2021, https://arxiv.org/abs/2110.00641).
 
 A rollout submitted is keyed by its rollout index and prompt rows; one taken under a different key (a batch the
-trainer skipped, a resumed run) is discarded and the batch sampled synchronously. The in-flight rollout is not saved
-in checkpoints: a resumed run samples its first rollout synchronously, with the resumed weights.
+trainer skipped) is discarded and the batch sampled synchronously. A checkpoint holds every rank's in-flight rollout
+(`pending_state`: the save waits for it to finish, and it stays pending): a run resumed from it takes that rollout,
+sampled by the policy that sampled it in the uninterrupted run, and goes on bit for bit (CPU; the timings excepted).
 
 Generators (the `Generator` protocol): `ThreadGenerator`, one thread in the training process that drives the engine
 and the reward workers. With the in-process vLLM engine this is the colocated mode: the engine's forward and the
@@ -34,10 +35,12 @@ import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from rl_lightning.data.prompts import Prompt
 from rl_lightning.errors import ConfigError
+from rl_lightning.rollout.trajectory import Trajectory
 
 
 @dataclass
@@ -118,6 +121,58 @@ class ThreadGenerator:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _encode(value: Any) -> dict[str, Any]:
+    trajectories, metrics = value
+    return {"trajectories": [asdict(t) for t in trajectories], "metrics": metrics}
+
+
+def _decode(state: dict[str, Any]) -> Any:
+    trajectories = [Trajectory(**{**t, "prompt": Prompt(**t["prompt"])}) for t in state["trajectories"]]
+    return trajectories, state["metrics"]
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def pending_state(generator: ThreadGenerator) -> list[dict[str, Any] | None]:
+    """Every rank's pending rollout ``(trajectories, metrics)`` as plain data (None: none), indexed by global rank.
+
+    Waits for this rank's generation to finish; the rollout stays pending. A collective when several processes run:
+    Lightning builds the checkpoint on every rank.
+    """
+    pending = generator._pending
+    mine = None
+    if pending is not None:
+        key, version, future = pending
+        value, seconds = future.result()
+        keys: tuple[int, ...] = key  # type: ignore[assignment]  # the callback keys by (rollout, *prompt rows)
+        mine = {"key": list(keys), "version": version, "generate_s": seconds, **_encode(value)}
+    _, world_size = _world()
+    if world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def restore_pending(generator: ThreadGenerator, states: list[dict[str, Any] | None]) -> None:
+    """Make this rank's rollout of `pending_state` the generator's pending one (nothing when it had none)."""
+    rank, _ = _world()
+    state = states[rank] if rank < len(states) else None
+    if state is None:
+        return
+    future: Future = Future()
+    future.set_result((_decode(state), state["generate_s"]))
+    generator._pending = (tuple(state["key"]), state["version"], future)
 
 
 def async_errors(config: Any) -> list[str]:
