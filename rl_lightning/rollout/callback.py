@@ -156,14 +156,14 @@ class RolloutCallback(L.Callback):
         check_engine(task.model.config, c.engine_tp_size, trainer.world_size, device_type)
         named_weights(task.model)  # fails now on a weight no engine could hold (a LoRA-trained tied head)
         if c.engine == "vllm_process":  # full weights over its own group (adapter sync is refused at start-up)
-            from rl_lightning.rollout.engine_process import EngineProcess
+            from rl_lightning.rollout.engine_restart import RestartingEngine
 
             self.adapter_sync = False
-            return EngineProcess(devices=self.engine_devices, timeout_s=c.engine_timeout_s,
-                                 model_path=task.model_name, tensor_parallel_size=c.engine_tp_size,
-                                 max_model_len=self._max_model_len(trainer, task), device_type=device_type,
-                                 gpu_memory_utilization=c.gpu_memory_utilization,
-                                 kv_cache_memory_bytes=c.kv_cache_memory_bytes)
+            return RestartingEngine(c.engine_restarts, devices=self.engine_devices, timeout_s=c.engine_timeout_s,
+                                    model_path=task.model_name, tensor_parallel_size=c.engine_tp_size,
+                                    max_model_len=self._max_model_len(trainer, task), device_type=device_type,
+                                    gpu_memory_utilization=c.gpu_memory_utilization,
+                                    kv_cache_memory_bytes=c.kv_cache_memory_bytes)
         lora_rank = adapter_sync_rank(task.model, c.weight_sync, device_type)
         self.adapter_sync = lora_rank is not None
         return VLLMEngine(task.model_name, c.engine_tp_size, self._max_model_len(trainer, task),
@@ -251,7 +251,8 @@ class RolloutCallback(L.Callback):
         if self.config.filter_range is not None:
             trajectories = self._refill(trainer, task, prompts, trajectories, index, self.config.filter_range)
         env = self.env  # interact counts (since the start) are logged once non-zero
-        tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures}
+        tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures,
+                 "rollout/engine_restarts": getattr(self.engine, "restarts", 0)}  # engine: vllm_process
         return trajectories, {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
                               "rollout/reward_s": env.reward_seconds,  # scoring alone
                               "rollout/reward_timeouts": float(env.timeouts),  # since the start

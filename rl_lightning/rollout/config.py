@@ -48,6 +48,10 @@ class RolloutConfig:
         engine_timeout_s: ``vllm_process``: the longest wait for the engine process (its start, joining the weights
             group, one generate, one weight load, its close) before it is stopped with a one-line error; an engine
             process that died is reported at once, whatever this says.
+        engine_restarts: ``vllm_process``: how many times an engine process that is lost (killed, crashed, or
+            stopped after `engine_timeout_s`) is replaced by a fresh one, given the weights the lost one held, before
+            the run stops; the failed generate or weight load is repeated on it (same seeds: same completions). Logged
+            as ``rollout/engine_restarts`` once non-zero. See `rl_lightning.rollout.engine_restart`.
         max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
             ``max_new_tokens`` (single turn) or the model's ``max_position_embeddings`` (multi-turn).
         kv_cache_memory_bytes: ``vllm``: KV-cache size in bytes; on CPU it is always explicit (default 1 GiB), on GPU
@@ -120,6 +124,7 @@ class RolloutConfig:
     engine_tp_size: int = 1
     engine_devices: list[int] | None = None
     engine_timeout_s: float = DEFAULT_TIMEOUT_S
+    engine_restarts: int = 2
     max_model_len: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.3
@@ -239,6 +244,9 @@ def _process_errors(c: RolloutConfig) -> list[str]:
                       "does not use)")
     if not c.engine_timeout_s > 0:
         errors.append(f"engine_timeout_s must be > 0 (seconds), got {c.engine_timeout_s}")
+    if isinstance(c.engine_restarts, bool) or not isinstance(c.engine_restarts, int) or c.engine_restarts < 0:
+        errors.append(f"engine_restarts must be an integer >= 0 (0: a lost engine process stops the run), got "
+                      f"{c.engine_restarts!r}")
     return errors
 
 

@@ -48,6 +48,13 @@ class EngineProcessError(RuntimeError):
     """The engine process died, failed or did not answer in time (one line: what the trainer waited for, and why)."""
 
 
+class EngineProcessLost(EngineProcessError):
+    """The engine process is gone: it died, or it was stopped after it did not answer in time.
+
+    A fresh one may work, unlike after an error the process reported itself (see `rl_lightning.rollout.engine_restart`).
+    """
+
+
 def visible_devices(devices: Sequence[int], parent_visible: str | None) -> str:
     """The child's ``CUDA_VISIBLE_DEVICES`` for `devices`, indices among the GPUs this process sees.
 
@@ -219,7 +226,7 @@ class EngineProcess:
             if not self.process.is_alive():
                 self._died(what)
             self._stop()
-            raise EngineProcessError(f"EngineProcess: the engine process did not {what} ({_one_line(e)}; it waited "
+            raise EngineProcessLost(f"EngineProcess: the engine process did not {what} ({_one_line(e)}; it waited "
                                      f"up to {TIMEOUT_KEY}={self.timeout_s:g} s); it was stopped") from None
 
     def _died(self, what: str) -> NoReturn:
@@ -231,12 +238,12 @@ class EngineProcess:
             if self.connection.poll(0):
                 kind, payload = self.connection.recv()
                 error = f": {payload}" if kind == "error" else ""
-        raise EngineProcessError(f"EngineProcess: the engine process {how} while the trainer waited for it to "
+        raise EngineProcessLost(f"EngineProcess: the engine process {how} while the trainer waited for it to "
                                  f"{what}{error or ' (its traceback, if any, is on stderr above)'}")
 
     def _timed_out(self, what: str) -> NoReturn:
         self._stop()
-        raise EngineProcessError(f"EngineProcess: the engine process did not {what} within {TIMEOUT_KEY}="
+        raise EngineProcessLost(f"EngineProcess: the engine process did not {what} within {TIMEOUT_KEY}="
                                  f"{self.timeout_s:g} s (it was stopped); raise {TIMEOUT_KEY} if it is merely slow "
                                  "(a large model's start-up, a long rollout)")
 

