@@ -14,7 +14,7 @@ SQLAlchemy's pool size of 5 (checked: at most 5), and a commit caught in flight 
 ``-journal`` and the folder); and none of the last sample's descendants is
 alive once the trainer has exited.
 
-    OMP_NUM_THREADS=1 python benchmarks/soak.py                       # 300 rollouts, ~15 min on 2 quiet cores
+    OMP_NUM_THREADS=1 python benchmarks/soak.py                       # 300 rollouts, ~2 min on 2 cores
     python benchmarks/soak.py --rollouts 30 --every 5 --warmup 10 --json rows.json
     python benchmarks/soak.py --markdown benchmarks/results/soak_cpu.md
 

