@@ -118,8 +118,8 @@ class RolloutCallback(L.Callback):
 
             # the strategy's device, not the parameters': under strategy.cpu_offload they stay on the CPU
             self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, root_device(trainer))
-            if trainer.world_size > 1:  # its forwards may be collectives: every rank generates equally often
-                self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id)
+            # its forwards may be collectives: every rank generates equally often
+            self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             self.engine = self._vllm_engine(trainer, task)
