@@ -130,6 +130,9 @@ class RewardModelClient:
       retried here (`RETRY_STATUS`), after ``backoff_s * 2 ** (attempt - 1)`` seconds;
     - any other HTTP error is not retried.
 
+    A server that stops mid-run and comes back needs nothing more: while it is down, requests fail (scored per
+    ``on_error`` and counted in `failed_requests`), and the first request after it is back opens a fresh connection.
+
     `start` checks the server (``GET /v1/models``) and loads the tokenizer. In a ``reward_fn``:
     ``client = RewardModelClient("http://localhost:8000")`` at module level, then ``client.score([messages])[0]`` (it
     starts itself on first use).
@@ -144,6 +147,7 @@ class RewardModelClient:
         self.backoff_s = backoff_s
         self.tokenizer: Any = None
         self._http: httpx.Client | None = None
+        self.failed_requests = 0  # scoring requests that failed after their retries (``rollout/reward_model_failures``)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_http": None}  # a connection pool does not travel: the copy opens its own
@@ -205,6 +209,7 @@ class RewardModelClient:
         batches = _chunks(token_ids, self.batch_size)
         with ThreadPoolExecutor(max_workers=min(self.concurrency, max(len(batches), 1))) as pool:
             results = list(pool.map(self._score_batch, batches))
+        self.failed_requests += sum(isinstance(result, RewardModelError) for result in results)
         return [value for batch, result in zip(batches, results, strict=True)
                 for value in (result if isinstance(result, list) else [result] * len(batch))]
 

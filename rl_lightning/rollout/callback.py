@@ -252,7 +252,8 @@ class RolloutCallback(L.Callback):
             trajectories = self._refill(trainer, task, prompts, trajectories, index, self.config.filter_range)
         env = self.env  # interact counts (since the start) are logged once non-zero
         tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures,
-                 "rollout/engine_restarts": getattr(self.engine, "restarts", 0)}  # engine: vllm_process
+                 "rollout/engine_restarts": getattr(self.engine, "restarts", 0),  # engine: vllm_process
+                 "rollout/reward_model_failures": getattr(env.reward_model, "failed_requests", 0)}  # served RM
         return trajectories, {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
                               "rollout/reward_s": env.reward_seconds,  # scoring alone
                               "rollout/reward_timeouts": float(env.timeouts),  # since the start
