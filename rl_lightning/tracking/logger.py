@@ -38,6 +38,8 @@ COUNTERS: dict[str, float | None] = {
     "train/reward_failures": 0.0,
     "train/skipped_steps": 0.0,
     "rollout/reward_timeouts": 0.0,
+    "rollout/engine_restarts": 0.0,  # engine: vllm_process
+    "rollout/reward_model_failures": 0.0,  # failed requests to a served reward model
     "train/trajectories": None,
     "train/max_length_per_device": None,
 }
