@@ -19,7 +19,9 @@ use; see `rl_lightning.rollout.config.engine_devices`).
 
 Waiting: every wait on the child (its start, the weights group, completions, a weight load, its close) is bounded by
 ``model.rollout.engine_timeout_s``, and a child that died is noticed at once (its exit code, and its error when it
-could send one): either ends in one `EngineProcessError` line naming what the trainer waited for.
+could send one): either ends in one `EngineProcessError` line naming what the trainer waited for. Both mean the
+process is gone (`EngineProcessLost`): the rollout callback wraps the engine in
+`rl_lightning.rollout.engine_restart.RestartingEngine`, which starts a fresh one (``model.rollout.engine_restarts``).
 """
 
 from __future__ import annotations
