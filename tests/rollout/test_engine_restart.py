@@ -65,6 +65,31 @@ def test_a_process_lost_in_every_generate_is_restarted_with_its_weights_then_sto
     assert all(torch.equal(engine._weights[name], tensor) for name, tensor in weights)
 
 
+def test_a_hung_engine_is_restarted_and_an_error_it_reports_is_not(tmp_path):
+    """A generate that never returns: the process is stopped after engine_timeout_s and counts as lost (restarted,
+    here once, then the stop names the timeout). An error the engine reports itself (here at start-up: tp 2 on one
+    process) is raised as it is, with no restart: a fresh engine would fail the same way."""
+    from rl_lightning.rollout.engine_process import EngineProcessError, EngineProcessLost
+
+    sys.path.insert(0, FAKE_VLLM)
+    try:
+        engine = RestartingEngine(1, model_path=str(TINY_MODEL), device_type="cuda", max_model_len=64,
+                                  call_log=str(tmp_path / "calls.jsonl"), fake_hang="generate", timeout_s=3)
+        start = time.monotonic()
+        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine_restarts=1: the engine process was lost 2 "
+                                                r"time\(s\).*did not generate completions within "
+                                                r"model\.rollout\.engine_timeout_s=3 s"):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        waited = time.monotonic() - start
+        with pytest.raises(EngineProcessError) as reported:
+            RestartingEngine(2, model_path=str(TINY_MODEL), device_type="cuda", max_model_len=64,
+                             call_log=str(tmp_path / "failed.jsonl"), tensor_parallel_size=2, timeout_s=60)
+    finally:
+        sys.path.remove(FAKE_VLLM)
+    assert engine.restarts == 1 and 6 <= waited < 40  # two timeouts of 3 s and a restart in between
+    assert not isinstance(reported.value, EngineProcessLost) and "engine_tp_size=2" in str(reported.value)
+
+
 def _cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) process `pid` has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
