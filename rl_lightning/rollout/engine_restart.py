@@ -87,6 +87,7 @@ class RestartingEngine:
                 self._weights[name] = copy = tensor.detach().to("cpu", self.dtype, copy=True)
                 yield name, copy
 
+        self._weights = {}  # the last push's copies go first: at most one copy of the model on the host
         tensors = list(kept(named_tensors))  # staged once: a retried push sends the same tensors
         self._retried(lambda: self.engine.update_weights(tensors))
 
