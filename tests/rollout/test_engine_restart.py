@@ -161,7 +161,8 @@ class KillMidRollout(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.batch_idx:
-            self.kill = _kill_while_generating(pl_module.rollout_callback.engine, cpu_s=0.05)
+            # at once: this rollout's completions are short (the tiny policy often ends early), a CPU budget may outlast it
+            self.kill = _kill_while_generating(pl_module.rollout_callback.engine, cpu_s=0.0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.tokens.append([(t.input_ids, t.engine_logprobs) for t in batch["rollout"].trajectories])
