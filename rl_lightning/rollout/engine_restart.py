@@ -8,9 +8,9 @@ call, so a retried rollout samples exactly what the lost engine would have: the 
 as a run nobody interrupted.
 
 The weights pushed again are those of the last push, kept as a host copy in the engine's dtype (one extra copy of
-the model in host memory, held for the whole run; the colocated engines keep none). They are the trainer's current
-weights in a synchronous run; with ``async_steps: 1`` they are the version the background rollout was sampling with,
-which the trainer may already have updated, so staleness stays exactly one step.
+the model in host memory, held for the whole run; none with ``engine_restarts: 0``; the colocated engines keep
+none). They are the trainer's current weights in a synchronous run; with ``async_steps: 1`` they are the version the
+background rollout was sampling with, which the trainer may already have updated, so staleness stays exactly one step.
 
 Bounded: after ``engine_restarts`` restarts the next loss stops the run with one `TrainingError` line naming the key,
 how many times the engine was lost and the last reason. An error the engine process reported itself (an exception in
@@ -80,7 +80,11 @@ class RestartingEngine:
             self.busy = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push full tensors by name, keeping a host copy of each for a restart."""
+        """Push full tensors by name, keeping a host copy of each for a restart (none with ``restarts`` 0)."""
+        if self.max_restarts == 0:  # no restart to feed: no copy kept
+            self._retried(lambda: self.engine.update_weights(named_tensors))
+            return
+
         def kept(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in stream:
                 # a copy: on CPU the trainer's tensor is the parameter itself, which the optimizer changes in place
