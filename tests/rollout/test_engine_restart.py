@@ -65,6 +65,21 @@ def test_a_process_lost_in_every_generate_is_restarted_with_its_weights_then_sto
     assert all(torch.equal(engine._weights[name], tensor) for name, tensor in weights)
 
 
+def test_no_restarts_keep_no_weights_and_stop_at_the_first_loss(tmp_path):
+    """engine_restarts=0: no host copy of the weights is kept, and the first loss stops the run."""
+    sys.path.insert(0, FAKE_VLLM)
+    try:
+        engine = RestartingEngine(0, model_path=str(TINY_MODEL), device_type="cuda", max_model_len=64,
+                                  call_log=str(tmp_path / "calls.jsonl"), fake_exit="generate", timeout_s=60)
+        engine.update_weights([("model.norm.weight", torch.ones(4))])
+        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine_restarts=0: the engine process was lost 1 "
+                                                r"time\(s\).*exited with code 17"):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    finally:
+        sys.path.remove(FAKE_VLLM)
+    assert engine._weights == {} and engine.restarts == 0 and not engine.needs_weights
+
+
 def test_a_hung_engine_is_restarted_and_an_error_it_reports_is_not(tmp_path):
     """A generate that never returns: the process is stopped after engine_timeout_s and counts as lost (restarted,
     here once, then the stop names the timeout). An error the engine reports itself (here at start-up: tp 2 on one
