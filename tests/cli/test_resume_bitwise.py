@@ -1,7 +1,8 @@
 """What docs/determinism.md promises on CPU, checked: a run resumed from one of its own mid-run checkpoints (what a
 kill -9 leaves behind: the atomic-checkpoint tests show the last complete one survives any kill) ends with the
 uninterrupted run's weights bit for bit, in sync mode, for SFT and for GRPO (HF engine, seeded rollouts, reward
-workers). Real CLI runs of the tiny model."""
+workers), and in the rollout modes with state of their own: DAPO refill, multi-turn tools, the Pareto archive, LoRA.
+Real CLI runs of the tiny model. (One-step-off-policy resume: tests/rollout/test_async_rollout.py.)"""
 
 from pathlib import Path
 
@@ -17,6 +18,18 @@ RUNS = {
     "grpo": (["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
               "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
               "--model.rollout.reward_workers", "1", "--data.batch_size", "2"], "--model.max_rollouts", 3),
+    # the rollout modes whose state lives outside the weights and optimizer (issue 28.1), HF engine:
+    # DAPO refill (its refill counter and extra-prompt draws), multi-turn tools, the Pareto archive, LoRA adapters
+    "dapo": (["--config", "recipes/dapo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
+              "--model.rollout.max_new_tokens", "8", "--data.batch_size", "2"], "--model.max_rollouts", 3),
+    "multiturn": (["--config", "examples/calculator/grpo_calculator.yaml", "--trainer.limit_val_batches", "0",
+                   "--data.batch_size", "2"], "--model.max_rollouts", 3),
+    "pareto": (["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
+                "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
+                "--model.rollout.pareto_archive_size", "2", "--data.batch_size", "2"], "--model.max_rollouts", 3),
+    "lora": (["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
+              "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
+              "--model.lora.r", "4", "--data.batch_size", "2"], "--model.max_rollouts", 3),
 }
 
 
