@@ -171,7 +171,7 @@ class SaveAfter(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _resume(rank, env, checkpoint, out):
+def _resume(rank, env, checkpoint, out, engine="vllm"):
     """3 async rollouts, checkpointed after the second; then a fit resumed from there (reusing the engine)."""
     def fit_from(task, recorder, ckpt_path=None):
         trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
@@ -179,7 +179,7 @@ def _resume(rank, env, checkpoint, out):
                             callbacks=[recorder, SaveAfter(1, checkpoint)])
         trainer.fit(task, datamodule=prompts(), ckpt_path=ckpt_path)
 
-    rollout = {"engine": "vllm", "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1, "async_steps": 1}
+    rollout = {"engine": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1, "async_steps": 1}
     L.seed_everything(0)
     first, recorder = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=ROLLOUTS), Recorder()
     fit_from(first, recorder)
@@ -195,11 +195,12 @@ def _resume(rank, env, checkpoint, out):
 
 @needs_vllm
 @pytest.mark.slow  # two fits with a vLLM-CPU engine
-def test_resumed_run_takes_the_checkpointed_in_flight_rollout_and_ends_bit_for_bit(tmp_path, parity_env):
+@pytest.mark.parametrize("engine", ["vllm", "vllm_process"])
+def test_resumed_run_takes_the_checkpointed_in_flight_rollout_and_ends_bit_for_bit(tmp_path, parity_env, engine):
     """The in-flight rollout is checkpointed: resumed after rollout 2, the run takes rollout 3 as the uninterrupted
     run sampled it in the background (staleness 1, the same tokens and engine log-probabilities, not re-sampled by
     the resumed policy) and ends with the uninterrupted run's weights bit for bit."""
-    run_on_cpu_ranks(_resume, 1, parity_env, str(tmp_path / "last.ckpt"), str(tmp_path / "resume.pt"))
+    run_on_cpu_ranks(_resume, 1, parity_env, str(tmp_path / "last.ckpt"), str(tmp_path / "resume.pt"), engine)
     result = torch.load(tmp_path / "resume.pt")
     uninterrupted, resumed = result["metrics"]
     assert [m["rollout/staleness"] for m in uninterrupted] == [0.0, 1.0, 1.0]
