@@ -1,7 +1,8 @@
 """What docs/determinism.md promises on CPU, checked: a run resumed from one of its own mid-run checkpoints (what a
 kill -9 leaves behind: the atomic-checkpoint tests show the last complete one survives any kill) ends with the
 uninterrupted run's weights bit for bit, in sync mode, for SFT and for GRPO (HF engine, seeded rollouts, reward
-workers), and in the rollout modes with state of their own: DAPO refill, multi-turn tools, the Pareto archive, LoRA.
+workers), and in the rollout modes with state of their own: DAPO refill, multi-turn tools, the Pareto archive, LoRA
+(HF engine, and vLLM with adapter sync).
 Real CLI runs of the tiny model. (One-step-off-policy resume: tests/rollout/test_async_rollout.py.)"""
 
 from pathlib import Path
@@ -30,7 +31,27 @@ RUNS = {
     "lora": (["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
               "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
               "--model.lora.r", "4", "--data.batch_size", "2"], "--model.max_rollouts", 3),
+    # LoRA with the colocated vLLM engine and adapter sync (the engine holds base + adapter): in spawned processes
+    "lora-vllm-adapter-sync": (["--config", "recipes/grpo.yaml", "--trainer.limit_val_batches", "0",
+                                "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
+                                "--model.rollout.kv_cache_memory_bytes", str(64 << 20), "--model.lora.r", "4",
+                                "--model.rollout.weight_sync", "adapter", "--data.batch_size", "2"],
+                               "--model.max_rollouts", 3),
 }
+SPAWNED = {"lora-vllm-adapter-sync"}  # one vLLM engine per process: each fit in a fresh one
+
+
+def _fit(task: str, args: list[str]) -> None:
+    if task in SPAWNED:
+        from helpers import run_on_cpu_ranks
+
+        run_on_cpu_ranks(_main_worker, 1, args)
+    else:
+        main(args)
+
+
+def _main_worker(rank: int, args: list[str]) -> None:
+    main(args)
 
 
 @pytest.mark.slow
@@ -39,12 +60,12 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(workdir, task):
     args, length_key, length = RUNS[task]
     Path("every_step.yaml").write_text(EVERY_STEP)
     command = ["fit", *args, "--config", "every_step.yaml", "--trainer.logger.init_args.run_name", task]
-    main([*command, length_key, str(length)])
+    _fit(task, [*command, length_key, str(length)])
     (run,) = [p for p in Path("outputs", task).iterdir() if p.name != "latest"]
     checkpoints = sorted(run.glob("checkpoints/epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
     straight = torch.load(checkpoints[-1], weights_only=False)
     middle = next(c for c in checkpoints if torch.load(c, weights_only=False)["global_step"] < straight["global_step"])
-    main([*command, length_key, str(length), "--ckpt_path", str(middle)])
+    _fit(task, [*command, length_key, str(length), "--ckpt_path", str(middle)])
     newest = max(run.glob("checkpoints/epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
     resumed = torch.load(newest, weights_only=False)
     assert resumed["global_step"] == straight["global_step"] and newest != checkpoints[-1]
