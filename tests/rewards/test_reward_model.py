@@ -58,38 +58,49 @@ def rm_folder(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(rm_folder, tmp_path_factory):
-    """``vllm serve`` of the RM export on a free localhost port (CPU: explicit KV-cache size), stopped at the end with
-    its whole process group (the API server and its engine-core child)."""
-    pytest.importorskip("vllm")
-    port, log_path = free_port(), tmp_path_factory.mktemp("vllm") / "serve.log"
+def start_vllm_serve(rm_folder: str, port: int, log_path) -> subprocess.Popen:
+    """``vllm serve`` of the RM export on localhost `port` (CPU: explicit KV-cache size), once it answers /health."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", rm_folder, "--host",
                "127.0.0.1", "--port", str(port), "--runner", "pooling", "--dtype", "float32", "--max-model-len", "512",
                "--max-num-seqs", "8"]
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not come up (exit {server.returncode}):\n"
-                            + "\n".join(log_path.read_text().splitlines()[-30:]))
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            stop_vllm_serve(server)
+            pytest.fail(f"vllm serve did not come up (exit {server.returncode}):\n"
+                        + "\n".join(open(log_path).read().splitlines()[-30:]))
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return server
+        except OSError:
+            time.sleep(1)
+
+
+def stop_vllm_serve(server: subprocess.Popen) -> None:
+    """Stop the server with its whole process group (the API server and its engine-core child)."""
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(rm_folder, tmp_path_factory):
+    """``vllm serve`` of the RM export on a free localhost port, stopped at the end."""
+    pytest.importorskip("vllm")
+    port = free_port()
+    server = start_vllm_serve(rm_folder, port, tmp_path_factory.mktemp("vllm") / "serve.log")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_vllm_serve(server)
 
 
 class FakeServer:
@@ -348,3 +359,48 @@ def test_connection_failures_are_retried_by_the_transport():
     with pytest.raises(ConfigError, match=r"/v1/models: cannot connect \(.*\) after 3 attempt\(s\)"):
         client.start()
     assert 0.5 <= time.monotonic() - start < 5.0
+
+
+@pytest.mark.slow  # two starts of vllm serve (about a minute each on 2 CPU cores) and a 3-rollout fit
+def test_a_real_vllm_serve_stopped_and_restarted_mid_run_costs_only_the_rollout_it_missed(tmp_path, rm_folder):
+    """A real ``vllm serve`` of the RM export is stopped (its whole process group) before rollout 1 and started again
+    on the same port before rollout 2: under ``on_error: zero`` the run goes on; rollouts 0 and 2 get transformers'
+    scores of their trajectories, rollout 1 gets 0 on each of its 4 and is counted (train/reward_failures 0, 4, 4;
+    rollout/reward_model_failures 2 failed requests of 2 trajectories)."""
+    pytest.importorskip("vllm")
+    port, log = free_port(), tmp_path / "serve.log"
+    servers = [start_vllm_serve(rm_folder, port, log)]
+    metrics, captured = Metrics(), []
+
+    class Outage(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                stop_vllm_serve(servers[-1])
+            elif batch_idx == 2:
+                servers.append(start_vllm_serve(rm_folder, port, log))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            captured.append(batch["rollout"].trajectories)
+
+    env = tmp_path / "env.py"
+    env.write_text(CONSTANT_ENV)
+    reward_model = RewardModelConfig(url=f"http://127.0.0.1:{port}", batch_size=2, concurrency=1, retries=1,
+                                     timeout_s=10.0, on_error="zero")
+    L.seed_everything(0)
+    task = ppo_task(env, max_rollouts=3, rollout={"reward_workers": 0, "responses_per_prompt": 2, "max_new_tokens": 6,
+                                                  "reward_model": reward_model})
+    try:
+        fit(task, prompts(2), -1, [Outage(), metrics])
+    finally:
+        stop_vllm_serve(servers[-1])
+    assert len(servers) == 2 and [len(r) for r in captured] == [4, 4, 4]
+    local = LocalRewardModel(rm_folder)
+    for index, trajectories in enumerate(captured):
+        got = [t.reward_components["reward_model"] for t in trajectories]
+        if index == 1:
+            assert got == [0.0] * 4
+        else:  # float32 kernels of vLLM and transformers differ (measured 2.4e-7, see the parity test)
+            expected = local.score([t.messages for t in trajectories])
+            assert all(abs(g - e) < 1e-5 for g, e in zip(got, expected, strict=True)) and any(got)
+    assert [m["train/reward_failures"] for m in metrics.history] == [0.0, 4.0, 4.0]
+    assert [m.get("rollout/reward_model_failures", 0.0) for m in metrics.history] == [0.0, 2.0, 2.0]
