@@ -296,11 +296,11 @@ def test_sft_dpo_and_grpo_recipes_run_with_lora_from_the_command_line_and_yaml(w
     sft = _latest(workdir, "sft")
     assert _adapter_config(sft)["r"] == 8 and AutoModelForCausalLM.from_pretrained(sft / "export") is not None
 
-    overlay = workdir / "dpo-lora.yaml"  # the run is named after the last --config file
+    overlay = workdir / "dpo-lora.yaml"  # the run folder is named after its config files: dpo+dpo-lora
     overlay.write_text("model:\n  init_args:\n    lora: {r: 4, alpha: 4, target_modules: all-linear}\n")
     main(["fit", "--config", "recipes/dpo.yaml", "--config", str(overlay), "--trainer.max_steps", "2",
           "--data.batch_size", "4", *quiet])
-    config = _adapter_config(_latest(workdir, "dpo-lora"))
+    config = _adapter_config(_latest(workdir, "dpo+dpo-lora"))
     targets = {name.split(".")[-1] for name in config["target_modules"]}  # PEFT writes all-linear out as paths
     assert config["r"] == 4 and config["lora_alpha"] == 4 and targets == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                             "gate_proj", "up_proj", "down_proj"}
