@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch.multiprocessing as mp
 
 
@@ -143,3 +149,36 @@ def parse_cli(args):
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
         save_config_callback=None, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
     )
+
+
+def start_vllm_serve(rm_folder: str, port: int, log_path) -> subprocess.Popen:
+    """``vllm serve`` of the RM export on localhost `port` (CPU: explicit KV-cache size), once it answers /health."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", rm_folder, "--host",
+               "127.0.0.1", "--port", str(port), "--runner", "pooling", "--dtype", "float32", "--max-model-len", "512",
+               "--max-num-seqs", "8"]
+    with open(log_path, "a") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            stop_vllm_serve(server)
+            pytest.fail(f"vllm serve did not come up (exit {server.returncode}):\n"
+                        + "\n".join(open(log_path).read().splitlines()[-30:]))
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return server
+        except OSError:
+            time.sleep(1)
+
+
+def stop_vllm_serve(server: subprocess.Popen) -> None:
+    """Stop the server with its whole process group (the API server and its engine-core child)."""
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()

@@ -4,20 +4,15 @@ combined with ``reward_fn``'s reward; timeouts, HTTP errors and retries follow t
 local HTTP servers."""
 
 import json
-import os
 import pickle
-import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import lightning as L
 import pytest
 from conftest import DEMO_DATA, REPO, TINY_MODEL
-from helpers import Metrics, fit, free_port, ppo_task, prompts
+from helpers import Metrics, fit, free_port, ppo_task, prompts, start_vllm_serve, stop_vllm_serve
 
 from rl_lightning.errors import ConfigError
 from rl_lightning.rewards.reward_model import (
@@ -56,39 +51,6 @@ def rm_folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("rm") / "rm"
     export_hf(module.model, str(TINY_MODEL), path)
     return str(path)
-
-
-def start_vllm_serve(rm_folder: str, port: int, log_path) -> subprocess.Popen:
-    """``vllm serve`` of the RM export on localhost `port` (CPU: explicit KV-cache size), once it answers /health."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", rm_folder, "--host",
-               "127.0.0.1", "--port", str(port), "--runner", "pooling", "--dtype", "float32", "--max-model-len", "512",
-               "--max-num-seqs", "8"]
-    with open(log_path, "a") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while True:
-        if server.poll() is not None or time.monotonic() > deadline:
-            stop_vllm_serve(server)
-            pytest.fail(f"vllm serve did not come up (exit {server.returncode}):\n"
-                        + "\n".join(open(log_path).read().splitlines()[-30:]))
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return server
-        except OSError:
-            time.sleep(1)
-
-
-def stop_vllm_serve(server: subprocess.Popen) -> None:
-    """Stop the server with its whole process group (the API server and its engine-core child)."""
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 @pytest.fixture(scope="session")
