@@ -3,7 +3,9 @@
 One Qwen3-0.6B-shaped model (bf16 FSDP2 mixed precision over one process, as `train.py`'s SFT check), one packed
 micro-batch of 8192 tokens, AdamW; four configurations: none, activations, optimizer state, both. For each: the
 peak of ``torch.cuda.max_memory_allocated`` over the steps, the median step time after one warm-up step, and the
-losses, which must equal the run without offload (the same kernels on the same numbers; 1e-6 relative).
+losses, which must equal the run without offload (the same kernels on the same numbers, deterministic
+algorithms on; 1e-6 relative plus 3x the kernels' own run-to-run difference, measured by a second run without
+offload: on CUDA some bf16 kernels stay non-deterministic under the flag).
 Records: ``offload/<config>/peak_gib`` (target: activations and optimizer offload each below "none"),
 ``offload/<config>/step_s`` with the slowdown against "none" in the detail, ``offload/<config>/loss_gap``.
 
@@ -13,6 +15,8 @@ Records: ``offload/<config>/peak_gib`` (target: activations and optimizer offloa
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +38,7 @@ def run(shape: dict, options: dict, batch: dict, device: torch.device, steps: in
     from rl_lightning.parallel.parallelize import parallelize
     from rl_lightning.parallel.strategy import ParallelStrategy
 
+    gc.collect()  # the optimizer and its offload refer to each other: the last run's state is freed only here
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -63,14 +68,22 @@ def main() -> None:
     parser.add_argument("--results", type=Path, required=True, help="JSONL file the records are appended to")
     parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes (the CI smoke run)")
     args = parser.parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic products
+    torch.use_deterministic_algorithms(True, warn_only=True)  # so a loss gap is the offload's, not kernel noise
     device = setup(args.dry)
     shape, tokens, steps = (DRY_SHAPES["qwen3-0.6b"], 512, 3) if args.dry else (QWEN3_0_6B, 8192, 4)
     batch, _ = packed_batch(shape["vocab_size"], tokens, (64, 1024), seed=3, device=device)
     runs = {name: run(shape, options, batch, device, steps) for name, options in CONFIGS.items()}
     base = runs["none"]
+    repeat = run(shape, {}, batch, device, steps)["losses"]
+    noise = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(repeat, base["losses"], strict=True))
+    record(args.results, "offload/none/repeat_gap", noise, "relative", "report", True,
+           detail="the run without offload again: the kernels' own run-to-run difference")
+    limit = 1e-6 + 3 * noise  # CUDA bf16: some kernels stay non-deterministic under the flag (seen 6e-6 to 1.3e-5)
     for name, result in runs.items():
         gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], base["losses"], strict=True))
-        record(args.results, f"offload/{name}/loss_gap", gap, "relative", "<= 1e-6", gap <= 1e-6)
+        record(args.results, f"offload/{name}/loss_gap", gap, "relative", f"<= {limit:.2g}", gap <= limit,
+               detail="1e-6 + 3 x repeat_gap")
         slowdown = result["seconds"] / base["seconds"]
         record(args.results, f"offload/{name}/step_s", round(result["seconds"], 4), "s", "", True,
                detail=f"{slowdown:.2f}x the step without offload")

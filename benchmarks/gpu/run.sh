@@ -5,6 +5,7 @@
 #   fsdp       FSDP2 bf16 mixed precision vs fp32 loss curves
 #   gather     FSDP2 weight gather for the rollout engine: seconds and peak memory per bucket size
 #   grpo       one GRPO step through the PPO task with the HF engine: seconds, generation share
+#   offload    activation / optimizer-state offload: peak memory, step time, losses (benchmarks/gpu/offload.py)
 # (benchmarks/gpu/train.py's docstring gives each measurement and formula.)
 #
 #   bash benchmarks/gpu/run.sh [--dry] [--wheels DIR] [--out DIR]
@@ -71,12 +72,12 @@ fi
 
 if [ $DRY -eq 1 ]; then
     FLAGS=(--dry)
-    declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120)
+    declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120 [offload]=60)
     echo "rl_lightning GPU checks, DRY run (CPU, tiny shapes); results in $RESULTS"
 else
     FLAGS=()
-    # per-check limits on one H100: 555 s in all, under the 10 minutes a command may take on the lent machines
-    declare -A LIMIT=([attention]=90 [sft]=150 [fsdp]=75 [gather]=60 [grpo]=180)
+    # per-check limits on one H100: 585 s in all, under the 10 minutes a command may take on the lent machines
+    declare -A LIMIT=([attention]=90 [sft]=150 [fsdp]=75 [gather]=60 [grpo]=150 [offload]=60)
     echo "rl_lightning GPU checks; results in $RESULTS"
 fi
 
@@ -105,6 +106,7 @@ fi
 for check in sft fsdp gather grpo; do
     run_check "$check" "$PYTHON" benchmarks/gpu/train.py "$check" "${FLAGS[@]}" --results "$RESULTS"
 done
+run_check offload "$PYTHON" benchmarks/gpu/offload.py "${FLAGS[@]}" --results "$RESULTS"
 
 echo
 "$PYTHON" benchmarks/gpu/table.py "$RESULTS" "${FLAGS[@]}"

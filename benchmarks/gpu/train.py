@@ -5,7 +5,7 @@
 - ``sft``: random-init Qwen3-0.6B- and Qwen2.5-1.5B-shaped models (``rl_varlen`` attention), fp32 masters computed in
   bf16 by the project's FSDP2 wrapping (`parallelize` under ``ParallelStrategy(mixed_precision="bf16")``, one
   process), fp32 AdamW state; one packed micro-batch of 16,384 tokens per step (sequences of 512-4096 tokens, position
-  ids restarting per sequence, loss on the last 3/4 of each); the SFT task's step (`target_logprobs` -> `sft_loss` ->
+  ids restarting per sequence, loss on the last 3/4 of each); the SFT task's step (`target_logprobs`, head chunked -> `sft_loss` ->
   backward -> `clip_grad_norm` 1.0 -> AdamW lr 1e-5); activation checkpointing on and off. Step time: the median of
   6 steps after 2 warm-up steps, CUDA synchronised around each. tokens/s = T / step time. MFU = (6 (N_blocks T +
   N_head K) + 12 L H d sum_i l_i (l_i + 1) / 2) / (step time x peak): N_blocks the decoder blocks' linear weights,
@@ -53,7 +53,7 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         "intermediate_size": 128, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 4096}
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-1.5b": QWEN2_5_1_5B}
 DRY_SHAPES = {"qwen3-0.6b": {**TINY, "model_type": "qwen3"}, "qwen2.5-1.5b": {**TINY, "model_type": "qwen2"}}
-MFU_SHAPE, MFU_TARGET = "qwen2.5-1.5b", 40.0
+MFU_SHAPE, MFU_TARGET, LM_HEAD_CHUNK = "qwen2.5-1.5b", 40.0, 1024  # the last: the SFT/PPO tasks' default lm_head_chunk
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets; the first name contained in the device name wins.
 PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
@@ -138,7 +138,7 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, to
     from rl_lightning.models.loading import target_logprobs
     from rl_lightning.models.optim import clip_grad_norm
 
-    loss, metrics = sft_loss(target_logprobs(model, batch)[0], batch["target_mask"], num_tokens)
+    loss, metrics = sft_loss(target_logprobs(model, batch, chunk_size=LM_HEAD_CHUNK)[0], batch["target_mask"], num_tokens)
     loss.backward()
     grad_norm = clip_grad_norm(model.parameters(), 1.0)
     optimizer.step()

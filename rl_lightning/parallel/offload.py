@@ -109,13 +109,16 @@ def _local(tensor: Any) -> torch.Tensor:
 
 
 def _rewrap(like: Any, local: torch.Tensor) -> Any:
-    """`local` as `like` is: a DTensor with `like`'s mesh, placements and global shape, or the plain tensor."""
+    """`local` as `like` is: a DTensor with `like`'s mesh, placements and global shape, or the plain tensor.
+
+    Built from `like`'s spec, as FSDP2's own CPU offload builds its host shards: ``DTensor.from_local`` would move a
+    host `local` straight back to a CUDA mesh's device, so the state would never leave the GPU (seen on an H200).
+    """
     if not hasattr(like, "to_local"):
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 class OptimizerStateOffload:
