@@ -256,7 +256,8 @@ class ChunkedHead(torch.nn.Module):
         else:
             logprobs, entropy = _module_chunks(head, flat, labels, self.temperature, self.chunk_size, self.entropy)
         columns = [logprobs] if entropy is None else [logprobs, entropy]
-        self.output = torch.stack(columns, -1).view(*self.labels.shape, len(columns))
+        # stacked from (B, K) views, not viewed after stacking: FSDP2 warns about a root output that is a view
+        self.output = torch.stack([c.view(self.labels.shape) for c in columns], -1)
         return self.output
 
 
