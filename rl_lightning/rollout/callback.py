@@ -23,11 +23,12 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.dapo import overlong_penalty
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.memory_phases import phase, release_host_memory
+from rl_lightning.models.memory_phases import release_host_memory
 from rl_lightning.parallel.reductions import data_parallel_sum, root_device
 from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
-from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
+from rl_lightning.rollout.config import RolloutConfig
 from rl_lightning.rollout.engine import SamplingParams
+from rl_lightning.rollout.engine_setup import build_vllm_engine, engine_process_placement, prepare_engine
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.lockstep import Lockstep
 from rl_lightning.rollout.pareto_archive import ParetoArchive
@@ -35,7 +36,7 @@ from rl_lightning.rollout.refill import data_parallel_ranks, refill
 from rl_lightning.rollout.replay import ReplayDump, run_manifest
 from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
-from rl_lightning.rollout.weights import WeightSync, named_weights
+from rl_lightning.rollout.weights import WeightSync
 
 __all__ = ["PolicyTask", "RolloutCallback", "RolloutConfig"]
 
@@ -94,13 +95,7 @@ class RolloutCallback(L.Callback):
             self.replay = ReplayDump.start(trainer, _task(pl_module), c)
         if c.engine != "vllm_process" or stage != "fit" or c.replay is not None:
             return
-        if trainer.world_size > 1:
-            raise ConfigError(f"model.rollout.engine=vllm_process serves one training process for now (got "
-                              f"{trainer.world_size}): use engine: vllm (one colocated engine per rank)")
-        device_type = trainer.strategy.root_device.type
-        count = torch.cuda.device_count() if device_type == "cuda" else 0
-        self.engine_devices = engine_process_devices(c.engine_devices, device_type, count, trainer.device_ids,
-                                                     c.engine_tp_size)
+        self.engine_devices = engine_process_placement(c, trainer)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -122,7 +117,7 @@ class RolloutCallback(L.Callback):
             self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
-            self.engine = self._vllm_engine(trainer, task)
+            self.engine, self.adapter_sync = build_vllm_engine(c, trainer, task, self.engine_devices)
         # a fresh fit always pushes its weights first (in adapter mode: the adapter; the engine keeps the base)
         self.weight_sync = WeightSync(c.weight_bucket_mb << 20, adapter=self.adapter_sync)
 
@@ -148,52 +143,8 @@ class RolloutCallback(L.Callback):
         """A failed fit tears down as a finished one does."""
         self.teardown(trainer, pl_module, "fit")
 
-    def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
-        from rl_lightning.rollout.vllm import VLLMEngine, adapter_sync_rank, check_engine
-
-        c = self.config
-        device_type = trainer.strategy.root_device.type
-        check_engine(task.model.config, c.engine_tp_size, trainer.world_size, device_type)
-        named_weights(task.model)  # fails now on a weight no engine could hold (a LoRA-trained tied head)
-        if c.engine == "vllm_process":  # full weights over its own group (adapter sync is refused at start-up)
-            from rl_lightning.rollout.engine_restart import RestartingEngine
-
-            self.adapter_sync = False
-            return RestartingEngine(c.engine_restarts, devices=self.engine_devices, timeout_s=c.engine_timeout_s,
-                                    model_path=task.model_name, tensor_parallel_size=c.engine_tp_size,
-                                    max_model_len=self._max_model_len(trainer, task), device_type=device_type,
-                                    gpu_memory_utilization=c.gpu_memory_utilization,
-                                    kv_cache_memory_bytes=c.kv_cache_memory_bytes)
-        lora_rank = adapter_sync_rank(task.model, c.weight_sync, device_type)
-        self.adapter_sync = lora_rank is not None
-        return VLLMEngine(task.model_name, c.engine_tp_size, self._max_model_len(trainer, task),
-                          device_type, c.gpu_memory_utilization, c.kv_cache_memory_bytes, lora_rank=lora_rank,
-                          rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size)
-
-    def _max_model_len(self, trainer: L.Trainer, task: PolicyTask) -> int:
-        c = self.config
-        if c.max_model_len is not None:
-            return c.max_model_len
-        limit: int | None = getattr(task.model.config, "max_position_embeddings", None)
-        prompt: int | None = getattr(_datamodule(trainer), "hparams", {}).get("max_prompt_length")
-        if prompt is None or (c.max_turns > 1 and limit is not None):  # tool messages take room too
-            if limit is None:
-                raise ConfigError("model.rollout.max_model_len must be set: the model config has no "
-                                  "max_position_embeddings and the data module no max_prompt_length")
-            return limit
-        needed = prompt + c.max_completion_tokens
-        return needed if limit is None else min(needed, limit)
-
     def _prepare_engine(self, trainer: L.Trainer, task: PolicyTask) -> None:
-        """Push the policy's weights into the engine, then wake it.
-
-        The push is skipped when no optimizer step happened since the last one (and with the HF engine, which
-        samples from the policy itself).
-        """
-        with phase("rollout/weight_sync"):
-            if self.weight_sync is not None:
-                self.weight_sync(self.engine, task.model, trainer.global_step)
-            self.engine.wake()
+        prepare_engine(self.engine, self.weight_sync, task.model, trainer.global_step)
 
     # --------------------------------------------------------------------------------------------- training
 
