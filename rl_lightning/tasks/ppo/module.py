@@ -2,7 +2,8 @@
 
 `PPO.training_step` reads as the algorithm (see `rl_lightning.tasks.ppo`); the phases are in this package's
 modules: `minibatches` (packing), `scoring` (log-probabilities, values, advantages), `update` (optimizer steps and
-the out-of-memory back-off), `objective` (the losses), `metrics` (what is logged), `config` (the argument groups).
+the out-of-memory back-off), `objective` (the losses), `metrics` (what is logged), `config` (the argument groups),
+`networks` (loading and sharding the models), `validation` (the held-out rewards).
 """
 
 from __future__ import annotations
@@ -15,26 +16,18 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS, OFF_POLICY_ESTIMATORS
+from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import (
-    check_lm_head_chunk,
-    load_causal_lm,
-    load_reward_model,
-    load_tokenizer,
-    target_logprobs,
-)
-from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
+from rl_lightning.models.loading import check_lm_head_chunk, load_tokenizer, target_logprobs
+from rl_lightning.models.lora import LoRAConfig
 from rl_lightning.models.memory import initial_budget
 from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, typed
-from rl_lightning.parallel.parallelize import parallelize_for
-from rl_lightning.parallel.strategy import ParallelStrategy
-from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
+from rl_lightning.rollout.inflight import RolloutConfig, rollout_callback
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.ppo import distill as distillation
-from rl_lightning.tasks.ppo import metrics, minibatches, scoring, update
+from rl_lightning.tasks.ppo import metrics, minibatches, networks, scoring, update, validation
 from rl_lightning.tasks.ppo.config import (
     ConstraintConfig,
     CorrectionConfig,
@@ -186,9 +179,8 @@ class PPO(SkippedStepsState, L.LightningModule):
         self.rollouts = 0  # completed rollouts
         self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
         self.controllers = make_controllers(kl, constraints, max_rollouts)
-        self.rollout_callback = RolloutCallback(rollout)
-        self._val_sums: dict[int, torch.Tensor] | None = None  # per validation dataloader
-        self._val_names: list[str] = []
+        self.rollout_callback = rollout_callback(rollout)
+        self.held_out = validation.HeldOutSums()  # this rank's reward sums of the held-out prompts
         self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
 
     @property
@@ -219,28 +211,7 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        hp = self.hparams
-        if self.model is None:
-            self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
-                                        gradient_checkpointing=hp.gradient_checkpointing,
-                                        lean_activations=hp.lean_activations)
-            if hp.lora is not None:
-                self.model = apply_lora(self.model, lora_config(hp.lora))
-        self.model = parallelize_for(self, self.model)
-        if hp.advantage_estimator in CRITIC_ESTIMATORS:
-            if self.critic is None:
-                self.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
-                                                gradient_checkpointing=hp.gradient_checkpointing,
-                                                lean_activations=hp.lean_activations)
-            self.critic = parallelize_for(self, self.critic)
-        if hp.lora is not None and self.needs_reference:  # the base model: the policy with its adapters disabled
-            object.__setattr__(self, "_reference", AdaptersDisabled(self.model))
-        if self._reference is None and self.needs_reference:
-            reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
-            object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
-                                                                   trainable=False))
-        if self._teacher is None and self.distill is not None:
-            object.__setattr__(self, "_teacher", distillation.load_teacher(self, self.distill))
+        networks.configure(self)  # the policy (LoRA), critic, reference, teacher: loaded once, sharded
 
     def run_rollouts(self) -> int:
         """Rollouts this run takes: `max_rollouts`, or fewer when the trainer's epochs of prompts end first."""
@@ -264,12 +235,7 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        strategy = self.trainer.strategy
-        if isinstance(strategy, ParallelStrategy) and strategy.cpu_offload:
-            return  # FSDP2 keeps the offloaded reference's shards on the CPU and streams them in
-        for frozen in (self._reference, self._teacher):
-            if frozen is not None:
-                frozen.to(self.device)
+        networks.place_frozen(self)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -371,29 +337,12 @@ class PPO(SkippedStepsState, L.LightningModule):
 
         One record per held-out set (``data.val_paths``: one dataloader each).
         """
-        rollout: Rollout = batch["rollout"]
-        self._val_names = rollout.reward_names
-        if self._val_sums is None:
-            self._val_sums = {}
-        self._val_sums[dataloader_idx] = self._val_sums.get(dataloader_idx, 0) + metrics.validation_record(rollout)
+        self.held_out.add(batch["rollout"], dataloader_idx)
 
     @override
     def on_validation_epoch_end(self) -> None:
         """Log ``val/reward``, ``val/completion_length`` and ``val/reward/<component>`` (and per named set).
 
-        Means over every held-out trajectory (of all sets together: a set weighs by its trajectories); with named
-        sets also ``val/<name>/...``, the same means over that set's trajectories.
+        See `rl_lightning.tasks.ppo.validation.HeldOutSums.log_means`.
         """
-        sums, self._val_sums = self._val_sums, None
-        if sums is None:
-            return
-        # "": the single data.val_path; dataloaders given without the prompts DataModule are named by their index
-        set_names = getattr(self.trainer.datamodule, "val_names", None) or (
-            [""] if max(sums) == 0 else [str(i) for i in range(max(sums) + 1)])
-        means = metrics.validation_means(self.trainer, sums, self._val_names, set_names, self.device)
-        self.validation_metrics = {k: float(v) for k, v in means.items()}  # the terminal's, sanity check included
-        if self.trainer.sanity_checking:  # Lightning drops sanity-check logs; keep the untrained policy's score
-            for logger in self.trainer.loggers:
-                logger.log_metrics({k: float(v) for k, v in means.items()}, step=0)
-        else:
-            self.log_dict(means)
+        self.held_out.log_means(self)
