@@ -79,45 +79,59 @@ def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
 
 
 class ThreadGenerator:
-    """Colocated generation: at most one rollout at a time on a background thread of the training process."""
+    """Colocated generation: rollouts on background threads of the training process, taken in submission order.
 
-    def __init__(self) -> None:
+    Args:
+        max_pending: rollouts generating at once (1; 2 with in-flight weight updates, where rollout k+1 is submitted
+            while rollout k finishes, both on one engine: `rl_lightning.rollout.inflight`).
+    """
+
+    def __init__(self, max_pending: int = 1) -> None:
+        self.max_pending = max_pending
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: tuple[Hashable, int, Future] | None = None
+        self._queue: list[tuple[Hashable, int, Future]] = []  # (key, version, future), oldest first
 
     @property
     def pending(self) -> bool:
         """Whether a submitted rollout has not been taken yet."""
-        return self._pending is not None
+        return bool(self._queue)
+
+    @property
+    def _pending(self) -> tuple[Hashable, int, Future] | None:
+        """The oldest pending rollout (the one a checkpoint holds), or None."""
+        return self._queue[0] if self._queue else None
+
+    def submitted(self, key: Hashable) -> bool:
+        """Whether the oldest pending rollout was submitted under `key`."""
+        return bool(self._queue) and self._queue[0][0] == key
 
     def submit(self, key: Hashable, version: int, work: Callable[[], Any]) -> None:
-        """Run `work` on the background thread for batch `key`, policy `version`; one pending rollout at most."""
-        if self._pending is not None:
-            raise RuntimeError("ThreadGenerator.submit: a rollout is still pending; take it first")
+        """Run `work` on a background thread for batch `key`, policy `version`; `max_pending` rollouts at most."""
+        if len(self._queue) >= self.max_pending:
+            raise RuntimeError(f"ThreadGenerator.submit: {len(self._queue)} rollout(s) still pending; take one first")
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="rl_lightning-rollout")
-        self._pending = (key, version, self._executor.submit(_timed, work))
+            self._executor = ThreadPoolExecutor(self.max_pending, thread_name_prefix="rl_lightning-rollout")
+        self._queue.append((key, version, self._executor.submit(_timed, work)))
 
     def take(self, key: Hashable) -> Finished | None:
-        """Wait for the pending rollout; returns it if submitted under `key`, else drops it (None; also if none)."""
-        if self._pending is None:
+        """Wait for the oldest pending rollout; returns it if submitted under `key`, else drops it (None; also if none)."""
+        if not self._queue:
             return None
-        submitted, version, future = self._pending
-        self._pending = None
+        submitted, version, future = self._queue.pop(0)
         start = time.perf_counter()
         value, seconds = future.result()  # a failed generation raises here, in the training thread
         waited = time.perf_counter() - start
         return Finished(value, version, waited, seconds) if submitted == key else None
 
     def idle(self) -> None:
-        """Wait until the pending generation (if any) has finished with the engine."""
-        if self._pending is not None:
-            wait_for([self._pending[2]])
+        """Wait until the pending generations (if any) have finished with the engine."""
+        if self._queue:
+            wait_for([future for _, _, future in self._queue])
 
     def close(self) -> None:
-        """Wait for and drop any pending rollout; shut the background thread down."""
+        """Wait for and drop any pending rollout; shut the background threads down."""
         self.idle()  # the generation may still use the engine and the reward workers
-        self._pending = None
+        self._queue = []
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -145,8 +159,11 @@ def pending_state(generator: ThreadGenerator) -> list[dict[str, Any] | None]:
     """Every rank's pending rollout ``(trajectories, metrics)`` as plain data (None: none), indexed by global rank.
 
     Waits for this rank's generation to finish; the rollout stays pending. A collective when several processes run:
-    Lightning builds the checkpoint on every rank.
+    Lightning builds the checkpoint on every rank. Between training batches at most one rollout is pending (with
+    in-flight updates the second one is only submitted at a batch's start).
     """
+    if len(generator._queue) > 1:
+        raise RuntimeError("pending_state: a checkpoint holds one pending rollout; save between training batches")
     pending = generator._pending
     mine = None
     if pending is not None:
@@ -172,7 +189,7 @@ def restore_pending(generator: ThreadGenerator, states: list[dict[str, Any] | No
         return
     future: Future = Future()
     future.set_result((_decode(state), state["generate_s"]))
-    generator._pending = (tuple(state["key"]), state["version"], future)
+    generator._queue = [(tuple(state["key"]), state["version"], future)]
 
 
 def async_errors(config: Any) -> list[str]:
@@ -186,6 +203,12 @@ def async_errors(config: Any) -> list[str]:
         # trained, and the ranks of a tensor-parallel engine pool their prompts with all_gather_object
         return [f"async_steps=1 needs engine: vllm (or vllm_process) with engine_tp_size: 1 (got engine '{c.engine}', engine_tp_size "
                 f"{c.engine_tp_size}); set them, or async_steps: 0"]
+    segment = getattr(c, "inflight_segment_tokens", None)
+    if segment is not None and (segment < 1 or not c.async_steps or c.engine != "vllm" or c.replay is not None):
+        # the segments are generated through the colocated engine's vllm.LLM, between the trainer's weight pushes
+        return [f"inflight_segment_tokens={segment} needs async_steps: 1, engine: vllm and no replay, and must be >= 1 "
+                f"(got async_steps {c.async_steps}, engine '{c.engine}', replay {c.replay}); set them, or "
+                "inflight_segment_tokens: null"]
     return []
 
 

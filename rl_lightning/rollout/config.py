@@ -103,6 +103,9 @@ class RolloutConfig:
             one update older (``vllm`` with ``engine_tp_size: 1``; the engine stays awake, so on GPU it keeps its
             memory while the trainer trains; pair it with the task's mismatch correction, ``model.correction``; see
             `rl_lightning.rollout.async_rollout`).
+        inflight_segment_tokens: ``async_steps: 1`` with ``engine: vllm``: in-flight weight updates (partial rollouts):
+            generation runs in segments of this many tokens, new weights load between segments while long completions
+            continue, each token records its policy version (`rl_lightning.rollout.inflight`); null: off.
         replay: a rollout dump's folder (``callbacks.rollout_dump.RolloutDump``): train on its rollouts instead of
             sampling and scoring (no engine is built, no reward function runs; the engine settings are ignored): the
             same seed on the same device makes the dumped run's updates bit for bit (see
@@ -148,6 +151,7 @@ class RolloutConfig:
     val_responses_per_prompt: int = 1
     reward_model: RewardModelConfig | None = None
     async_steps: int = 0
+    inflight_segment_tokens: int | None = None
     replay: str | None = None
 
     def __post_init__(self) -> None:

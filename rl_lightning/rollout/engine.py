@@ -44,13 +44,15 @@ class SamplingParams:
 class Completion:
     """One sampled completion.
 
-    Its token ids, the engine's log-probability of each (None if not provided) and whether it ended with a stop token
-    (False: truncated at `max_new_tokens`).
+    Its token ids, the engine's log-probability of each (None if not provided), whether it ended with a stop token
+    (False: truncated at `max_new_tokens`) and, from an engine updated in flight, the policy version that sampled
+    each token (`rl_lightning.rollout.inflight`; None: one version, the engine's weights of the whole call).
     """
 
     token_ids: list[int]
     logprobs: list[float] | None
     finished: bool
+    versions: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

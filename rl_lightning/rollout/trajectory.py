@@ -25,7 +25,10 @@ class Trajectory:
     """One sampled conversation.
 
     Its tokens, which were generated (`completion_mask`), the engine's log-probabilities of the generated tokens (0
-    elsewhere), the decoded conversation and its reward.
+    elsewhere), the decoded conversation and its reward. With in-flight weight updates
+    (`rl_lightning.rollout.inflight`) also the policy version that sampled each token (`policy_versions`, -1 on
+    tokens not generated) and the version of the policy the trainer updates with it (`trained_version`, set when
+    the rollout is handed over): each token's lag between the two rides along into the loss (``policy_lags``).
     """
 
     prompt: Prompt
@@ -37,6 +40,8 @@ class Trajectory:
     turns: int = 1
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
+    policy_versions: list[int] | None = None
+    trained_version: int | None = None
 
     @property
     def completion_length(self) -> int:
@@ -45,6 +50,10 @@ class Trajectory:
 
     def example(self, **values: list[float]) -> TokenizedExample:
         """As a packing unit: targets are the generated tokens; per-token `values` (e.g. advantages) ride along."""
+        if self.policy_versions is not None and self.trained_version is not None:
+            values = {"policy_lags": [float(self.trained_version - v) if m else 0.0
+                                      for v, m in zip(self.policy_versions, self.completion_mask, strict=True)],
+                      **values}
         return TokenizedExample(self.input_ids, self.completion_mask, values={"engine_logprobs": self.engine_logprobs,
                                                                               **values})
 
@@ -77,10 +86,11 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> st
 def _start(prompt: Prompt, completion: Completion, tokenizer: Any) -> Trajectory:
     logprobs = completion.logprobs or [0.0] * len(completion.token_ids)
     text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    versions = None if completion.versions is None else [-1] * len(prompt.prompt_ids) + list(completion.versions)
     return Trajectory(
         prompt, prompt.prompt_ids + completion.token_ids, [0] * len(prompt.prompt_ids) + [1] * len(completion.token_ids),
         [0.0] * len(prompt.prompt_ids) + list(logprobs), prompt.messages + [{"role": "assistant", "content": text}],
-        completion.finished,
+        completion.finished, policy_versions=versions,
     )
 
 
@@ -143,6 +153,8 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.input_ids += context
             t.completion_mask += [0] * len(context)
             t.engine_logprobs += [0.0] * len(context)
+            if t.policy_versions is not None:
+                t.policy_versions += [-1] * len(context)
             t.messages = t.messages + tool_messages[i]
         seeded = replace(params, n=1, seed=None, seeds=_continuation_seeds(params, active, turn))
         with phase("rollout/generate"):
@@ -152,6 +164,8 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             t.input_ids += completion.token_ids
             t.completion_mask += [1] * len(completion.token_ids)
             t.engine_logprobs += completion.logprobs or [0.0] * len(completion.token_ids)
+            if t.policy_versions is not None and completion.versions is not None:
+                t.policy_versions += completion.versions
             text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             t.messages = t.messages + [{"role": "assistant", "content": text}]
             t.finished, t.turns = completion.finished, turn + 1

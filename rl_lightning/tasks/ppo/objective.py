@@ -29,6 +29,7 @@ from rl_lightning.algorithms.policy import (
     skip_weights,
     token_mean,
 )
+from rl_lightning.algorithms.staleness import lag_shares, versioned_mismatch_weights
 from rl_lightning.parallel.reductions import sequence_sums
 from rl_lightning.tasks.ppo.config import CorrectionConfig
 from rl_lightning.tasks.ppo.minibatches import MicroBatch
@@ -105,6 +106,8 @@ class PolicyObjective:
             metrics["distill_reverse_kl"] = mb["old_logprobs"] - mb["teacher_logprobs"]
         metrics["engine_logprob_diff"] = (mb["old_logprobs"] - mb["target_engine_logprobs"]).abs()
         metrics["mismatch_kl"] = mismatch_kl(mb["old_logprobs"], mb["target_engine_logprobs"])
+        if "target_policy_lags" in mb:  # in-flight weight updates: each token's versions behind the trained policy
+            metrics.update(lag_shares(mb["target_policy_lags"]))
         if self.skip_threshold is not None:  # skipped trajectories keep their share of the normaliser: weight 0
             loss, metrics["skipped"] = self.skip(self.skip_threshold, loss, log_ratio, mask, mb)
         if self.aggregation == "sequence_mean":  # each completion's token mean, summed over completions
@@ -153,6 +156,9 @@ class PolicyObjective:
         """
         c = correction
         log_ratio = (mb["old_logprobs"] - mb["target_engine_logprobs"]).float()  # log pi_old / pi_engine
+        if c.level == "token" and "target_policy_lags" in mb:  # tokens of several versions (in-flight updates)
+            return versioned_mismatch_weights(mb["old_logprobs"], mb["target_engine_logprobs"],
+                                              mb["target_policy_lags"] * mask, c.mode, c.low, c.high)
         if c.level == "token":
             return mismatch_weights(log_ratio, c.mode, c.low, c.high)
         counts = sequence_sums(mask, mask, mb)  # (S,) whole trajectories, over context-parallel shards
