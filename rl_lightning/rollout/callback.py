@@ -89,7 +89,7 @@ class RolloutCallback(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Start-up checks of ``engine: vllm_process`` (before any model loads): one training process, GPUs of its own."""
+        """Start-up checks of ``engine: vllm_process`` (before any model loads): GPUs of its own, a layout it serves."""
         c = self.config
         if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
             self.replay = ReplayDump.start(trainer, _task(pl_module), c)
@@ -117,7 +117,9 @@ class RolloutCallback(L.Callback):
             self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
-            self.engine, self.adapter_sync = build_vllm_engine(c, trainer, task, self.engine_devices)
+            self.engine = self._vllm_engine(trainer, task)
+        if c.engine == "vllm_process" and trainer.world_size > 1:  # one shared engine: every rank generates as often
+            self.lockstep = Lockstep(torch.device("cpu"), task.tokenizer.pad_token_id, group=self.engine.group)
         # a fresh fit always pushes its weights first (in adapter mode: the adapter; the engine keeps the base)
         self.weight_sync = WeightSync(c.weight_bucket_mb << 20, adapter=self.adapter_sync)
 
@@ -142,6 +144,11 @@ class RolloutCallback(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A failed fit tears down as a finished one does."""
         self.teardown(trainer, pl_module, "fit")
+
+    def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
+        """The vLLM engine (`build_vllm_engine`); a subclass may wrap it."""
+        engine, self.adapter_sync = build_vllm_engine(self.config, trainer, task, self.engine_devices)
+        return engine
 
     def _prepare_engine(self, trainer: L.Trainer, task: PolicyTask) -> None:
         prepare_engine(self.engine, self.weight_sync, task.model, trainer.global_step)

@@ -27,12 +27,14 @@ process is gone (`EngineProcessLost`): the rollout callback wraps the engine in
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
 DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_BUCKET_BYTES = 512 << 20
 POLL_S = 0.2  # how often a wait checks that the child still lives
 JOINED = "rl_lightning-engine-joined"  # the child's key in the store: it is joining the weights group
 TIMEOUT_KEY = "model.rollout.engine_timeout_s"
@@ -99,6 +102,22 @@ def _group(store: Any, rank: int, timeout_s: float) -> Any:
     return dist.ProcessGroupGloo(dist.PrefixStore("rl_lightning-weights", store), rank, 2, timedelta(seconds=timeout_s))
 
 
+def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`named_tensors` as contiguous host tensors of `dtype`, grouped into buckets of about `bucket_bytes`."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        host = tensor.detach().to("cpu", dtype).contiguous()
+        if bucket and size + host.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, host))
+        size += host.nbytes
+    if bucket:
+        yield bucket
+
+
 def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
@@ -129,6 +148,11 @@ def _serve(connection: Any, port: int, engine_kwargs: dict[str, Any], timeout_s:
         raise
 
 
+def held_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s parameters by name (vLLM's layout: fused ``qkv_proj``, ``gate_up_proj``)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def _answer(connection: Any, group: Any, engine: Any) -> None:
     """Answer the trainer's commands until ``close``."""
     while True:
@@ -139,14 +163,33 @@ def _answer(connection: Any, group: Any, engine: Any) -> None:
             return
         if command == "generate":
             connection.send(("completions", engine.generate(*payload)))
-        elif command == "weights":  # [(name, shape, dtype)], then one broadcast per tensor, in that order
-            tensors = []
-            for name, shape, dtype in payload:
-                tensor = torch.empty(shape, dtype=dtype)
-                group.broadcast(tensor, 0).wait()
-                tensors.append((name, tensor))
-            engine.update_weights(tensors)
-            connection.send(("loaded", len(tensors)))
+        elif command == "held":
+            connection.send(("held", engine.llm.apply_model(held_weights)[0]))
+        elif command == "weights":  # then ("bucket", [(name, shape, dtype)]) + one broadcast each, then ("end", n)
+            received = _received(connection, group)
+            engine.update_weights(received)
+            for _ in received:  # what vLLM left unread still arrives (the trainer sends it all)
+                pass
+            connection.send(("loaded", None))
+
+
+def _received(connection: Any, group: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one weight push, a bucket at a time.
+
+    A bucket's names, shapes and dtypes come by pipe, its data in one flat byte broadcast; each tensor is a view of
+    that buffer (one bucket alive, plus whatever vLLM keeps until a layer is complete).
+    """
+    while True:
+        kind, payload = connection.recv()
+        if kind == "end":
+            return
+        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in payload]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        group.broadcast(flat, 0).wait()
+        offset = 0
+        for (name, shape, dtype), size in zip(payload, sizes, strict=True):
+            yield name, flat[offset : offset + size].view(dtype).reshape(shape)
+            offset += size
 
 
 class EngineProcess:
@@ -157,13 +200,14 @@ class EngineProcess:
             ``CUDA_VISIBLE_DEVICES``); None: the child inherits this process's devices (CPU).
         timeout_s: the longest wait for any answer of the engine process (its start, a generate, a weight load,
             its close) before it is stopped and `EngineProcessError` raised.
+        bucket_bytes: a weight push goes in broadcasts of about this many bytes (a larger tensor goes alone).
         **engine_kwargs: passed to `VLLMEngine` in the child (rank, local_rank, world_size and sleep_mode are set
             there).
     """
 
     def __init__(self, *, devices: Sequence[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 **engine_kwargs: Any) -> None:
-        self.timeout_s = timeout_s
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs: Any) -> None:
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         port = _free_port()
         context = mp.get_context("spawn")
         self.connection, child = context.Pipe()
@@ -265,17 +309,32 @@ class EngineProcess:
         return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Full tensors by Hugging Face name: the names, shapes and dtypes over the pipe, the data broadcast."""
-        tensors = [(name, tensor.detach().to("cpu", self.dtype).contiguous()) for name, tensor in named_tensors]
-        self._send(("weights", [(name, tuple(t.shape), t.dtype) for name, t in tensors]), "receive weights")
+        """Full tensors by Hugging Face name, streamed bucket by bucket (`bucket_bytes`).
 
-        def broadcast() -> None:
-            for _, tensor in tensors:
-                self.group.broadcast(tensor, 0).wait()
-
-        self._guarded("receive the weights broadcast", broadcast)
+        A bucket's names, shapes and dtypes go over the pipe, its data in one flat broadcast; the next bucket is
+        taken from `named_tensors` (gathered, when it is a `rl_lightning.rollout.weights.stream_weights` stream)
+        only once this one was sent, so the trainer holds one bucket, never the whole model.
+        """
+        self._send(("weights", None), "receive weights")
+        count = 0
+        for bucket in _buckets(named_tensors, self.bucket_bytes, self.dtype):
+            self._send(("bucket", [(name, tuple(t.shape), t.dtype) for name, t in bucket]), "receive weights")
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])  # one dtype: aligned views
+            self._guarded("receive the weights broadcast", partial(self._broadcast, flat))
+            count += len(bucket)
+            del bucket, flat
+        self._send(("end", count), "receive weights")
         self._receive("loaded", "load the broadcast weights")
         self.needs_weights = False
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """The weights the engine holds now, by vLLM's parameter names (`held_weights`): for tests and debugging."""
+        self._send(("held", None), "send its weights")
+        weights: dict[str, torch.Tensor] = self._receive("held", "send its weights")
+        return weights
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        self.group.broadcast(flat, 0).wait()
 
     def wake(self) -> None:
         """The engine owns its device and never sleeps: nothing to wake."""

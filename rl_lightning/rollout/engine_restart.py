@@ -80,20 +80,28 @@ class RestartingEngine:
             self.busy = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push full tensors by name, keeping a host copy of each for a restart (none with ``restarts`` 0)."""
-        if self.max_restarts == 0:  # no restart to feed: no copy kept
-            self._retried(lambda: self.engine.update_weights(named_tensors))
-            return
+        """Push full tensors by name as they come, each kept as a host copy for a restart (none with ``restarts`` 0).
 
+        Lost mid-push, the rest of `named_tensors` is still taken (on several trainer ranks each tensor is gathered
+        by all of them), then a fresh engine process gets the kept copies.
+        """
         def kept(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in stream:
-                # a copy: on CPU the trainer's tensor is the parameter itself, which the optimizer changes in place
-                self._weights[name] = copy = tensor.detach().to("cpu", self.dtype, copy=True)
-                yield name, copy
+                if self.max_restarts:
+                    # a copy: on CPU the trainer's tensor is the parameter itself, which the optimizer changes in place
+                    tensor = self._weights[name] = tensor.detach().to("cpu", self.dtype, copy=True)
+                yield name, tensor
 
         self._weights = {}  # the last push's copies go first: at most one copy of the model on the host
-        tensors = list(kept(named_tensors))  # staged once: a retried push sends the same tensors
-        self._retried(lambda: self.engine.update_weights(tensors))
+        stream = kept(named_tensors)
+        try:
+            self.engine.update_weights(stream)
+            return
+        except EngineProcessLost as lost:
+            for _ in stream:  # the rest of the push, kept for the fresh process
+                pass
+            self._count(lost)
+        self._retried(lambda: None, fresh=True)
 
     def wake(self) -> None:
         """The engine process never sleeps."""
@@ -105,12 +113,11 @@ class RestartingEngine:
         """Close the engine process."""
         self.engine.shutdown()
 
-    def _retried(self, call: Callable[[], Result]) -> Result:
+    def _retried(self, call: Callable[[], Result], fresh: bool = False) -> Result:
         """`call()`, again on a fresh engine process (given the kept weights) each time the current one is lost.
 
-        A fresh process lost in its start or its weight push counts as one more loss.
+        A fresh process lost in its start or its weight push counts as one more loss. `fresh`: start one first.
         """
-        fresh = False
         while True:
             try:
                 if fresh:

@@ -20,7 +20,10 @@ from rl_lightning.rollout.weights import WeightSync, named_weights
 
 
 def engine_process_placement(config: RolloutConfig, trainer: L.Trainer) -> list[int] | None:
-    """Start-up checks of ``engine: vllm_process`` (before any model loads): one training process, GPUs of its own.
+    """Start-up checks of ``engine: vllm_process`` (before any model loads): GPUs of its own, a layout it can serve.
+
+    Several trainer ranks share the one engine process global rank 0 starts (`rl_lightning.rollout.shared_engine`):
+    its GPUs are checked against rank 0's node.
 
     Returns:
         The engine process's GPUs (None off CUDA).
@@ -28,12 +31,15 @@ def engine_process_placement(config: RolloutConfig, trainer: L.Trainer) -> list[
     Raises:
         ConfigError: one line naming the key, its value and the fix.
     """
-    if trainer.world_size > 1:
-        raise ConfigError(f"model.rollout.engine=vllm_process serves one training process for now (got "
-                          f"{trainer.world_size}): use engine: vllm (one colocated engine per rank)")
+    c = config
+    if trainer.world_size > 1 and c.async_steps and c.filter_range is not None:
+        raise ConfigError(f"model.rollout.filter_range={c.filter_range} with async_steps: 1 refills each rank on its "
+                          f"own, but the {trainer.world_size} trainer ranks share one engine process (engine: "
+                          "vllm_process), which needs them to generate equally often: set async_steps: 0, "
+                          "filter_range: null, or engine: vllm")
     device_type = trainer.strategy.root_device.type
     count = torch.cuda.device_count() if device_type == "cuda" else 0
-    return engine_process_devices(config.engine_devices, device_type, count, trainer.device_ids, config.engine_tp_size)
+    return engine_process_devices(c.engine_devices, device_type, count, trainer.device_ids, c.engine_tp_size)
 
 
 def build_vllm_engine(config: RolloutConfig, trainer: L.Trainer, task: Any, engine_devices: list[int] | None
@@ -57,17 +63,30 @@ def build_vllm_engine(config: RolloutConfig, trainer: L.Trainer, task: Any, engi
     named_weights(task.model)  # fails now on a weight no engine could hold (a LoRA-trained tied head)
     length = max_model_len(c, task.model.config, getattr(trainer, "datamodule", None))
     if c.engine == "vllm_process":  # full weights over its own group (adapter sync is refused at start-up)
-        from rl_lightning.rollout.engine_restart import RestartingEngine
-
-        return RestartingEngine(c.engine_restarts, devices=engine_devices, timeout_s=c.engine_timeout_s,
-                                model_path=task.model_name, tensor_parallel_size=c.engine_tp_size,
-                                max_model_len=length, device_type=device_type,
-                                gpu_memory_utilization=c.gpu_memory_utilization,
-                                kv_cache_memory_bytes=c.kv_cache_memory_bytes), False
+        return _engine_process(c, trainer, task.model_name, length, engine_devices), False
     lora_rank = adapter_sync_rank(task.model, c.weight_sync, device_type)
     return VLLMEngine(task.model_name, c.engine_tp_size, length, device_type, c.gpu_memory_utilization,
                       c.kv_cache_memory_bytes, lora_rank=lora_rank, rank=trainer.global_rank,
                       local_rank=trainer.local_rank, world_size=trainer.world_size), lora_rank is not None
+
+
+def _engine_process(config: RolloutConfig, trainer: L.Trainer, model_path: str, length: int,
+                    devices: list[int] | None) -> Any:
+    """The engine process; with several trainer ranks, rank 0's, shared by all (`start_shared_engine`)."""
+    from rl_lightning.rollout.engine_restart import RestartingEngine
+
+    c = config
+    kwargs = dict(devices=devices, timeout_s=c.engine_timeout_s, bucket_bytes=c.weight_bucket_mb << 20,
+                  model_path=model_path, tensor_parallel_size=c.engine_tp_size, max_model_len=length,
+                  device_type=trainer.strategy.root_device.type, gpu_memory_utilization=c.gpu_memory_utilization,
+                  kv_cache_memory_bytes=c.kv_cache_memory_bytes)
+    if trainer.world_size == 1:
+        return RestartingEngine(c.engine_restarts, **kwargs)
+    from rl_lightning.rollout.shared_engine import start_shared_engine
+
+    # a peer waits for rank 0 through every restart rank 0 may take (each bounded by engine_timeout_s)
+    return start_shared_engine(lambda: RestartingEngine(c.engine_restarts, **kwargs),
+                               c.engine_timeout_s * (c.engine_restarts + 2))
 
 
 def max_model_len(config: RolloutConfig, model_config: Any, datamodule: Any) -> int:
