@@ -202,5 +202,7 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, varlen_attention)
+    # Under torch.compile (strategy.compile) attention runs eagerly: its packed-row bookkeeping (host offsets, a
+    # module-level cache keyed on layer_idx) would break the graph anyway and recompile once per layer.
+    AttentionInterface.register(NAME, torch.compiler.disable(varlen_attention))
     AttentionMaskInterface.register(NAME, varlen_mask)

@@ -1,7 +1,9 @@
 """Shard a Hugging Face decoder for `ParallelStrategy`.
 
-Tensor-parallel plan per block, optional activation checkpointing, then FSDP2 ``fully_shard`` on every decoder block
-and the root.
+Tensor-parallel plan per block, optional activation checkpointing, optional ``torch.compile`` of each block, then
+FSDP2 ``fully_shard`` on every decoder block and the root: the order torchtitan uses. Compiling before sharding keeps
+FSDP2's all-gather/reduce-scatter hooks outside the compiled code (dynamo skips FSDP hooks by default) and compiles
+one block's code once for all blocks (they share it; only shapes and grad mode make new graphs).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
 
 
 def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
-    """Apply TP, activation checkpointing and FSDP2 to `model` in place; returns it. Idempotent.
+    """Apply TP, activation checkpointing, compilation and FSDP2 to `model` in place; returns it. Idempotent.
 
-    TP when the strategy's tensor-parallel size > 1, activation checkpointing for trainable models.
+    TP when the strategy's tensor-parallel size > 1, activation checkpointing for trainable models, ``torch.compile``
+    of every decoder block (trainable or not: reference models' forwards gain too) with the strategy's ``compile``.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -70,6 +73,8 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainable and getattr(strategy, "activation_offload", False):
         _offload_activations(model, strategy)
+    if getattr(strategy, "compile", False):
+        compile_decoder_layers(model, strategy.compile_mode)
     kwargs = {"mesh": strategy.fsdp_mesh, "mp_policy": strategy.mp_policy(),
               "offload_policy": strategy.offload_policy(), "reshard_after_forward": strategy.reshard_after_forward}
     for layer in decoder_layers(model):
@@ -82,6 +87,26 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
         fully_shard(inner.score, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def compile_decoder_layers(model: Any, mode: str | None = None) -> None:
+    """``torch.compile`` every decoder block of `model` in place, with torch.compile's `mode`.
+
+    ``nn.Module.compile`` keeps each block's class, name and parameters, so FSDP2, checkpoints and state dicts see the
+    same module tree.
+
+    transformers' gradient checkpointing wraps the block's ``__call__`` from outside, so under
+    ``activation_checkpointing`` the recomputation in the backward calls the compiled forward again. Attention stays
+    eager (`rl_lightning.models.attention.varlen_attention` is excluded from compilation: its packed-row bookkeeping
+    syncs with the host), so each block compiles as two graphs, before and after attention.
+    """
+    from rl_lightning.models.lora import is_peft
+
+    if is_peft(model):
+        raise ConfigError("strategy.compile=true with model.lora: PEFT's adapter layers inside the blocks are not "
+                          "compiled here; set strategy.compile: false or drop model.lora")
+    for layer in decoder_layers(model):
+        layer.compile(mode=mode)
 
 
 def _offload_activations(model: Any, strategy: Any) -> None:

@@ -59,6 +59,12 @@ class ParallelStrategy(ModelParallelStrategy):
             it through the device in buckets of ``offload_bucket_mb`` while parameters and gradients stay there.
             Not with ``cpu_offload``, which keeps the state on the host already.
         offload_bucket_mb: the most optimizer state on the device at once under ``optimizer_offload``.
+        compile: compile each decoder block with ``torch.compile`` (after activation checkpointing, before FSDP2) so
+            the element-wise work around the matrix products (RMSNorm, SwiGLU, rotary, casts) runs as fused kernels;
+            the first steps pay the compilation. Not with tensor or context parallelism, activation offload or LoRA
+            (refused at start-up).
+        compile_mode: ``torch.compile``'s ``mode``: ``null`` (its default), ``reduce-overhead``, ``max-autotune`` or
+            ``max-autotune-no-cudagraphs``; only with ``compile``.
         save_distributed_checkpoint: save sharded (DCP) checkpoints; False gathers a full state dict on rank 0.
             Either is written whole under a hidden name, then renamed into place
             (`rl_lightning.parallel.checkpoint_io`): a kill mid-save leaves the previous checkpoint as it was.
@@ -79,6 +85,8 @@ class ParallelStrategy(ModelParallelStrategy):
         activation_offload: bool = False,
         optimizer_offload: bool = False,
         offload_bucket_mb: int = 256,
+        compile: bool = False,
+        compile_mode: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -94,6 +102,7 @@ class ParallelStrategy(ModelParallelStrategy):
             errors.append(f"strategy.mixed_precision must be 'bf16' or null, got {mixed_precision!r}")
         errors += _offload_errors(cpu_offload, activation_checkpointing, activation_offload, optimizer_offload,
                                   offload_bucket_mb)
+        errors += _compile_errors(compile, compile_mode, sizes, activation_offload)
         if errors:
             raise ConfigError("; ".join(errors))
         super().__init__(data_parallel_size * context_parallel_size, tensor_parallel_size,
@@ -104,6 +113,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self.reshard_after_forward, self.activation_checkpointing = reshard_after_forward, activation_checkpointing
         self.activation_offload, self.optimizer_offload = activation_offload, optimizer_offload
         self.offload_bucket_mb = offload_bucket_mb
+        self.compile, self.compile_mode = compile, compile_mode
         self.dp_mesh: Any = None
         self.cp_mesh: Any = None
         self.tp_mesh: Any = None
@@ -255,4 +265,26 @@ def _offload_errors(cpu_offload: bool, checkpointing: bool, activation_offload: 
                       "keeps only each block's input, leaving nothing to offload; set one of them")
     if not isinstance(bucket_mb, int) or bucket_mb < 1:
         errors.append(f"strategy.offload_bucket_mb must be an integer >= 1, got {bucket_mb!r}")
+    return errors
+
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_errors(compile: Any, mode: Any, sizes: dict[str, Any], activation_offload: bool) -> list[str]:
+    """What ``compile`` cannot be combined with (measured on CPU, tests/parallel/test_compile.py)."""
+    if compile not in (True, False):
+        return [f"strategy.compile must be true or false, got {compile!r}"]
+    if mode not in COMPILE_MODES:
+        return [f"strategy.compile_mode must be one of {', '.join(map(str, COMPILE_MODES[1:]))} or null, got {mode!r}"]
+    if not compile:
+        return [] if mode is None else [f"strategy.compile_mode={mode!r} needs strategy.compile=true; set it or drop "
+                                        "compile_mode"]
+    errors = [f"strategy.compile=true with strategy.{key}={sizes[key]}: {why}; set compile: false or {key}: 1"
+              for key, why in (("tensor_parallel_size", "the compiled blocks are not built for DTensor shards"),
+                               ("context_parallel_size", "ring attention's point-to-point exchange is not compiled"))
+              if isinstance(sizes[key], int) and sizes[key] > 1]
+    if activation_offload:
+        errors.append("strategy.compile=true with strategy.activation_offload=true: the offload's saved-tensor hooks "
+                      "wrap each block's forward, which compile would trace; set one of them")
     return errors
