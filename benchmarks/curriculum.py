@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_grpo  # noqa: E402 - the benchmark next to this one: its evaluation code is shared
+import grpo_runs  # noqa: E402 - the setup the real-model benchmarks share
 
 TASK = "reasoning_gym:chain_sum?min_terms=3&max_terms=3&max_digits=2"
 POOLS = ("curriculum/active", "curriculum/solved", "curriculum/hopeless", "curriculum/unseen")
@@ -35,52 +34,22 @@ POOLS = ("curriculum/active", "curriculum/solved", "curriculum/hopeless", "curri
 
 def train(args: argparse.Namespace, workdir: Path, curriculum: bool) -> dict:
     """One training run through the CLI (real_grpo.py's settings; `curriculum`: with ``data.curriculum``)."""
-    import yaml
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = yaml.safe_load((real_grpo.REPO / "recipes" / "real" / "grpo.yaml").read_text())
-    config["seed_everything"] = args.seed
-    model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
-    model.update(max_rollouts=args.rollouts, update_per_rollout=1)
-    model["optim"].update(lr=args.lr, warmup_steps=args.warmup)
-    model["rollout"].update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
-                            temperature=args.temperature, reward_weights=real_grpo.WEIGHTS,
-                            env_path=str(real_grpo.REPO / "examples" / "envs" / "reasoning_gym_env.py"))
-    data.update(path=real_grpo._spec(args), val_path=None, batch_size=args.prompts)
-    if curriculum:
-        data["curriculum"] = {"solved_threshold": 1.0, "readmit_after": args.readmit_after}
-    trainer.update(max_epochs=-1, num_sanity_val_steps=0, enable_checkpointing=False)
-    trainer.pop("val_check_interval", None)
-    trainer["logger"] = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {
-        "experiment_name": "rl_lightning", "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}}
-    trainer["callbacks"] = [{"class_path": "rl_lightning.tracking.export.HFExport",
-                             "init_args": {"dirpath": str(workdir / "export")}}]
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    start = time.perf_counter()
-    real_grpo._run([sys.executable, "-m", "rl_lightning", "fit", "--config", str(workdir / "config.yaml"),
-                    "--trainer.enable_progress_bar", "false"], workdir, args)
-    seconds = time.perf_counter() - start
+    settings = {"solved_threshold": 1.0, "readmit_after": args.readmit_after} if curriculum else None
+    seconds = grpo_runs.fit(args, workdir, grpo_runs.fit_config(args, workdir, settings))
     return {"seconds": seconds, "export": str(workdir / "export"), **_history(workdir, args)}
 
 
 def _history(workdir: Path, args: argparse.Namespace) -> dict:
     """Tokens generated, the per-rollout share of correct completions and the final pool sizes, from MLflow."""
-    import mlflow
-
-    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("rl_lightning").experiment_id])
-
-    def series(name: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)]
-
-    lengths = series("train/completion_length")
-    return {"tokens": sum(lengths) * args.prompts * args.group, "curve_correct": series("train/reward/correct"),
-            "pools": {name.split("/")[1]: (series(name) or [float("nan")])[-1] for name in POOLS}}
+    series = {name: [m.value for m in metrics] for name, metrics in
+              grpo_runs.metric_series(workdir, "train/completion_length", "train/reward/correct", *POOLS).items()}
+    return {"tokens": sum(series["train/completion_length"]) * args.prompts * args.group,
+            "curve_correct": series["train/reward/correct"],
+            "pools": {name.split("/")[1]: (series[name] or [float("nan")])[-1] for name in POOLS}}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = real_grpo._parser()
-    parser.description = __doc__.splitlines()[0]
+    parser = grpo_runs.parser(__doc__.splitlines()[0])
     parser.set_defaults(task=TASK, train_size=24, test_size=64, rollouts=12, prompts=4, lr=2e-5, threads=1,
                         workdir=Path("/tmp/rl_lightning_curriculum"))
     parser.add_argument("--readmit-after", type=int, default=12, help="rollouts a parked prompt stays parked")
@@ -90,15 +59,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    args = grpo_runs.parse(_parser())
     if args._eval:
-        print(json.dumps(real_grpo.evaluate(args._eval, args)))
+        print(json.dumps(grpo_runs.evaluate(args._eval, args)))
         return
-    from rl_lightning.assets.real import resolve_model
-
     (args.workdir / "base").mkdir(parents=True, exist_ok=True)
     rows = {"before": _cached(args.workdir / "base", args, True,
-                              lambda: _child(resolve_model("asset:SmolLM2-135M-Instruct"), args, args.workdir / "base"))}
+                              lambda: _child(grpo_runs.base_model(args), args, args.workdir / "base"))}
     print(f"before: {rows['before']}", flush=True)
     for name, curriculum in (("plain", False), ("curriculum", True)):
         def run(name: str = name, curriculum: bool = curriculum) -> dict:
@@ -132,11 +99,7 @@ def _cached(workdir: Path, args: argparse.Namespace, fresh: bool, work) -> dict:
 
 def _child(model_dir: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Evaluate `model_dir` in a fresh process (vLLM owns its process)."""
-    command = [sys.executable, __file__, "--_eval", model_dir, *sys.argv[1:]]
-    start = time.perf_counter()
-    out = json.loads(real_grpo._run(command, workdir, args).strip().splitlines()[-1])
-    out["seconds"] = time.perf_counter() - start
-    return out
+    return grpo_runs.child(__file__, "eval", model_dir, args, workdir)
 
 
 def _table(rows: dict, args: argparse.Namespace) -> str:

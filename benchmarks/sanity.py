@@ -16,7 +16,8 @@ its own process; evaluation is ``python -m rl_lightning eval``'s code with the v
 transformers).
 
     python benchmarks/sanity.py --out benchmarks/results/sanity_cpu.md    # about an hour on 2 quiet cores with TRL
-    python benchmarks/sanity.py --candidates 32 --rollouts 4 --skip-trl  # a smoke run
+    python benchmarks/sanity.py --candidates 32 --rollouts 4 --skip-trl  # a short run
+    python benchmarks/sanity.py --smoke --workdir /tmp/smoke             # tiny model, seconds (what the tests run)
 
 Needs the real model (``python -m rl_lightning.assets.build --real``), ``pip install -e ".[real,reasoning,bench]"``.
 """
@@ -25,14 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_grpo  # noqa: E402 - the benchmark next to this one: its training and evaluation code is shared
+import grpo_runs  # noqa: E402 - the setup the real-model benchmarks share
+import real_grpo  # noqa: E402 - the benchmark next to this one: its training runs (ours and TRL's) are reused
+
+# --smoke (on top of grpo_runs.SMOKE): every probed question kept, so a model that solves none still trains
+SMOKE = {"candidates": 4, "probe_samples": 2, "low": 0.0, "high": 1.0, "max_prompts": 4}
 
 
 def probe(model_dir: str, args: argparse.Namespace, out: Path) -> dict:
@@ -53,10 +55,9 @@ def probe(model_dir: str, args: argparse.Namespace, out: Path) -> dict:
             solved = sum(t.reward_components["correct"] >= 1.0 for t in group) / len(group)
             rates.append((solved, {"messages": group[0].prompt.messages, "answer": group[0].prompt.answer}))
 
-    config = EvalConfig(model=model_dir, data=real_grpo._spec(args), engine=args.engine, n=args.probe_samples,
+    config = EvalConfig(model=model_dir, data=grpo_runs.data_spec(args), engine=args.engine, n=args.probe_samples,
                         temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=4321,
-                        limit=args.candidates, reward_weights=json.dumps(real_grpo.WEIGHTS),
-                        env=str(real_grpo.REPO / "examples" / "envs" / "reasoning_gym_env.py"))
+                        limit=args.candidates, reward_weights=json.dumps(grpo_runs.WEIGHTS), env=grpo_runs.ENV)
     run_eval(config, on_samples=keep)
     chosen = [(rate, row) for rate, row in rates if args.low <= rate <= args.high][:args.max_prompts]
     out.write_text("".join(json.dumps(row) + "\n" for _, row in chosen))
@@ -67,21 +68,11 @@ def probe(model_dir: str, args: argparse.Namespace, out: Path) -> dict:
 
 def _child(mode: str, target: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Run `mode` (probe/eval/trl) in a fresh process (vLLM owns its process) and return its JSON result."""
-    command = [sys.executable, __file__, f"--_{mode}", target, *sys.argv[1:]]
-    start = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
-    (workdir / f"{mode}.log").write_text(result.stdout + result.stderr)
-    if result.returncode:
-        raise SystemExit(f"{mode} failed; see {workdir / f'{mode}.log'}:\n{result.stderr[-3000:]}")
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    out["seconds"] = time.perf_counter() - start
-    return out
+    return grpo_runs.child(__file__, mode, target, args, workdir, log=f"{mode}.log")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = real_grpo._parser()
-    parser.description = __doc__.splitlines()[0]
+    parser = grpo_runs.parser(__doc__.splitlines()[0])
     parser.set_defaults(rollouts=30, prompts=8, group=8, samples=8, lr=2e-5,
                         workdir=Path("/tmp/rl_lightning_sanity"))
     parser.add_argument("--candidates", type=int, default=256, help="training questions probed")
@@ -95,23 +86,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    args = grpo_runs.parse(_parser(), smoke=SMOKE)
     data = args.workdir / "sanity.jsonl"
     args.train_data = args.eval_data = str(data) if data.is_file() else None
     if args._probe:
         print(json.dumps(probe(args._probe, args, data)))
         return
     if args._eval:
-        print(json.dumps(real_grpo.evaluate(args._eval, args)))
+        print(json.dumps(grpo_runs.evaluate(args._eval, args)))
         return
     if args._trl:
         print(json.dumps(real_grpo.train_trl(args, Path(args._trl))))
         return
     for sub in ("base", "ours", "trl"):
         (args.workdir / sub).mkdir(parents=True, exist_ok=True)
-    from rl_lightning.assets.real import resolve_model
-
-    base = resolve_model("asset:SmolLM2-135M-Instruct")
+    base = grpo_runs.base_model(args)
     data.unlink(missing_ok=True)
     found = _child("probe", base, args, args.workdir / "base")
     print(f"probe: {found}", flush=True)
@@ -134,6 +123,9 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(table + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "probe": found,
+                                         "rows": rows}))
 
 
 def _table(rows: dict, found: dict, args: argparse.Namespace) -> str:

@@ -14,7 +14,8 @@ about an hour on two quiet cores at the default budget; results already in ``--w
 be stopped and restarted.
 
     python benchmarks/seeds.py --out benchmarks/results/seeds_cpu.md --plots benchmarks/results/seeds
-    python benchmarks/seeds.py --seeds 1 --rollouts 2 --prompts 2 --group 2 --skip-trl  # a smoke run
+    python benchmarks/seeds.py --seeds 1 --rollouts 2 --prompts 2 --group 2 --skip-trl  # a short run
+    python benchmarks/seeds.py --smoke --workdir /tmp/smoke  # tiny model, 2 seeds, about a minute (what the tests run)
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("reasoning_gym:chain_sum?min_terms=2&max_terms=2&max_digits=2",
          "reasoning_gym:chain_sum?min_terms=3&max_terms=3&max_digits=1")
+# --smoke: one task, two seeds (a std needs two), and real_grpo.py's own --smoke (tiny model, one small rollout)
+SMOKE = {"tasks": TASKS[0], "seeds": 2, "samples": 2}
 
 
 def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str]) -> dict:
@@ -111,11 +114,15 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rl_lightning_seeds"))
     parser.add_argument("--out", type=Path, help="write the tables (Markdown) here")
     parser.add_argument("--plots", type=Path, help="write one PNG per task into this folder")
+    parser.add_argument("--json", type=Path, help="write every run's rows (per task, per seed) as JSON here")
+    parser.add_argument("--smoke", action="store_true", help="one task, 2 seeds, real_grpo.py --smoke: seconds")
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**SMOKE)
     args, passthrough = parser.parse_known_args()
-    passthrough += ["--samples", str(args.samples)]
-    sections, start = [], time.perf_counter()
+    passthrough += ["--samples", str(args.samples)] + (["--smoke"] if args.smoke else [])
+    sections, start, everything = [], time.perf_counter(), {}
     for i, task in enumerate(args.tasks.split(",")):
-        runs = [_run(task, seed, args, passthrough) for seed in range(1, args.seeds + 1)]
+        runs = everything[task] = [_run(task, seed, args, passthrough) for seed in range(1, args.seeds + 1)]
         sections.append(table(task, runs, args.samples))
         if args.plots:
             plot(task, runs, args.plots / f"task{i + 1}.png")
@@ -125,6 +132,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"passthrough": passthrough, "runs": everything}))
 
 
 if __name__ == "__main__":
