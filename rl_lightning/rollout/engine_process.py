@@ -149,8 +149,20 @@ def _serve(connection: Any, port: int, engine_kwargs: dict[str, Any], timeout_s:
 
 
 def held_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of `model`'s parameters by name (vLLM's layout: fused ``qkv_proj``, ``gate_up_proj``)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    """A copy of `model`'s weights by parameter name (vLLM's layout: fused ``qkv_proj``, ``gate_up_proj``).
+
+    vLLM-CPU packs linear weights for its GEMM kernels and leaves an empty parameter; such a weight is read back
+    through the layer's own kernel: ``I @ W^T`` (exact: every product is by 1 or 0).
+    """
+    held = {}
+    for prefix, module in model.named_modules():
+        for name, param in module.named_parameters(prefix=prefix, recurse=False):
+            tensor = param.detach()
+            if name.endswith(".weight") and tensor.numel() == 0 and hasattr(module, "cpu_linear"):
+                eye = torch.eye(module.input_size_per_partition, dtype=tensor.dtype)  # (K, K)
+                tensor = module.cpu_linear(eye, param, None).T  # (N, K)
+            held[name] = tensor.clone()
+    return held
 
 
 def _answer(connection: Any, group: Any, engine: Any) -> None:

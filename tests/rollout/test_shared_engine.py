@@ -123,6 +123,7 @@ def _vllm_layout(trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 held[name.replace(parts[0], fused)] = torch.cat([trained[name.replace(parts[0], p)] for p in parts])
         if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
             held[name] = tensor
+    held["lm_head.weight"] = trained["model.embed_tokens.weight"]  # tied: the checkpoint (and the push) has one
     return held
 
 
