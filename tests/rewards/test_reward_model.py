@@ -53,16 +53,36 @@ def rm_folder(tmp_path_factory):
     return str(path)
 
 
+class VllmServe:
+    """``vllm serve`` of `folder` on localhost `port`: `stop` it (its process group) and `start` it again, same port."""
+
+    def __init__(self, folder: str, port: int, log) -> None:
+        self.folder, self.port, self.log, self.url = folder, port, log, f"http://127.0.0.1:{port}"
+        self.starts, self.process = 0, None
+
+    def start(self) -> None:
+        self.process = start_vllm_serve(self.folder, self.port, self.log)
+        self.starts += 1
+
+    def stop(self) -> None:
+        stop_vllm_serve(self.process)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
 @pytest.fixture(scope="session")
 def vllm_server(rm_folder, tmp_path_factory):
-    """``vllm serve`` of the RM export on a free localhost port, stopped at the end."""
+    """``vllm serve`` of the RM export on a free localhost port, stopped at the end. One start (about a minute on 2
+    CPU cores) serves every test; the restart test stops it mid-run and leaves it started again."""
     pytest.importorskip("vllm")
-    port = free_port()
-    server = start_vllm_serve(rm_folder, port, tmp_path_factory.mktemp("vllm") / "serve.log")
+    server = VllmServe(rm_folder, free_port(), tmp_path_factory.mktemp("vllm") / "serve.log")
+    server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server
     finally:
-        stop_vllm_serve(server)
+        server.stop()
 
 
 class FakeServer:
@@ -153,11 +173,11 @@ def test_vllm_server_scores_equal_transformers_scores(rm_folder, vllm_server, mo
     kernels (measured difference 2.4e-7)."""
     local = LocalRewardModel(rm_folder, batch_size=4)  # padded batches of up to 4
     one_by_one = [LocalRewardModel(rm_folder, batch_size=1).score([c])[0] for c in CONVERSATIONS]
-    served = RewardModelClient(vllm_server, batch_size=2, concurrency=2).score(CONVERSATIONS)
+    served = RewardModelClient(vllm_server.url, batch_size=2, concurrency=2).score(CONVERSATIONS)
     assert len(served) == len(CONVERSATIONS) and len(set(served)) == len(served)  # distinct: a real comparison
     for expected, batched, got in zip(one_by_one, local.score(CONVERSATIONS), served, strict=True):
         assert abs(batched - expected) < 1e-5 and abs(got - expected) < 1e-5
-    monkeypatch.setenv("RL_REWARD_MODEL_URL", vllm_server)
+    monkeypatch.setenv("RL_REWARD_MODEL_URL", vllm_server.url)
     example = load_environment(str(REPO / "examples" / "envs" / "rm_env.py"))
     assert abs(example.score(CONVERSATIONS[-1], None, "row 0")[0] - one_by_one[-1]) < 1e-5
 
@@ -183,7 +203,7 @@ def test_served_reward_model_component_is_logged_and_added(tmp_path, rm_folder, 
     """A scalar reward_fn (0.5) plus the served RM with weight 2: each reward is 0.5 + 2 x the RM's (transformers')
     score of the trajectory, and train/reward/reward_model is their mean."""
     logged, trajectories = _ppo_with_reward_model(tmp_path, CONSTANT_ENV, RewardModelConfig(
-        url=vllm_server, weight=2.0, batch_size=3))
+        url=vllm_server.url, weight=2.0, batch_size=3))
     expected = LocalRewardModel(rm_folder).score([t.messages for t in trajectories])
     assert len(trajectories) == 4
     for t, score in zip(trajectories, expected, strict=True):
@@ -323,30 +343,29 @@ def test_connection_failures_are_retried_by_the_transport():
     assert 0.5 <= time.monotonic() - start < 5.0
 
 
-@pytest.mark.slow  # two starts of vllm serve (about a minute each on 2 CPU cores) and a 3-rollout fit
-def test_a_real_vllm_serve_stopped_and_restarted_mid_run_costs_only_the_rollout_it_missed(tmp_path, rm_folder):
-    """A real ``vllm serve`` of the RM export is stopped (its whole process group) before rollout 1 and started again
-    on the same port before rollout 2: under ``on_error: zero`` the run goes on; rollouts 0 and 2 get transformers'
-    scores of their trajectories, rollout 1 gets 0 on each of its 4 and is counted (train/reward_failures 0, 4, 4;
-    rollout/reward_model_failures 2 failed requests of 2 trajectories)."""
-    pytest.importorskip("vllm")
-    port, log = free_port(), tmp_path / "serve.log"
-    servers = [start_vllm_serve(rm_folder, port, log)]
+@pytest.mark.slow  # a restart of the session's vllm serve (about a minute on 2 CPU cores) and a 3-rollout fit
+def test_a_real_vllm_serve_stopped_and_restarted_mid_run_costs_only_the_rollout_it_missed(tmp_path, rm_folder,
+                                                                                          vllm_server):
+    """A real ``vllm serve`` of the RM export (the session's) is stopped (its whole process group) before rollout 1
+    and started again on the same port before rollout 2: under ``on_error: zero`` the run goes on; rollouts 0 and 2
+    get transformers' scores of their trajectories, rollout 1 gets 0 on each of its 4 and is counted
+    (train/reward_failures 0, 4, 4; rollout/reward_model_failures 2 failed requests of 2 trajectories)."""
+    starts, first = vllm_server.starts, vllm_server.process
     metrics, captured = Metrics(), []
 
     class Outage(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 1:
-                stop_vllm_serve(servers[-1])
+                vllm_server.stop()
             elif batch_idx == 2:
-                servers.append(start_vllm_serve(rm_folder, port, log))
+                vllm_server.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             captured.append(batch["rollout"].trajectories)
 
     env = tmp_path / "env.py"
     env.write_text(CONSTANT_ENV)
-    reward_model = RewardModelConfig(url=f"http://127.0.0.1:{port}", batch_size=2, concurrency=1, retries=1,
+    reward_model = RewardModelConfig(url=vllm_server.url, batch_size=2, concurrency=1, retries=1,
                                      timeout_s=10.0, on_error="zero")
     L.seed_everything(0)
     task = ppo_task(env, max_rollouts=3, rollout={"reward_workers": 0, "responses_per_prompt": 2, "max_new_tokens": 6,
@@ -354,8 +373,10 @@ def test_a_real_vllm_serve_stopped_and_restarted_mid_run_costs_only_the_rollout_
     try:
         fit(task, prompts(2), -1, [Outage(), metrics])
     finally:
-        stop_vllm_serve(servers[-1])
-    assert len(servers) == 2 and [len(r) for r in captured] == [4, 4, 4]
+        if not vllm_server.running:  # the later tests need it up
+            vllm_server.start()
+    assert vllm_server.starts == starts + 1 and first.returncode is not None and vllm_server.process is not first
+    assert [len(r) for r in captured] == [4, 4, 4]
     local = LocalRewardModel(rm_folder)
     for index, trajectories in enumerate(captured):
         got = [t.reward_components["reward_model"] for t in trajectories]
