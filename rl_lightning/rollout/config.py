@@ -37,8 +37,8 @@ class RolloutConfig:
         engine: ``hf`` (transformers generate on the policy itself: simple, slow) or ``vllm`` (a vLLM engine colocated
             in the training processes, fed the policy's weights after every optimizer step; see
             `rl_lightning.rollout.vllm`) or ``vllm_process`` (vLLM in a process of its own, not a trainer rank, fed
-            full weights over a gloo group of its own: disaggregated generation, one training process for now; see
-            `rl_lightning.rollout.engine_process`).
+            full weights over a gloo group of its own: disaggregated generation; several trainer ranks share the one
+            global rank 0 starts, see `rl_lightning.rollout.engine_process` and `rl_lightning.rollout.shared_engine`).
         engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
             must divide the number of processes; consecutive ranks share an engine).
         engine_devices: ``vllm_process`` on GPU: the engine process's GPUs, numbered as the trainer sees them (one per

@@ -7,10 +7,17 @@ travel over a pipe; weights are broadcast from the trainer process over a two-me
 its device). The trainer waiting on the pipe holds no GIL, so with the asynchronous rollouts of
 `rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
 
-Selected with ``model.rollout.engine: vllm_process`` (one training process and one engine for now: several trainer
-ranks would broadcast from the gathered weights, and adapter-only sync is not wired through the pipe). Tested on CPU:
+Selected with ``model.rollout.engine: vllm_process``. Several trainer ranks share one engine process, spawned by
+global rank 0 (`rl_lightning.rollout.shared_engine`); adapter-only sync is not wired through the pipe. Tested on CPU:
 log-probabilities equal the trainer's, and an asynchronous run samples the same tokens as with the colocated engine.
-The weights of one push are staged in host memory before the broadcast (one extra copy of the model on the host).
+A weight push is streamed: the tensors are taken a bucket (``model.rollout.weight_bucket_mb``) at a time, each bucket
+goes as one flat byte broadcast after its names, shapes and dtypes went by pipe, and the child hands vLLM views of
+that buffer; neither side holds more than a bucket beyond the engine's own weights.
+
+vLLM 0.32's weight-transfer API (``WeightTransferConfig``, ``vllm.distributed.weight_transfer``) does not cover this
+case on CPU: its transports are NCCL (``PyNcclCommunicator``), CUDA IPC and RDMA. On GPU the engine could be built
+with ``weight_transfer_config=WeightTransferConfig("nccl")`` and rank 0 drive its trainer side from the same bucket
+stream (device to device, no host copy); until then the broadcast is this gloo one, through host memory.
 
 Devices: the engine owns its device, so it never sleeps (``VLLMEngine(sleep_mode=False)``: a sleeping vLLM 0.32
 engine keeps its scheduler paused until fully awake). On CUDA the child sees only its own GPUs

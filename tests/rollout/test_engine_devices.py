@@ -97,8 +97,8 @@ def test_the_fit_start_places_the_engine_before_any_model_loads(monkeypatch):
     with pytest.raises(ConfigError, match=KEY + r"null needs 1 GPU\(s\) the trainer does not use, but the trainer "
                                                 r"uses \[0\] of the 1 visible"):
         callback.setup(_trainer("cuda:0", [0]), None, "fit")
-    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine=vllm_process serves one training process for now "
-                                          r"\(got 2\)"):
+    with pytest.raises(ConfigError, match=KEY + r"null needs 1 GPU\(s\) the trainer does not use, but the trainer "
+                                                r"uses \[0, 1\] of the 1 visible"):  # 2 ranks: one shared engine
         callback.setup(_trainer("cuda:0", [0, 1], world_size=2), None, "fit")
     callback.setup(_trainer("cpu", [0]), None, "fit")
     assert callback.engine_devices is None
