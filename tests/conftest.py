@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,29 @@ def parity_env(tmp_path_factory):
     path = tmp_path_factory.mktemp("env") / "parity.py"
     path.write_text(PARITY_ENV)
     return str(path)
+
+
+# the SFT recipe on the tiny model for 3 steps, as the multi-node and Slurm tests launch it (after --config sft.yaml)
+TINY_SFT = ["--model.model_name", str(TINY_MODEL), "--data.path", str(DEMO_DATA / "sft.jsonl"), "--trainer.max_steps",
+            "3", "--trainer.enable_progress_bar", "false"]
+
+
+@pytest.fixture(scope="session")
+def sft_on_two_processes(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The exported weights of `TINY_SFT` run by ``torchrun --standalone --nproc-per-node 2`` (one node, two
+    data-parallel CPU processes): the single-node reference that the two-node runs of tests/parallel/test_multinode.py
+    and tests/test_slurm.py must equal bit for bit. One run (two processes starting torch) serves both."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path_factory.mktemp("sft_single_node")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "rl_lightning", "fit", "--config", str(REPO / "recipes" / "sft.yaml"), *TINY_SFT,
+               "--trainer.num_nodes", "1", "--trainer.devices", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (export,) = folder.glob("outputs/sft/20*/export/model.safetensors")
+    return load_file(export)
 
 
 @pytest.fixture(scope="session")

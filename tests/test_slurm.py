@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 import torch
-from conftest import REPO
+from conftest import REPO, TINY_SFT
 from safetensors.torch import load_file
 
 SLURM = REPO / "examples" / "slurm"
 ASSETS = REPO / "rl_lightning" / "assets"
-SFT = ["--model.model_name", str(ASSETS / "tiny-qwen2"), "--data.path", str(ASSETS / "data" / "sft.jsonl"),
-       "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false"]
+SFT = TINY_SFT  # its plain torchrun run: conftest.sft_on_two_processes
 
 
 @pytest.fixture(scope="session")
@@ -107,21 +106,15 @@ def test_more_gpus_than_the_nodes_have_refused_by_sbatch_and_by_the_preflight_in
 
 
 @pytest.mark.slow
-def test_sft_script_on_two_slurm_nodes_equals_torchrun_standalone(slurm, tmp_path):
-    job, single = tmp_path / "job", tmp_path / "single"
-    job.mkdir(), single.mkdir()
+def test_sft_script_on_two_slurm_nodes_equals_torchrun_standalone(slurm, tmp_path, sft_on_two_processes):
+    job = tmp_path / "job"
+    job.mkdir()
     done = _submit(slurm, job, "sft", *SFT, NODES="2", ACCELERATOR="cpu", PROCS_PER_NODE="1")
     log = (job / "slurm.out").read_text() if (job / "slurm.out").exists() else ""
     assert done.returncode == 0, f"{done.stderr}\n{log[-3000:]}"
     assert "rendezvous 127.0.0.1:" in log and "(first node node1), 2 node(s) x 1 process(es)" in log
-    reference = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 "-m", "rl_lightning", "fit", "--config", str(REPO / "recipes" / "sft.yaml"), *SFT,
-                 "--trainer.num_nodes", "1", "--trainer.devices", "2"]
-    plain = subprocess.run(reference, cwd=single, env={**slurm, "PYTHONPATH": str(REPO)}, capture_output=True,
-                           text=True, timeout=1500)
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
-    (got,), (want,) = (list(f.glob("outputs/sft/20*/export/model.safetensors")) for f in (job, single))
-    got, want = load_file(got), load_file(want)
+    (got,) = job.glob("outputs/sft/20*/export/model.safetensors")
+    got, want = load_file(got), sft_on_two_processes
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
     initial = load_file(ASSETS / "tiny-qwen2" / "model.safetensors")
     assert any(not torch.equal(want[name], initial[name]) for name in want.keys() & initial.keys())  # it trained

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, TINY_SFT
 from helpers import free_port
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
 ASSETS = REPO / "rl_lightning" / "assets"
-SFT = ["--config", str(REPO / "recipes" / "sft.yaml"), "--model.model_name", str(ASSETS / "tiny-qwen2"),
-       "--data.path", str(ASSETS / "data" / "sft.jsonl"), "--trainer.max_steps", "3"]
+SFT = ["--config", str(REPO / "recipes" / "sft.yaml"), *TINY_SFT]  # its one-node run: conftest.sft_on_two_processes
 GRPO = ["--config", str(REPO / "recipes" / "grpo.yaml"), "--model.model_name", str(ASSETS / "tiny-qwen2-sft"),
         "--model.rollout.env_path", str(REPO / "examples" / "envs" / "arithmetic_format.py"),
         "--data.path", str(ASSETS / "data" / "easy.jsonl"), "--data.val_path", "null", "--model.max_rollouts", "2",
@@ -57,10 +56,15 @@ def _exported(folder: Path, task: str) -> dict[str, torch.Tensor]:
     return load_file(export)
 
 
-def _run_both(tmp_path: Path, fit: list[str], task: str) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The two-node run's rank-0 folder and the single-node run's exported weights."""
+def _single_node(tmp_path: Path, fit: list[str], task: str) -> dict[str, torch.Tensor]:
+    """The exported weights of `fit` on one node with two processes."""
     single = tmp_path / "single"
     _wait([_torchrun(["--standalone", "--nproc-per-node", "2"], single, fit, nodes=1)], [single])
+    return _exported(single, task)
+
+
+def _two_nodes(tmp_path: Path, fit: list[str]) -> Path:
+    """The folder of the node that wrote (global rank 0) after `fit` on two nodes of one process each."""
     port = free_port()
     nodes = [tmp_path / f"node{i}" for i in range(2)]
     launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}"]
@@ -68,7 +72,7 @@ def _run_both(tmp_path: Path, fit: list[str], task: str) -> tuple[Path, dict[str
     writers = [folder for folder in nodes if sorted(p.name for p in folder.iterdir()) != ["log.txt"]]
     assert len(writers) == 1, f"every node but global rank 0's writes nothing: {[sorted(os.listdir(n)) for n in nodes]}"
     assert "GLOBAL_RANK: 0" in (writers[0] / "log.txt").read_text()
-    return writers[0], _exported(single, task)
+    return writers[0]
 
 
 def _one_mlflow_run(folder: Path, metric: str) -> None:
@@ -85,14 +89,15 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         assert torch.equal(got[name], want[name]), name
 
 
-def test_two_nodes_sft_equals_one_node_and_rank_zero_writes_alone(tmp_path):
-    writer, single = _run_both(tmp_path, SFT, "sft")
-    _assert_equal(_exported(writer, "sft"), single)
+def test_two_nodes_sft_equals_one_node_and_rank_zero_writes_alone(tmp_path, sft_on_two_processes):
+    writer = _two_nodes(tmp_path, SFT)
+    _assert_equal(_exported(writer, "sft"), sft_on_two_processes)
     _one_mlflow_run(writer, "train/loss")
     assert (writer / "outputs" / "sft" / "latest" / "checkpoints" / "last.ckpt").exists()
 
 
 def test_two_nodes_grpo_with_an_engine_per_node_equals_one_node(tmp_path):
-    writer, single = _run_both(tmp_path, GRPO, "grpo")
+    single = _single_node(tmp_path, GRPO, "grpo")
+    writer = _two_nodes(tmp_path, GRPO)
     _assert_equal(_exported(writer, "grpo"), single)
     _one_mlflow_run(writer, "train/reward")
