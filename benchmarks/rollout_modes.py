@@ -22,9 +22,9 @@ over the same rollouts, the share of completion tokens sampled by an older polic
 ``rollout/stale_token_share``) and the mean engine-vs-trainer log-probability gap (``train/engine_logprob_diff`` per
 completion token: staleness shows here), and the mean training reward over every rollout.
 
-    OMP_NUM_THREADS=1 python benchmarks/rollout_modes.py --out benchmarks/results/rollout_modes_cpu.md   # ~8 min
+    OMP_NUM_THREADS=1 python benchmarks/rollout_modes.py --out benchmarks/results/rollout_modes_cpu.md   # ~10 min
     python benchmarks/rollout_modes.py --modes sync,process-async --rollouts 3
-    python benchmarks/rollout_modes.py --smoke --json rows.json     # tiny model, 2 rollouts per mode (~2 min)
+    python benchmarks/rollout_modes.py --smoke --json rows.json     # tiny model, 2 rollouts per mode (~1 min)
 
 The real run needs SmolLM2-135M-Instruct (``make real-model``) and reasoning-gym (``.[reasoning]``).
 """
