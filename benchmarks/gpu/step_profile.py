@@ -10,9 +10,12 @@ The same model, packed 16,384-token micro-batch and FSDP2 bf16 wrapping as `trai
   per optimizer step;
 - one step under ``torch.profiler``: the GPU-busy share of the step's wall time (kernel time / wall; the rest is
   the host launching kernels or waiting) and the kernel time per category (matrix products, attention, the
-  optimizer's multi-tensor kernels, copies, other element-wise and reduction kernels), and the ten longest kernels.
+  optimizer's multi-tensor kernels, copies, other element-wise and reduction kernels), and the ten longest kernels;
+- with ``--compile``, the chunked-head step again with every decoder block compiled (``ParallelStrategy(compile=True)``:
+  torch.compile per block before FSDP2): tokens/s, MFU, peak memory and the first step's seconds (compilation
+  included) next to the eager row of the same run, and the compiled step's kernel time per category.
 
-    python benchmarks/gpu/step_profile.py --results RESULTS.jsonl [--dry]     # --dry: CPU, tiny shape, the same code
+    python benchmarks/gpu/step_profile.py --results RESULTS.jsonl [--dry] [--compile]   # --dry: CPU, tiny shape
 """
 
 from __future__ import annotations
@@ -62,7 +65,19 @@ def phases(model, optimizer, batch, num_tokens, chunk, device) -> dict[str, floa
                     strict=True))
 
 
-def measure(shape, batch, sizes, chunk, device, steps, fused=False) -> dict:
+def shard(model, device, compile: bool):
+    """FSDP2 over this one process as `train.shard` does (bf16 on CUDA, no checkpointing), compiled per block if asked."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rl_lightning.parallel.parallelize import parallelize
+    from rl_lightning.parallel.strategy import ParallelStrategy
+
+    strategy = ParallelStrategy(mixed_precision="bf16" if device.type == "cuda" else None, compile=compile)
+    strategy.fsdp_mesh = init_device_mesh(device.type, (1,))
+    return parallelize(model, strategy)
+
+
+def measure(shape, batch, sizes, chunk, device, steps, fused=False, compile=False) -> dict:
     from rl_lightning.models.optim import adamw
 
     gc.collect()  # the last configuration's model and optimizer are gone before the peak counter restarts
@@ -71,7 +86,7 @@ def measure(shape, batch, sizes, chunk, device, steps, fused=False) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     model = train.build_model(shape, device)
     flops = train.step_flops(model, sizes, int((batch["target_mask"] > 0).any(0).sum()))
-    model = train.shard(model, device, "bf16" if device.type == "cuda" else None, False)
+    model = shard(model, device, compile)
     optimizer = adamw(model, 1e-5, 0.0, (0.9, 0.95), 1e-8)
     if fused:
         for group in optimizer.param_groups:
@@ -81,10 +96,10 @@ def measure(shape, batch, sizes, chunk, device, steps, fused=False) -> dict:
     for _ in range(steps):
         train.synchronize(device)
         runs.append(phases(model, optimizer, batch, num_tokens, chunk, device))
-    runs = runs[2:]
+    first, runs = sum(runs[0].values()), runs[2:]
     out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     out["step"] = statistics.median(sum(r.values()) for r in runs)
-    out["flops"] = flops
+    out["flops"], out["first"] = flops, first
     out["peak"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     out["_model"], out["_optimizer"], out["num_tokens"] = model, optimizer, num_tokens
     return out
@@ -113,10 +128,33 @@ def profile_step(run: dict, batch, chunk, device) -> tuple[float, dict[str, floa
     return wall, dict(per_category), sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
 
 
+def record_kernels(results: Path, label: str, run: dict, batch, device) -> None:
+    """Profile one step of `run` (chunked head): the GPU-busy share, kernel time per category, the longest kernels."""
+    wall, per_category, longest = profile_step(run, batch, 1024, device)
+    busy = sum(per_category.values())
+    record(results, f"{label} GPU busy share", round(100 * busy / wall, 1), "%",
+           detail=f"{busy:.3f} s of kernels in a {wall:.3f} s step (profiled)")
+    for name, seconds in sorted(per_category.items(), key=lambda kv: -kv[1]):
+        record(results, f"{label} kernels {name}", round(100 * seconds / busy, 1), "%", detail=f"{seconds:.4f} s")
+    for name, seconds in longest:
+        print(f"    {seconds * 1e3:9.2f} ms  {name[:150]}")
+
+
+def record_step(results: Path, label: str, run: dict, tokens: int, peak_flops: float | None, extra: str = "") -> None:
+    """The tokens/s record of `run` (step time, MFU, phases in the detail) and its peak memory where measured."""
+    mfu = f", MFU {100 * run['flops'] / run['step'] / peak_flops:.1f}%" if peak_flops else ""
+    record(results, f"{label} tokens/s", round(tokens / run["step"]), "tok/s",
+           detail=f"step {run['step']:.3f} s{mfu}; " + ", ".join(f"{k} {run[k]:.3f} s" for k in
+                                                                 ("forward", "backward", "clip", "optimizer")) + extra)
+    if run["peak"] is not None:
+        record(results, f"{label} peak memory", round(run["peak"], 2), "GiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, required=True, help="JSONL file the records are appended to")
     parser.add_argument("--dry", action="store_true", help="CPU, tiny shape (the CI smoke run)")
+    parser.add_argument("--compile", action="store_true", help="also the chunked-head step with compiled blocks")
     args = parser.parse_args()
     device = train.setup(args.dry)
     shape = (train.DRY_SHAPES if args.dry else train.SHAPES)[train.MFU_SHAPE]
@@ -128,27 +166,22 @@ def main() -> None:
     for chunk in (None, 1024):  # full first: its model is dropped before the chunked one is built and kept
         chunked.clear()
         chunked.update(measure(shape, batch, sizes, chunk, device, steps))
-        run = chunked
-        head = f"head={'chunk1024' if chunk else 'full'}"
-        mfu = f", MFU {100 * run['flops'] / run['step'] / peak:.1f}%" if peak else ""
-        record(args.results, f"{label} {head} tokens/s", round(tokens / run["step"]), "tok/s",
-               detail=f"step {run['step']:.3f} s{mfu}; " + ", ".join(f"{k} {run[k]:.3f} s" for k in
-                                                                     ("forward", "backward", "clip", "optimizer")))
-        if run["peak"] is not None:
-            record(args.results, f"{label} {head} peak memory", round(run["peak"], 2), "GiB")
-        del run
-    wall, per_category, longest = profile_step(chunked, batch, 1024, device)
-    busy = sum(per_category.values())
-    record(args.results, f"{label} GPU busy share", round(100 * busy / wall, 1), "%",
-           detail=f"{busy:.3f} s of kernels in a {wall:.3f} s step (profiled)")
-    for name, seconds in sorted(per_category.items(), key=lambda kv: -kv[1]):
-        record(args.results, f"{label} kernels {name}", round(100 * seconds / busy, 1), "%", detail=f"{seconds:.4f} s")
-    for name, seconds in longest:
-        print(f"    {seconds * 1e3:9.2f} ms  {name[:150]}")
+        record_step(args.results, f"{label} head={'chunk1024' if chunk else 'full'}", chunked, tokens, peak)
+    eager = {k: chunked[k] for k in ("step", "peak")}
+    record_kernels(args.results, label, chunked, batch, device)
     chunked.clear()
     fused = measure(shape, batch, sizes, 1024, device, 4, fused=True)
     record(args.results, f"{label} AdamW fused step", round(fused["optimizer"], 4), "s",
            detail="foreach (the default) in the head=chunk1024 row's optimizer phase")
+    fused.clear()
+    if args.compile:
+        compiled = measure(shape, batch, sizes, 1024, device, steps, compile=True)
+        memory = f", peak {compiled['peak'] / eager['peak']:.2f}x" if eager["peak"] else ""
+        record_step(args.results, f"{label} head=chunk1024 compiled", compiled, tokens, peak,
+                    extra=f"; {eager['step'] / compiled['step']:.2f}x eager's tokens/s{memory}; first step "
+                          f"{compiled['first']:.1f} s (compilation)")
+        record_kernels(args.results, f"{label} compiled", compiled, batch, device)
+        compiled.clear()
     torch.distributed.destroy_process_group()
 
 

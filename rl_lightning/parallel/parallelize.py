@@ -98,13 +98,9 @@ def compile_decoder_layers(model: Any, mode: str | None = None) -> None:
     transformers' gradient checkpointing wraps the block's ``__call__`` from outside, so under
     ``activation_checkpointing`` the recomputation in the backward calls the compiled forward again. Attention stays
     eager (`rl_lightning.models.attention.varlen_attention` is excluded from compilation: its packed-row bookkeeping
-    syncs with the host), so each block compiles as two graphs, before and after attention.
+    syncs with the host), so each block compiles as two graphs, before and after attention. With LoRA the PEFT
+    adapter layers inside each block are compiled with it.
     """
-    from rl_lightning.models.lora import is_peft
-
-    if is_peft(model):
-        raise ConfigError("strategy.compile=true with model.lora: PEFT's adapter layers inside the blocks are not "
-                          "compiled here; set strategy.compile: false or drop model.lora")
     for layer in decoder_layers(model):
         layer.compile(mode=mode)
 

@@ -61,8 +61,7 @@ class ParallelStrategy(ModelParallelStrategy):
         offload_bucket_mb: the most optimizer state on the device at once under ``optimizer_offload``.
         compile: compile each decoder block with ``torch.compile`` (after activation checkpointing, before FSDP2) so
             the element-wise work around the matrix products (RMSNorm, SwiGLU, rotary, casts) runs as fused kernels;
-            the first steps pay the compilation. Not with tensor or context parallelism, activation offload or LoRA
-            (refused at start-up).
+            the first steps pay the compilation. Not with tensor parallelism (refused at start-up).
         compile_mode: ``torch.compile``'s ``mode``: ``null`` (its default), ``reduce-overhead``, ``max-autotune`` or
             ``max-autotune-no-cudagraphs``; only with ``compile``.
         save_distributed_checkpoint: save sharded (DCP) checkpoints; False gathers a full state dict on rank 0.
@@ -102,7 +101,7 @@ class ParallelStrategy(ModelParallelStrategy):
             errors.append(f"strategy.mixed_precision must be 'bf16' or null, got {mixed_precision!r}")
         errors += _offload_errors(cpu_offload, activation_checkpointing, activation_offload, optimizer_offload,
                                   offload_bucket_mb)
-        errors += _compile_errors(compile, compile_mode, sizes, activation_offload)
+        errors += _compile_errors(compile, compile_mode, sizes)
         if errors:
             raise ConfigError("; ".join(errors))
         super().__init__(data_parallel_size * context_parallel_size, tensor_parallel_size,
@@ -271,7 +270,7 @@ def _offload_errors(cpu_offload: bool, checkpointing: bool, activation_offload: 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def _compile_errors(compile: Any, mode: Any, sizes: dict[str, Any], activation_offload: bool) -> list[str]:
+def _compile_errors(compile: Any, mode: Any, sizes: dict[str, Any]) -> list[str]:
     """What ``compile`` cannot be combined with (measured on CPU, tests/parallel/test_compile.py)."""
     if compile not in (True, False):
         return [f"strategy.compile must be true or false, got {compile!r}"]
@@ -280,11 +279,10 @@ def _compile_errors(compile: Any, mode: Any, sizes: dict[str, Any], activation_o
     if not compile:
         return [] if mode is None else [f"strategy.compile_mode={mode!r} needs strategy.compile=true; set it or drop "
                                         "compile_mode"]
-    errors = [f"strategy.compile=true with strategy.{key}={sizes[key]}: {why}; set compile: false or {key}: 1"
-              for key, why in (("tensor_parallel_size", "the compiled blocks are not built for DTensor shards"),
-                               ("context_parallel_size", "ring attention's point-to-point exchange is not compiled"))
-              if isinstance(sizes[key], int) and sizes[key] > 1]
-    if activation_offload:
-        errors.append("strategy.compile=true with strategy.activation_offload=true: the offload's saved-tensor hooks "
-                      "wrap each block's forward, which compile would trace; set one of them")
+    tp = sizes["tensor_parallel_size"]
+    errors = []
+    if isinstance(tp, int) and tp > 1:  # context parallelism, LoRA and both offloads train as eager does
+        errors.append(f"strategy.compile=true with strategy.tensor_parallel_size={tp}: inductor fails to compile "
+                      "the backward of the tensor-parallel (DTensor) projections; set compile: false or "
+                      "tensor_parallel_size: 1")
     return errors
