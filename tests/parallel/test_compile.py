@@ -134,6 +134,7 @@ def _cli_losses(workdir, *overrides):
         [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--trainer.max_steps", "3",
          "--trainer.strategy", "rl_lightning.parallel.ParallelStrategy", *overrides],
         cwd=workdir, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor")},  # where inductor writes its kernels
     )
     assert result.returncode == 0, result.stderr[-4000:]
     client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -150,6 +151,10 @@ def test_cli_compile_true_matches_eager(tmp_path_factory):
         for name in ("recipes", "rl_lightning", "examples", "callbacks"):
             (workdir / name).symlink_to(REPO / name)
         losses[flag] = _cli_losses(workdir, "--trainer.strategy.compile", flag)
+        # the flag reached the blocks: inductor generated kernels in the compiled run only (the folder itself is made
+        # at start-up either way)
+        kernels = [p for p in (workdir / "inductor").rglob("*.py") if p.is_file()]
+        assert bool(kernels) == (flag == "true"), kernels[:3]
     assert len(losses["true"]) == len(losses["false"]) == 3, losses
     for compiled, eager_loss in zip(losses["true"], losses["false"], strict=True):
         assert abs(compiled - eager_loss) < LOSS_ATOL, losses
