@@ -256,5 +256,5 @@ def test_resumed_run_takes_the_checkpointed_rollout_with_its_versions(tmp_path, 
     result = torch.load(tmp_path / "resume.pt")
     assert len(result["first"]) == 3 and len(result["resumed"]) == 1
     assert result["resumed"][0] == result["first"][2]
-    for ids, versions, trained in result["resumed"][0]:
+    for _, versions, trained in result["resumed"][0]:
         assert trained == 2 and {v for v in versions if v >= 0} == {1}
