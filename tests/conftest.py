@@ -64,6 +64,14 @@ def tokenizer():
     return load_tokenizer(str(TINY_MODEL))
 
 
+# What an in-process fit leaves in os.environ for the rendezvous (Lightning sets MASTER_PORT and the ranks). Left set,
+# every later subprocess (torchrun, benchmarks, vLLM's own process group) inherits a port the pytest process may
+# still hold: EADDRINUSE far from the test that set it.
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                  "GROUP_RANK")
+RENDEZVOUS_AT_START = {key: os.environ.get(key) for key in RENDEZVOUS_ENV}  # before any fixture, module-scoped ones too
+
+
 @pytest.fixture(autouse=True)
 def _reset_torch_state():
     dtype = torch.get_default_dtype()
@@ -71,6 +79,11 @@ def _reset_torch_state():
     torch.set_default_dtype(dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    for key, value in RENDEZVOUS_AT_START.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6, rtol: float = 0.0) -> None:
