@@ -11,7 +11,9 @@ in its own process (vLLM owns its process). This module holds what they have in 
   CLI; `metric_series` reads the run's curves back;
 - `run_command` / `child`: a command or a ``--_<mode>`` re-run of the calling script in a fresh process, with the
   thread count pinned, its output kept in the work folder;
-- `evaluate`: held-out greedy (and sampled, pass@K) accuracy of a model folder.
+- `evaluate`: held-out greedy (and sampled, pass@K) accuracy of a model folder;
+- `kept`: a step's JSON result kept in the work folder with the settings that made it, so a stopped run (a sweep of
+  hours) restarts where it stopped.
 """
 
 from __future__ import annotations
@@ -159,6 +161,25 @@ def median_interval(times: list[float]) -> float:
     """Median seconds between consecutive logged steps: the steady-state time of one rollout + update."""
     gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
     return gaps[len(gaps) // 2] if gaps else float("nan")
+
+
+# Flags that do not change what a step computes: where results go, and the children's own modes.
+_NOT_SETTINGS = {"out", "json", "workdir", "plots", "train_data", "eval_data", "_eval", "_trl", "_probe", "skip_trl"}
+
+
+def kept(args: argparse.Namespace, path: Path, make: Any) -> dict:
+    """`make()`'s JSON result, kept in `path` with the settings (flags) that produced it; a later run with the same
+    settings reuses it, any other settings compute it again."""
+    settings = {k: str(v) for k, v in sorted(vars(args).items()) if k not in _NOT_SETTINGS}
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == settings:
+            print(f"reusing {path}", flush=True)
+            return saved["result"]
+    result = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "result": result}))
+    return result
 
 
 def run_command(command: list[str], cwd: Path, args: argparse.Namespace, log: str = "log.txt") -> str:

@@ -33,6 +33,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_runs  # noqa: E402 - the setup the real-model benchmarks share
@@ -109,6 +110,20 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
             "last_reward": sum(reward_log[-5:]) / max(1, min(5, len(reward_log))), "export": str(workdir / "export")}
 
 
+def run_ours(args: argparse.Namespace, child: Any = None) -> dict:
+    """Train with rl_lightning in ``workdir/ours`` and evaluate the export: the row with its ``train`` details."""
+    ours = train_ours(args, args.workdir / "ours")
+    print(f"ours trained: {ours}", flush=True)
+    return {**(child or _child)("eval", ours["export"], args, args.workdir / "ours"), "train": ours}
+
+
+def run_trl(args: argparse.Namespace, child: Any) -> dict:
+    """Train with TRL in ``workdir/trl`` (a `child` process of the calling script) and evaluate the export."""
+    trl = child("trl", str(args.workdir / "trl"), args, args.workdir / "trl")
+    trl["tokens_per_s"] = trl["tokens"] / trl["seconds"]
+    return {**child("eval", trl["export"], args, args.workdir / "trl"), "train": trl}
+
+
 # ------------------------------------------------------------------------------------------------------------- main
 
 
@@ -140,14 +155,11 @@ def main() -> None:
         cached.write_text(json.dumps(_child("eval", base, args, args.workdir / "base")))
     rows = {"before": json.loads(cached.read_text())}
     print(f"before: {rows['before']}", flush=True)
-    ours = train_ours(args, args.workdir / "ours")
-    print(f"ours trained: {ours}", flush=True)
-    rows["rl_lightning"] = {**_child("eval", ours["export"], args, args.workdir / "ours"), "train": ours}
+    # Each library's run (training + evaluation) is kept with its settings: a stopped sweep restarts at the next one.
+    rows["rl_lightning"] = grpo_runs.kept(args, args.workdir / "ours" / "result.json", lambda: run_ours(args))
     print(f"ours after: {rows['rl_lightning']}", flush=True)
     if not args.skip_trl:
-        trl = _child("trl", str(args.workdir / "trl"), args, args.workdir / "trl")
-        trl["tokens_per_s"] = trl["tokens"] / trl["seconds"]
-        rows["TRL"] = {**_child("eval", trl["export"], args, args.workdir / "trl"), "train": trl}
+        rows["TRL"] = grpo_runs.kept(args, args.workdir / "trl" / "result.json", lambda: run_trl(args, _child))
         print(f"trl after: {rows['TRL']}", flush=True)
     table = _table(rows, args)
     print(table)

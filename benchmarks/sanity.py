@@ -101,22 +101,24 @@ def main() -> None:
     for sub in ("base", "ours", "trl"):
         (args.workdir / sub).mkdir(parents=True, exist_ok=True)
     base = grpo_runs.base_model(args)
-    data.unlink(missing_ok=True)
-    found = _child("probe", base, args, args.workdir / "base")
+    # Each step's result is kept with its settings (`grpo_runs.kept`): a stopped run restarts at the next step.
+    probed = args.workdir / "base" / "probe.json"
+    if not data.is_file():  # the kept probe result describes this file
+        probed.unlink(missing_ok=True)
+    found = grpo_runs.kept(args, probed, lambda: _child("probe", base, args, args.workdir / "base"))
     print(f"probe: {found}", flush=True)
     if found["chosen"] < args.prompts:
         raise SystemExit(f"only {found['chosen']} of {found['candidates']} questions have a base pass rate in "
                          f"[{args.low}, {args.high}]; raise --candidates or widen the band")
     args.train_data = args.eval_data = str(data)
-    rows = {"before": _child("eval", base, args, args.workdir / "base")}
+    rows = {"before": grpo_runs.kept(args, args.workdir / "base" / "before.json",
+                                     lambda: _child("eval", base, args, args.workdir / "base"))}
     print(f"before: {rows['before']}", flush=True)
-    ours = real_grpo.train_ours(args, args.workdir / "ours")
-    rows["rl_lightning"] = {**_child("eval", ours["export"], args, args.workdir / "ours"), "train": ours}
+    rows["rl_lightning"] = grpo_runs.kept(args, args.workdir / "ours" / "result.json",
+                                          lambda: real_grpo.run_ours(args, _child))
     print(f"ours after: {rows['rl_lightning']}", flush=True)
     if not args.skip_trl:
-        trl = _child("trl", str(args.workdir / "trl"), args, args.workdir / "trl")
-        trl["tokens_per_s"] = trl["tokens"] / trl["seconds"]
-        rows["TRL"] = {**_child("eval", trl["export"], args, args.workdir / "trl"), "train": trl}
+        rows["TRL"] = grpo_runs.kept(args, args.workdir / "trl" / "result.json", lambda: real_grpo.run_trl(args, _child))
         print(f"trl after: {rows['TRL']}", flush=True)
     table = _table(rows, found, args)
     print(table)

@@ -42,6 +42,12 @@ def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str])
     folder = args.workdir / name
     folder.mkdir(parents=True, exist_ok=True)
     result = folder / "result.json"
+    # The starting model's evaluation does not depend on the seed: one per task, shared by its seeds' folders.
+    shared, base = args.workdir / "base", folder / "runs" / "base"
+    shared.mkdir(parents=True, exist_ok=True)
+    if not base.exists():
+        base.parent.mkdir(parents=True, exist_ok=True)
+        base.symlink_to(shared, target_is_directory=True)
     if not result.is_file():
         command = [sys.executable, str(REPO / "benchmarks" / "real_grpo.py"), "--task", task, "--seed", str(seed),
                    "--workdir", str(folder / "runs"), "--json", str(result), *passthrough]
@@ -109,7 +115,8 @@ def main() -> None:
                                      epilog="Other flags (--rollouts, --prompts, --group, --lr, --skip-trl, ...) go to "
                                             "benchmarks/real_grpo.py unchanged.")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated reasoning_gym: data paths")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    parser.add_argument("--seeds", default="3", help="N: seeds 1..N; or a comma-separated list (2,3) to split a "
+                        "sweep over processes sharing --workdir (then one run without it writes the tables)")
     parser.add_argument("--samples", type=int, default=4, help="pass@K: sampled completions per held-out question")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rl_lightning_seeds"))
     parser.add_argument("--out", type=Path, help="write the tables (Markdown) here")
@@ -119,10 +126,14 @@ def main() -> None:
     if parser.parse_known_args()[0].smoke:
         parser.set_defaults(**SMOKE)
     args, passthrough = parser.parse_known_args()
-    passthrough += ["--samples", str(args.samples)] + (["--smoke"] if args.smoke else [])
+    # The default budget is benchmarks/results/real_grpo_cpu.md's (the demo's scale); flags given here win.
+    budget = [] if args.smoke else ["--rollouts", "10", "--prompts", "4", "--group", "8", "--lr", "2e-5",
+                                    "--test-size", "64", "--threads", "1"]
+    passthrough = budget + passthrough + ["--samples", str(args.samples)] + (["--smoke"] if args.smoke else [])
+    seeds = [int(s) for s in str(args.seeds).split(",")] if "," in str(args.seeds) else range(1, int(args.seeds) + 1)
     sections, start, everything = [], time.perf_counter(), {}
     for i, task in enumerate(args.tasks.split(",")):
-        runs = everything[task] = [_run(task, seed, args, passthrough) for seed in range(1, args.seeds + 1)]
+        runs = everything[task] = [_run(task, seed, args, passthrough) for seed in seeds]
         sections.append(table(task, runs, args.samples))
         if args.plots:
             plot(task, runs, args.plots / f"task{i + 1}.png")
