@@ -186,8 +186,9 @@ class InflightRolloutCallback(RolloutCallback):
         super().__init__(config)
         if self.generator is not None:  # rollout k+1 starts while rollout k finishes
             self.generator = ThreadGenerator(max_pending=2)
-        # two rollouts in flight score (and interact) from two threads; the reward workers serve one caller at a
-        # time, so their calls take turns (``rollout/reward_s`` then counts the other rollout's scoring too)
+        # two rollouts in flight score (and interact) from two threads: whole calls take turns, so the env's
+        # counters and its reward model see one caller at a time (the reward pool is itself safe across threads;
+        # ``rollout/reward_s`` counts the other rollout's scoring too)
         lock = threading.Lock()
         for name in ("score_all", "interact_all"):
             setattr(self.env, name, _taking_turns(getattr(self.env, name), lock))

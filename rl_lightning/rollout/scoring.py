@@ -18,6 +18,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -105,13 +106,20 @@ class RewardPool:
         self.limits = {"reward_fn": timeout_s, "interact": interact_timeout_s}
         self.module_name = env_module_name(env_path)
         self.workers: list[_Worker] = []
+        # one caller at a time: the workers' pipes carry one call each, and a second thread's `map` would read the
+        # first one's replies (two rollouts in flight score from two threads)
+        self._lock = threading.Lock()
 
     def map(self, calls: list[tuple[Any, ...]], function: str = "reward_fn") -> list[Any]:
         """`function` (``reward_fn`` or ``interact``) of each call's arguments, in order.
 
         ``(messages, answer)`` for ``reward_fn``, ``(messages,)`` for ``interact``. A call that raised, timed out or
-        lost its worker gives a `RewardFailure` in its place.
+        lost its worker gives a `RewardFailure` in its place. Safe to call from several threads: calls take turns.
         """
+        with self._lock:
+            return self._map(calls, function)
+
+    def _map(self, calls: list[tuple[Any, ...]], function: str) -> list[Any]:
         limit = self.limits[function]
         while len(self.workers) < self.size:
             self.workers.append(_Worker(self.env_path, self.module_name))
@@ -130,6 +138,10 @@ class RewardPool:
 
     def close(self) -> None:
         """Kill every worker process (the next `map` starts new ones)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for worker in self.workers:
             worker.kill()
         self.workers = []
@@ -172,7 +184,7 @@ class RewardPool:
         if message != "ready":
             from rl_lightning.errors import ConfigError
 
-            self.close()
+            self._close()
             raise ConfigError(f"env_path '{self.env_path}' failed to import in a reward worker ({message}); it must "
                               "import in a fresh Python process too")
         worker.ready = True
@@ -183,7 +195,7 @@ class RewardPool:
             if not worker.ready and now - worker.started > STARTUP_LIMIT_S:
                 from rl_lightning.errors import ConfigError
 
-                self.close()
+                self._close()
                 raise ConfigError(f"env_path '{self.env_path}': a reward worker did not import it within "
                                   f"{STARTUP_LIMIT_S:.0f} s")
             limit = None if worker.task is None else worker.task[2]

@@ -62,6 +62,31 @@ def test_pool_cuts_hung_calls_replaces_workers_and_keeps_order(env_path):
     assert all(w.process.poll() is not None for w in pool.workers) and pool.workers == []
 
 
+
+def test_two_threads_mapping_at_once_each_get_their_own_results(env_path):
+    """Two rollouts in flight score from two threads: each caller gets its own values, in its own order (without the
+    pool's lock, one thread reads the other's replies: wrong values, or a result left None)."""
+    import threading
+
+    pool = RewardPool(env_path, workers=2, timeout_s=None)
+    results: dict[int, list] = {}
+    start = threading.Barrier(2)
+
+    def caller(offset: int) -> None:
+        start.wait()
+        results[offset] = [pool.map([([], str(offset + i + j)) for j in range(8)]) for i in range(0, 40, 8)]
+
+    try:
+        threads = [threading.Thread(target=caller, args=(offset,)) for offset in (0, 1000)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        for offset in (0, 1000):
+            assert results[offset] == [[float(offset + i + j) for j in range(8)] for i in range(0, 40, 8)]
+    finally:
+        pool.close()
+
 def test_timeouts_follow_the_on_error_policy(env_path):
     lenient = load_environment(env_path, on_error="zero")
     lenient.scorer = RewardPool(env_path, workers=2, timeout_s=0.5)
