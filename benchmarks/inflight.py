@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -96,12 +95,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating (the CPU may be shared)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-    with socket.socket() as s:  # vLLM's external launcher joins a one-process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory() as tmp:
         env_path = os.path.join(tmp, "parity.py")
         Path(env_path).write_text(ENV)

@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -228,22 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _single_process_group() -> None:
-    """vLLM's external launcher joins a one-process group: give it a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from rl_lightning.assets.real import resolve_model
 
     args.model = resolve_model(args.model)
-    _single_process_group()
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:
             args.env = os.path.join(tmp, "parity.py")
