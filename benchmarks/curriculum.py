@@ -64,15 +64,18 @@ def main() -> None:
         print(json.dumps(grpo_runs.evaluate(args._eval, args)))
         return
     (args.workdir / "base").mkdir(parents=True, exist_ok=True)
-    rows = {"before": _cached(args.workdir / "base", args, True,
-                              lambda: _child(grpo_runs.base_model(args), args, args.workdir / "base"))}
+    # each arm's result is kept with its settings (`grpo_runs.kept`); ``--arms`` reruns the arms it names, and the
+    # base model's evaluation is always reused
+    rows = {"before": grpo_runs.kept(args, args.workdir / "base" / "result.json",
+                                     lambda: _child(grpo_runs.base_model(args), args, args.workdir / "base"))}
     print(f"before: {rows['before']}", flush=True)
     for name, curriculum in (("plain", False), ("curriculum", True)):
         def run(name: str = name, curriculum: bool = curriculum) -> dict:
             trained = train(args, args.workdir / name, curriculum)
             return {**_child(trained["export"], args, args.workdir / name), "train": trained}
 
-        rows[name] = _cached(args.workdir / name, args, name in args.arms.split(","), run)
+        rows[name] = grpo_runs.kept(args, args.workdir / name / "result.json", run,
+                                    reuse=name not in args.arms.split(","))
         print(f"{name}: {rows[name]}", flush=True)
     table = _table(rows, args)
     print(table)
@@ -81,20 +84,6 @@ def main() -> None:
         args.out.write_text(table + "\n")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))
-
-
-def _cached(workdir: Path, args: argparse.Namespace, fresh: bool, work) -> dict:
-    """`work()`'s result, kept in `workdir`/result.json for the same settings; with `fresh` false a kept one is reused
-    (``--arms`` reruns some arms only; the base model's evaluation is always reused)."""
-    key = {k: str(v) for k, v in vars(args).items() if k not in ("arms", "out", "json", "workdir", "_eval")}
-    path = workdir / "result.json"
-    kept = json.loads(path.read_text()) if path.is_file() else None
-    if kept is not None and kept["settings"] == key and (not fresh or workdir.name == "base"):
-        return kept["result"]
-    result = work()
-    workdir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": key, "result": result}))
-    return result
 
 
 def _child(model_dir: str, args: argparse.Namespace, workdir: Path) -> dict:

@@ -164,14 +164,15 @@ def median_interval(times: list[float]) -> float:
 
 
 # Flags that do not change what a step computes: where results go, and the children's own modes.
-_NOT_SETTINGS = {"out", "json", "workdir", "plots", "train_data", "eval_data", "_eval", "_trl", "_probe", "skip_trl"}
+_NOT_SETTINGS = {"out", "json", "workdir", "plots", "train_data", "eval_data", "_eval", "_trl", "_probe", "skip_trl",
+                 "arms"}
 
 
-def kept(args: argparse.Namespace, path: Path, make: Any) -> dict:
+def kept(args: argparse.Namespace, path: Path, make: Any, reuse: bool = True) -> dict:
     """`make()`'s JSON result, kept in `path` with the settings (flags) that produced it; a later run with the same
-    settings reuses it, any other settings compute it again."""
+    settings reuses it (unless `reuse` is false: computed again), any other settings compute it again."""
     settings = {k: str(v) for k, v in sorted(vars(args).items()) if k not in _NOT_SETTINGS}
-    if path.is_file():
+    if reuse and path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("settings") == settings:
             print(f"reusing {path}", flush=True)
