@@ -51,6 +51,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.7, help="training rollouts' sampling temperature")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--format-weight", type=float, default=WEIGHTS["format"],
+                   help="weight of the `format` reward component in training (`correct` has 1); 0: correctness only")
+    p.add_argument("--overlong-cache", type=int, default=0,
+                   help="DAPO's soft overlong punishment over the last N of --max-new-tokens (0: off)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--samples", type=int, default=4, help="sampled completions per held-out question (pass@K)")
     p.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
@@ -73,6 +77,11 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None = None, smoke: dict
     if p.parse_known_args(argv)[0].smoke:
         p.set_defaults(**{**SMOKE, **(smoke or {})})
     return p.parse_args(argv)
+
+
+def train_weights(args: argparse.Namespace) -> dict[str, float]:
+    """The training reward's component weights (the evaluator reports both components, with `WEIGHTS`)."""
+    return {"correct": WEIGHTS["correct"], "format": args.format_weight}
 
 
 def data_spec(args: argparse.Namespace, split: str = "train") -> str:
@@ -123,7 +132,8 @@ def fit_config(args: argparse.Namespace, workdir: Path, curriculum: dict | None 
     model["model_name"] = args.model
     model["optim"].update(lr=args.lr, warmup_steps=args.warmup)
     model["rollout"].update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
-                            temperature=args.temperature, reward_weights=WEIGHTS, env_path=ENV)
+                            temperature=args.temperature, reward_weights=train_weights(args), env_path=ENV,
+                            overlong_cache_length=args.overlong_cache or None)
     data.update(path=data_spec(args), val_path=None, batch_size=args.prompts)
     if curriculum is not None:
         data["curriculum"] = curriculum

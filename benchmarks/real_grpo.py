@@ -9,7 +9,8 @@ One run does, on the same model, data, reward and budget:
 3. trains with TRL's ``GRPOTrainer`` (transformers generate; TRL's vLLM needs CUDA) with the same settings:
    ``loss_type="dapo"`` (token-level mean, as ours) and ``scale_rewards="none"`` (reward minus the group mean: Dr.
    GRPO's advantage), clip 0.2/0.28, no KL, the same learning rate, warmup, max completion length, temperature (0.7)
-   and reward (`rl_lightning.rewards.reasoning_gym`, weights ``correct`` 1.0 and ``format`` 0.5);
+   and reward (`rl_lightning.rewards.reasoning_gym`, weights ``correct`` 1.0 and ``format`` 0.5, or
+   ``--format-weight``; with ``--overlong-cache N`` DAPO's soft overlong punishment too, TRL's own for TRL);
 4. evaluates both trained models with the same evaluator, and prints a table: accuracy before/after, wall time of each
    training run (process start to exit, model loading included), and completion tokens per second of training.
 
@@ -37,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_runs  # noqa: E402 - the setup the real-model benchmarks share
-from grpo_runs import WEIGHTS, evaluate  # noqa: E402
+from grpo_runs import evaluate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------- rl_lightning run
 
@@ -88,6 +89,11 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
                 correct_log.append(logs.get("rewards/correct/mean", float("nan")))
                 times.append(time.time())
 
+    weights, functions = grpo_runs.train_weights(args), [correct, format]
+    if args.overlong_cache:  # DAPO's soft overlong punishment, TRL's own implementation (the same eq. 13 as ours)
+        from trl.rewards import get_soft_overlong_punishment
+
+        functions.append(get_soft_overlong_punishment(args.max_new_tokens, args.overlong_cache))
     path = grpo_runs.base_model(args)
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=args.seed, max_steps=args.rollouts,
@@ -96,11 +102,11 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
         num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="none", num_iterations=1,
-        reward_weights=[WEIGHTS["correct"], WEIGHTS["format"]], logging_steps=1, save_strategy="no",
+        reward_weights=[*weights.values(), *([1.0] if args.overlong_cache else [])], logging_steps=1, save_strategy="no",
         report_to=[], dataloader_num_workers=0, disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=[correct, format], args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=functions, args=config, train_dataset=dataset,
                           processing_class=load_tokenizer(path), callbacks=[Record()])
     trainer.train()
     trainer.save_model(str(workdir / "export"))
