@@ -79,7 +79,7 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     def format(completions, answer, **_):  # noqa: A001 - TRL logs the reward under the function's name
         return [score(c[0]["content"], json.loads(a))["format"] for c, a in zip(completions, answer, strict=True)]
 
-    completion_tokens, reward_log, correct_log, times = [], [], [], []
+    completion_tokens, reward_log, correct_log, lr_log, times = [], [], [], [], []
 
     class Record(TrainerCallback):
         def on_log(self, _args, state, control, logs=None, **kwargs):
@@ -87,6 +87,7 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
                 completion_tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
                 reward_log.append(logs.get("reward", float("nan")))
                 correct_log.append(logs.get("rewards/correct/mean", float("nan")))
+                lr_log.append(logs.get("learning_rate", float("nan")))
                 times.append(time.time())
 
     weights, functions = grpo_runs.train_weights(args), [correct, format]
@@ -97,8 +98,7 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     path = grpo_runs.base_model(args)
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=args.seed, max_steps=args.rollouts,
-        learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="constant_with_warmup",
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        learning_rate=args.lr, max_grad_norm=1.0,  # the optimizer and its schedule: below
         per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
         num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="none", num_iterations=1,
@@ -106,12 +106,19 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         report_to=[], dataloader_num_workers=0, disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # Our learning-rate schedule, step for step: transformers' warmup starts at 0 (its first update would not move
+    # the weights), ours at lr / warmup_steps (`rl_lightning.models.optim.lr_factor`).
+    from rl_lightning.models.optim import lr_factor
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, args.warmup, args.rollouts, "constant", 0.0))
     trainer = GRPOTrainer(model=model, reward_funcs=functions, args=config, train_dataset=dataset,
-                          processing_class=load_tokenizer(path), callbacks=[Record()])
+                          processing_class=load_tokenizer(path), callbacks=[Record()], optimizers=(optimizer, schedule))
     trainer.train()
     trainer.save_model(str(workdir / "export"))
     load_tokenizer(path).save_pretrained(str(workdir / "export"))
-    return {"tokens": sum(completion_tokens), "step_s": grpo_runs.median_interval(times), "curve_correct": correct_log,
+    return {"tokens": sum(completion_tokens), "step_s": grpo_runs.median_interval(times), "curve_correct": correct_log, "lr": lr_log,
             "first_reward": reward_log[0] if reward_log else float("nan"),
             "last_reward": sum(reward_log[-5:]) / max(1, min(5, len(reward_log))), "export": str(workdir / "export")}
 
