@@ -105,7 +105,11 @@ def main() -> None:
     probed = args.workdir / "base" / "probe.json"
     if not data.is_file():  # the kept probe result describes this file
         probed.unlink(missing_ok=True)
-    found = grpo_runs.kept(args, probed, lambda: _child("probe", base, args, args.workdir / "base"))
+    def fresh_probe() -> dict:
+        data.unlink(missing_ok=True)  # the child probes the task, not the questions an earlier probe chose
+        return _child("probe", base, args, args.workdir / "base")
+
+    found = grpo_runs.kept(args, probed, fresh_probe)
     print(f"probe: {found}", flush=True)
     if found["chosen"] < args.prompts:
         raise SystemExit(f"only {found['chosen']} of {found['candidates']} questions have a base pass rate in "

@@ -41,7 +41,8 @@ SMOKE = {"tasks": TASKS[0], "seeds": 2, "samples": 2}
 
 
 def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str]) -> dict:
-    """One `real_grpo.py` run (cached as JSON in the work folder)."""
+    """One `real_grpo.py` run; it keeps each step's result with its settings (`grpo_runs.kept`), so a rerun with the
+    same flags takes a second and other flags (``--skip-trl``, another budget) compute what differs."""
     name = f"{task.split(':', 1)[1].replace('?', '_').replace('&', '_').replace('=', '')}_seed{seed}"
     folder = args.workdir / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -52,16 +53,15 @@ def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str])
     if not base.exists():
         base.parent.mkdir(parents=True, exist_ok=True)
         base.symlink_to(shared, target_is_directory=True)
-    if not result.is_file():
-        command = [sys.executable, str(REPO / "benchmarks" / "real_grpo.py"), "--task", task, "--seed", str(seed),
-                   "--workdir", str(folder / "runs"), "--json", str(result), *passthrough]
-        start = time.perf_counter()
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        (folder / "log.txt").write_text(done.stdout + done.stderr)
-        if done.returncode:
-            raise SystemExit(f"{name} failed; see {folder / 'log.txt'}:\n{done.stderr[-2000:]}")
-        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+    command = [sys.executable, str(REPO / "benchmarks" / "real_grpo.py"), "--task", task, "--seed", str(seed),
+               "--workdir", str(folder / "runs"), "--json", str(result), *passthrough]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    (folder / "log.txt").write_text(done.stdout + done.stderr)
+    if done.returncode:
+        raise SystemExit(f"{name} failed; see {folder / 'log.txt'}:\n{done.stderr[-2000:]}")
+    print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
     return json.loads(result.read_text())["rows"]
 
 
@@ -73,16 +73,20 @@ def _mean_std(values: list[float], digits: int = 3) -> str:
 def table(task: str, runs: list[dict], k: int) -> str:
     """The task's Markdown table over the seeds' rows."""
     lines = [f"### `{task}` ({len(runs)} seeds)", "",
-             f"| model | greedy acc | pass@{k} | greedy gain vs base | train wall s |", "|---|---|---|---|---|"]
+             f"| model | greedy acc | greedy per seed | greedy gain vs base | sampled acc (T=1) | pass@{k} | "
+             "train wall s |", "|---|---|---|---|---|---|---|"]
     for name in ("before", "rl_lightning", "TRL"):
         rows = [run[name] for run in runs if name in run]
         if not rows:
             continue
         gains = [row["greedy"] - run["before"]["greedy"] for row, run in zip(rows, runs, strict=False)]
         wall = _mean_std([row["train"]["seconds"] for row in rows], 0) if "train" in rows[0] else ""
+        per_seed = ", ".join(f"{row['greedy']:.3f}" for row in rows)
         lines.append(f"| {name} | {_mean_std([r['greedy'] for r in rows])} | "
-                     f"{_mean_std([r.get('pass_at_k', float('nan')) for r in rows])} | "
-                     f"{_mean_std(gains) if name != 'before' else ''} | {wall} |")
+                     f"{per_seed if name != 'before' else ''} | "
+                     f"{_mean_std(gains) if name != 'before' else ''} | "
+                     f"{_mean_std([r.get('sampled', float('nan')) for r in rows])} | "
+                     f"{_mean_std([r.get('pass_at_k', float('nan')) for r in rows])} | {wall} |")
     return "\n".join(lines)
 
 
