@@ -105,7 +105,8 @@ def plot(task: str, runs: list[dict], path: Path) -> None:
             continue
         length = min(len(c) for c in curves)
         values = np.array([c[:length] for c in curves])
-        steps, mean, std = np.arange(1, length + 1), values.mean(0), values.std(0)
+        steps, mean = np.arange(1, length + 1), values.mean(0)
+        std = values.std(0, ddof=1) if len(values) > 1 else np.zeros(length)  # the tables' sample std
         axes.plot(steps, mean, color=colour, label=f"{name} ({len(curves)} seeds)")
         axes.fill_between(steps, mean - std, mean + std, color=colour, alpha=0.2)
     axes.set_title(f"GRPO on SmolLM2-135M-Instruct, mean ± std over seeds\n{task.split(':', 1)[1]}", fontsize=10)
