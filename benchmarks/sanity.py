@@ -105,6 +105,7 @@ def main() -> None:
     probed = args.workdir / "base" / "probe.json"
     if not data.is_file():  # the kept probe result describes this file
         probed.unlink(missing_ok=True)
+
     def fresh_probe() -> dict:
         data.unlink(missing_ok=True)  # the child probes the task, not the questions an earlier probe chose
         return _child("probe", base, args, args.workdir / "base")

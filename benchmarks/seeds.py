@@ -17,7 +17,7 @@ only, DAPO's soft overlong punishment over the last 8 of 32 tokens, 10 rollouts 
 2e-5), about 25 minutes per task and seed for both libraries on one core. Every step's result is kept in
 ``--workdir``, so the sweep can be stopped and restarted, and split over processes with ``--seeds 1,2``.
 
-    python benchmarks/seeds.py --out benchmarks/results/seeds_cpu.md --plots benchmarks/results/seeds
+    python benchmarks/seeds.py --out benchmarks/results/seeds_cpu.md --plots docs/images/seeds
     python benchmarks/seeds.py --seeds 1 --rollouts 2 --prompts 2 --group 2 --skip-trl  # a short run
     python benchmarks/seeds.py --smoke --workdir /tmp/smoke  # tiny model, 2 seeds, about a minute (what the tests run)
 """
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 TASKS = ("reasoning_gym:chain_sum?min_terms=2&max_terms=2&max_digits=2",
          "reasoning_gym:products?min_terms=2&max_terms=2&min_digits=1&max_digits=2")
 # --smoke: one task, two seeds (a std needs two), and real_grpo.py's own --smoke (tiny model, one small rollout)
-SMOKE = {"tasks": TASKS[0], "seeds": 2, "samples": 2}
+SMOKE = {"tasks": TASKS[0], "seeds": "2", "samples": 2}  # "2": argparse converts string defaults
 
 
 def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str]) -> dict:
@@ -63,6 +63,17 @@ def _run(task: str, seed: int, args: argparse.Namespace, passthrough: list[str])
         raise SystemExit(f"{name} failed; see {folder / 'log.txt'}:\n{done.stderr[-2000:]}")
     print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
     return json.loads(result.read_text())["rows"]
+
+
+def _seed_list(text: str) -> list[int]:
+    """``--seeds``: N (seeds 1..N) or a comma-separated list of seeds."""
+    try:
+        seeds = [int(s) for s in text.split(",")] if "," in text else list(range(1, int(text) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count (3) nor a list of seeds (2,3)") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"{text!r} names no seed; give a count >= 1 or a list (2,3)")
+    return seeds
 
 
 def _mean_std(values: list[float], digits: int = 3) -> str:
@@ -124,7 +135,7 @@ def main() -> None:
                                      epilog="Other flags (--rollouts, --prompts, --group, --lr, --skip-trl, ...) go to "
                                             "benchmarks/real_grpo.py unchanged.")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated reasoning_gym: data paths")
-    parser.add_argument("--seeds", default="3", help="N: seeds 1..N; or a comma-separated list (2,3) to split a "
+    parser.add_argument("--seeds", type=_seed_list, default="3", help="N: seeds 1..N; or a comma-separated list (2,3) to split a "
                         "sweep over processes sharing --workdir (then one run without it writes the tables)")
     parser.add_argument("--samples", type=int, default=4, help="pass@K: sampled completions per held-out question")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rl_lightning_seeds"))
@@ -142,10 +153,9 @@ def main() -> None:
                                     "--warmup", "2", "--format-weight", "0", "--overlong-cache", "8",
                                     "--test-size", "64", "--threads", "1"]
     passthrough = budget + passthrough + ["--samples", str(args.samples)] + (["--smoke"] if args.smoke else [])
-    seeds = [int(s) for s in str(args.seeds).split(",")] if "," in str(args.seeds) else range(1, int(args.seeds) + 1)
     sections, start, everything = [], time.perf_counter(), {}
     for i, task in enumerate(args.tasks.split(",")):
-        runs = everything[task] = [_run(task, seed, args, passthrough) for seed in seeds]
+        runs = everything[task] = [_run(task, seed, args, passthrough) for seed in args.seeds]
         sections.append(table(task, runs, args.samples))
         if args.plots:
             plot(task, runs, args.plots / f"task{i + 1}.png")

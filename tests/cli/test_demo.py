@@ -73,11 +73,11 @@ def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
 
         trained = load_file(run / "export" / "model.safetensors")["model.norm.weight"]
         assert not torch.equal(trained, load_file(real.model_dir() / "model.safetensors")["model.norm.weight"])
-        val = sorted(client.get_metric_history(run_id, "val/reward/correct"), key=lambda m: m.step)
+        val = history("val/reward/correct")
         # the same quantity both ways: the mean `correct` component of the greedy answers (reasoning-gym gives
         # partial credit, so it can exceed the share of fully correct answers, `greedy/accuracy`)
-        assert val[0].value == pytest.approx(before["greedy/reward/correct"], abs=1e-9), (val, before)
-        assert val[-1].value == pytest.approx(after["greedy/reward/correct"], abs=1e-9), (val, after)
+        assert val[0] == pytest.approx(before["greedy/reward/correct"], abs=1e-9), (val, before)
+        assert val[-1] == pytest.approx(after["greedy/reward/correct"], abs=1e-9), (val, after)
         assert before["greedy/accuracy"] <= before["greedy/reward/correct"] + 1e-12
         summary = done.stdout.splitlines()
         assert any(line.split()[:4] == ["greedy", "(T=0)", f"{before['greedy/accuracy']:.3f}",
