@@ -55,6 +55,29 @@ def fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
+def write_atomic(path: str | Path, data: str | bytes, mode: int = 0o644) -> None:
+    """Write `data` to `path` so that a reader or a kill sees the old content or the new, never a part.
+
+    The bytes go to a hidden temporary name in the same folder with permissions `mode`, are fsynced, moved into place
+    with ``os.replace``, and the folder is fsynced.
+    """
+    path = Path(path)
+    tmp = temporary_path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # the umask may have narrowed it; `mode` is what the caller asked for
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+
+
 def delete(path: Path) -> None:
     """Delete a file, link or folder, renamed to a hidden name first (a kill midway leaves no half checkpoint)."""
     if not (path.exists() or path.is_symlink()):
