@@ -2,7 +2,7 @@
 
 - no import circle between modules (function-level imports count: a lazy import is still a dependency);
 - imports flow one way between packages, top to bottom: cli, tracking, tasks, rollout, rewards, data,
-  models|parallel (siblings), assets, algorithms; `rl_lightning.errors` is for everyone; nothing imports `cli`,
+  models|parallel (siblings), assets, algorithms; `rl_lightning.errors` and `.redaction` are for everyone; nothing imports `cli`,
   and `algorithms` imports nothing of ours;
 - at most 5 modules at the package root, every package's ``__init__`` opens with a docstring;
 - no file over 400 lines and no function over 80 in `rl_lightning/` and `callbacks/`.
@@ -20,7 +20,7 @@ PACKAGE = REPO / "rl_lightning"
 # that may import each other (the packed attention dispatches to ring attention, which builds on the models' kernels
 # and shards models with LoRA in mind); module-level circles between them are still refused.
 LAYERS = [["__main__"], ["cli"], ["tracking"], ["tasks"], ["rollout"], ["rewards"], ["data"], ["models", "parallel"],
-          ["assets"], ["algorithms"], ["errors"]]
+          ["assets"], ["algorithms"], ["errors", "redaction"]]
 # Commands that live beside what they build: they sit at the top of the order, and nothing of ours imports them.
 COMMANDS = {"rl_lightning.assets.build": "cli"}
 
