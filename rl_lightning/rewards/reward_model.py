@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 
 from rl_lightning.errors import ConfigError, UserError
+from rl_lightning.redaction import redact_text, redact_url, remember
 
 KEY = "model.rollout.reward_model"
 RETRY_STATUS = (429,)  # and every 5xx: the server is busy or failing, a later try may be answered
@@ -45,7 +47,8 @@ class RewardModelConfig:
 
     Args:
         url: base URL of a served reward model (``vllm serve <rm folder> --runner pooling``), e.g.
-            ``http://localhost:8000``; exclusive with `path`.
+            ``http://localhost:8000``; exclusive with `path`. Credentials in it (``https://user:password@host``:
+            HTTP basic auth) work, and are shown as ``***`` wherever the URL is (errors, logs, MLflow, run names).
         path: an RM folder (the RM task's export) scored in the trainer process, on the trainer's device; exclusive
             with `url`.
         model: ``url``: the served model name (default: the only model the server lists); its tokenizer formats the
@@ -61,6 +64,8 @@ class RewardModelConfig:
         concurrency: ``url``: requests in flight at once.
         on_error: a batch the server did not score: ``raise`` (stop with the URL and the fix) or ``zero`` (its
             trajectories get 0 for this component and count as reward failures).
+        api_key_env: ``url``: the name of an environment variable holding the server's API key, sent as
+            ``Authorization: Bearer <key>`` (``vllm serve --api-key``); the key itself is never logged or stored.
     """
 
     url: str | None = None
@@ -74,14 +79,20 @@ class RewardModelConfig:
     retries: int = 2
     concurrency: int = 4
     on_error: str = "raise"
+    api_key_env: str | None = None
 
     def __post_init__(self) -> None:
         errors = []
+        if self.api_key_env is not None and (self.url is None or not os.environ.get(self.api_key_env)):
+            errors.append(f"api_key_env={self.api_key_env!r}: " + (
+                "an API key is sent to a served model only: set url, or api_key_env: null" if self.url is None else
+                f"the environment variable {self.api_key_env} is not set (or empty): export it with the API key"))
         if (self.url is None) == (self.path is None):
-            errors.append(f"url and path are exclusive and one is needed, got url={self.url!r}, path={self.path!r}: "
+            errors.append(f"url and path are exclusive and one is needed, got url={redact_url(repr(self.url))}, "
+                          f"path={self.path!r}: "
                           "set url to a served RM (vllm serve) or path to an RM folder")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
-            errors.append(f"url must start with http:// or https://, got {self.url!r}")
+            errors.append(f"url must start with http:// or https://, got {redact_url(repr(self.url))}")
         if self.path is not None and not (Path(self.path).is_dir() or self.path.startswith("asset:")):
             errors.append(f"path '{self.path}' is not a folder (resolved to {Path(self.path).resolve()})")
         if not self.name or not math.isfinite(self.weight) or self.weight < 0:
@@ -98,7 +109,8 @@ class RewardModelConfig:
         """The scorer this configures (not started: `start` it on the trainer's device)."""
         if self.url is not None:
             return RewardModelClient(self.url, self.model, self.tokenizer, self.batch_size, self.timeout_s,
-                                     self.retries, self.concurrency)
+                                     self.retries, self.concurrency,
+                                     api_key=os.environ.get(self.api_key_env) if self.api_key_env else None)
         return LocalRewardModel(str(self.path), self.tokenizer, self.batch_size)  # __post_init__: one of them is set
 
 
@@ -136,12 +148,18 @@ class RewardModelClient:
     `start` checks the server (``GET /v1/models``) and loads the tokenizer. In a ``reward_fn``:
     ``client = RewardModelClient("http://localhost:8000")`` at module level, then ``client.score([messages])[0]`` (it
     starts itself on first use).
+
+    Credentials: `api_key` goes as ``Authorization: Bearer <api_key>``; a URL's ``user:password@`` as HTTP basic
+    auth. Messages show the URL as `shown_url` (credentials as ``***``), and neither is ever logged.
     """
 
     def __init__(self, url: str, model: str | None = None, tokenizer: str | None = None, batch_size: int = 32,
                  timeout_s: float = 60.0, retries: int = 2, concurrency: int = 4, backoff_s: float = 0.5,
-                 key: str = KEY) -> None:
+                 key: str = KEY, api_key: str | None = None) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
+        self.shown_url = redact_url(self.url)
+        self.api_key = api_key
+        remember(api_key)
         self.model, self.tokenizer_name, self.key = model, tokenizer, key
         self.batch_size, self.timeout_s, self.retries, self.concurrency = batch_size, timeout_s, retries, concurrency
         self.backoff_s = backoff_s
@@ -156,7 +174,8 @@ class RewardModelClient:
         """The pooled HTTP client (made on first use), with the transport that retries connections."""
         if self._http is None:
             limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-            self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(self.timeout_s),
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(self.timeout_s), headers=headers,
                                       transport=httpx.HTTPTransport(retries=self.retries, limits=limits))
         return self._http
 
@@ -179,10 +198,10 @@ class RewardModelClient:
             raise ConfigError(str(e)) from None
         if self.model is None:
             if len(served) != 1:
-                raise ConfigError(f"{self.key}.model is not set and {self.url} serves {served}: name one")
+                raise ConfigError(f"{self.key}.model is not set and {self.shown_url} serves {served}: name one")
             self.model = served[0]
         elif self.model not in served:
-            raise ConfigError(f"{self.key}.model={self.model!r} is not served by {self.url} (it serves {served}): "
+            raise ConfigError(f"{self.key}.model={self.model!r} is not served by {self.shown_url} (it serves {served}): "
                               "set it to one of those")
         from rl_lightning.models.loading import load_tokenizer
 
@@ -221,7 +240,7 @@ class RewardModelClient:
             return e
         rows = sorted(answer["data"], key=lambda row: row["index"])
         if len(rows) != len(token_ids) or any(len(row["probs"]) != 1 for row in rows):
-            raise ConfigError(f"{self.key}: {self.url} model {self.model!r} did not return one score per sequence "
+            raise ConfigError(f"{self.key}: {self.shown_url} model {self.model!r} did not return one score per sequence "
                               "(is it a num_labels=1 reward model, e.g. the RM task's export?)")
         return [float(row["probs"][0]) for row in rows]
 
@@ -253,8 +272,8 @@ class RewardModelClient:
                f"check {self.key}.url and that the server runs (vllm serve <rm folder> --runner pooling)")
         if not startup:  # the start-up check always stops: a run must not train on zeros from a wrong URL
             fix += f", or set {self.key}.on_error: zero to score such trajectories 0"
-        raise RewardModelError(f"reward model at {self.url}{route}: {cause} after {attempts} attempt(s) ({self.key}.url="
-                               f"{self.url}, timeout_s={timeout_s}); {fix}", timed_out)
+        raise RewardModelError(redact_text(f"reward model at {self.shown_url}{route}: {cause} after {attempts} attempt(s) "
+                                           f"({self.key}.url={self.shown_url}, timeout_s={timeout_s}); {fix}"), timed_out)
 
 
 def _first_line(text: str) -> str:
