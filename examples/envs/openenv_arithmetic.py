@@ -33,7 +33,8 @@ class Correct(Rubric):
 
     def forward(self, action: GuessAction, observation: GuessObservation) -> float:
         numbers = NUMBER.findall(action.message)
-        return float(bool(numbers) and int(numbers[-1]) == self.game.answer)
+        # at most 30 characters: int() of a 10k-digit model output would raise (and cost time)
+        return float(bool(numbers) and len(numbers[-1]) <= 30 and int(numbers[-1]) == self.game.answer)
 
 
 class BareNumber(Rubric):

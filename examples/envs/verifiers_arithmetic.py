@@ -17,6 +17,7 @@ import verifiers.v1 as vf
 
 ROWS = Path(__file__).resolve().parents[2] / "rl_lightning" / "assets" / "data" / "easy.jsonl"
 NUMBER = re.compile(r"-?\d+")
+MAX_MAGNITUDE = 10**15
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -56,11 +57,16 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, vf.TasksetConfig]):
 
 
 def _evaluate(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
-        return OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    raise ValueError(f"unsupported expression: {ast.dump(node)}")
+    """The expression's value; a number beyond `MAX_MAGNITUDE` at any step is refused (the model reads the error)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        value = node.value
+    elif isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+        value = OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    else:
+        raise ValueError(f"unsupported expression: {ast.dump(node)[:200]}")
+    if abs(value) > MAX_MAGNITUDE:
+        raise ValueError(f"a number beyond {MAX_MAGNITUDE:.0e} (the calculator's limit)")
+    return value
 
 
 __all__ = ["ArithmeticTaskset"]
