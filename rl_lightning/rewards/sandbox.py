@@ -19,6 +19,7 @@ The first call logs the isolation level; without real isolation it refuses unles
 
 from __future__ import annotations
 
+import functools
 import os
 import selectors
 import shutil
@@ -28,18 +29,21 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from rl_lightning.rewards import confine as confine_module
 from rl_lightning.rewards import isolation
 
-# Runs inside the sandboxed interpreter before the untrusted code (argv: memory MiB, CPU s, audit hook 1/0, the
-# program's file):
-# lower the hard resource limits, install the audit hook, then run the program as __main__. The hook's state lives in
+# Runs inside the sandboxed interpreter before the untrusted code (argv: memory MiB, CPU s, audit hook 1/0, the seccomp
+# filter in hex or "-", the parent's pid, the program's file): unisolated, confine itself (die with the parent, the
+# seccomp filter: `rl_lightning.rewards.confine`, whose source precedes this one then); lower the hard resource limits,
+# install the audit hook, then run the program as __main__. The hook's state lives in
 # its closure, not in globals the program can reach through ``import __main__``.
 _PRELUDE = r'''
 import os, resource, sys
 def _install(memory, cpu_seconds, audit):
     for name, value in (("RLIMIT_AS", memory), ("RLIMIT_CPU", cpu_seconds), ("RLIMIT_FSIZE", 16 << 20),
-                        ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", 64), ("RLIMIT_CORE", 0)):
+                        ("RLIMIT_NOFILE", 64), ("RLIMIT_NPROC", 64), ("RLIMIT_CORE", 0), ("RLIMIT_MSGQUEUE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
     root = os.path.realpath(os.getcwd())
     blocked = ("socket.", "subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn",
@@ -73,12 +77,16 @@ def _install(memory, cpu_seconds, audit):
                 raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
     if audit:
         sys.addaudithook(hook)
+if sys.argv[4] != "-":
+    die_with_parent(int(sys.argv[5]))
+    apply_seccomp(bytes.fromhex(sys.argv[4]))
 _install(int(sys.argv[1]) << 20, int(sys.argv[2]), sys.argv[3] == "1")
 del _install
-_source = open(sys.argv[4]).read()
-sys.argv = [sys.argv[4]]
+_source = open(sys.argv[6]).read()
+sys.argv = [sys.argv[6]]
 exec(compile(_source, "<generated>", "exec"), {"__name__": "__main__"})
 '''
+_WORKDIR_PREFIX = "rl_sandbox_"  # unisolated work directories: rl_sandbox_<pid of the caller>_<random>
 WORKDIR_BYTES = 64 << 20  # tmpfs size of the work directory (files the program writes live in memory)
 _CHUNK = 1 << 16
 
@@ -116,11 +124,14 @@ def run_sandboxed(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb:
     """
     level = isolation.require_isolation()
     start = time.monotonic()
-    args = ["-I", "-c", _PRELUDE, str(memory_mb), str(max(1, int(timeout_s + 0.999))), str(int(audit_hook))]
+    limits = [str(memory_mb), str(max(1, int(timeout_s + 0.999))), str(int(audit_hook))]
     if level == "bwrap":
-        process, cleanup = _start_bwrap(code, args)
+        process, cleanup = _start_bwrap(code, ["-I", "-c", _PRELUDE, *limits, "-", "0"])
     else:
-        process, cleanup = _start_unisolated(code, args)
+        program = isolation.seccomp_program()
+        confine = Path(confine_module.__file__).read_text() + _PRELUDE
+        process, cleanup = _start_unisolated(code, ["-I", "-c", confine, *limits, program.hex() if program else "-",
+                                                    str(os.getpid())])
     try:
         out, err, why = _communicate(process, stdin.encode(), start + timeout_s, max_output_bytes)
     finally:
@@ -155,13 +166,45 @@ def _start_bwrap(code: str, args: list[str]) -> tuple[subprocess.Popen, Callable
 
 
 def _start_unisolated(code: str, args: list[str]) -> tuple[subprocess.Popen, Callable[[], None]]:
-    workdir = tempfile.mkdtemp(prefix="rl_sandbox_")
+    """A plain child process, killed when this process dies, in a work directory removed after it.
+
+    The directory's name carries this process's pid, so one left behind by a killed process is removed by the next
+    process that runs an unisolated call (`_remove_stale_workdirs`).
+    """
+    _remove_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}_")
     with open(os.path.join(workdir, "code.py"), "w") as f:
         f.write(code)
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "HOME": workdir,
            "TMPDIR": workdir}
     return _popen([isolation.interpreter(), *args, "code.py"], cwd=workdir, env=env), \
         lambda: shutil.rmtree(workdir, ignore_errors=True)
+
+
+@functools.cache
+def _remove_stale_workdirs() -> None:
+    """Remove this user's unisolated work directories whose process is gone (once per process)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(_WORKDIR_PREFIX):].partition("_")[0]
+        path = os.path.join(root, name)
+        if not name.startswith(_WORKDIR_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            if os.lstat(path).st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _popen(command: list[str], **kwargs) -> subprocess.Popen:
