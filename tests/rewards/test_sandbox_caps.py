@@ -4,13 +4,11 @@ found at start-up is the one that runs, and the opt-in unisolated mode leaves no
 The hostile programs run with the audit hook off: the operating system holds on its own.
 """
 
-import errno
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
