@@ -170,8 +170,16 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
 
 
 def load_spec_rows(spec: str) -> list[dict]:
-    """The rows a ``reasoning_gym:`` data path names."""
+    """The rows a ``reasoning_gym:`` data path names.
+
+    RL rows of a task whose scorer evaluates text are refused here, at start-up, where the sandbox that scores them
+    cannot run (`rl_lightning.rewards.reasoning_gym.check_task_scoring`).
+    """
     task, split, options, config = parse_spec(spec)
+    if options["format"] == "rl":
+        from rl_lightning.rewards.reasoning_gym import check_task_scoring
+
+        check_task_scoring(task)
     entries = generate(task, options["train_size"], options["test_size"], options["seed"],
                        tuple(sorted(config.items())))[split]
     return to_rows(task, entries, options["format"], options["system_prompt"], options["seed"])

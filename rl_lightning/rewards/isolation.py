@@ -64,12 +64,12 @@ def bwrap_path() -> str:
 
 def bwrap_command(python_args: list[str], workdir_bytes: int, seccomp_fd: int | None = None,
                   files: dict[str, int] | None = None, read_only: tuple[str, ...] = (),
-                  bwrap: str | None = None) -> list[str]:
+                  bwrap: str | None = None, workdir: str = WORKDIR) -> list[str]:
     """The bubblewrap command line running ``interpreter() *python_args`` in the isolation described above.
 
     `files` (name in the work directory -> readable fd, passed to the child) are copied into the work directory;
     `read_only` names more directories to bind read-only at the same path (e.g. a ``site-packages``); `bwrap` is the
-    executable (default: `bwrap_path`).
+    executable (default: `bwrap_path`); `workdir` the work directory (it must not hold a `read_only` folder).
     """
     # --unshare-user explicitly: --unshare-all only tries it, and as root would otherwise skip it
     command = [bwrap or bwrap_path(), "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
@@ -84,12 +84,12 @@ def bwrap_command(python_args: list[str], workdir_bytes: int, seccomp_fd: int | 
     # /dev and then / read-only once everything is in place: only the size-capped work directory takes writes
     # (tmpfs pages are not counted in the program's address space, so an uncapped one could fill the host's memory)
     command += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(workdir_bytes), "--tmpfs",
-                WORKDIR, "--chdir", WORKDIR, "--clearenv"]
-    for name, value in (("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8"), ("HOME", WORKDIR), ("TMPDIR", WORKDIR),
+                workdir, "--chdir", workdir, "--clearenv"]
+    for name, value in (("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8"), ("HOME", workdir), ("TMPDIR", workdir),
                         ("PYTHONDONTWRITEBYTECODE", "1")):
         command += ["--setenv", name, value]
     for name, fd in (files or {}).items():
-        command += ["--file", str(fd), f"{WORKDIR}/{name}"]
+        command += ["--file", str(fd), f"{workdir}/{name}"]
     command += ["--remount-ro", "/"]
     if seccomp_fd is not None:
         command += ["--seccomp", str(seccomp_fd)]

@@ -6,6 +6,11 @@ combined by the rollout's ``reward_weights`` (unweighted they sum):
 - ``correct``: reasoning-gym's ``score_answer`` (1 for a right answer; some tasks give partial credit) applied to the
   answer extracted from the completion, tolerating how models format it (see `extract_answer`);
 - ``format``: 1 when the completion is the answer alone (or one ``<answer>…</answer>`` block), as the prompt asks.
+
+Some tasks' scorers evaluate text as Python (``eval``, or sympy's parser, which calls it): `EVALUATING_TASKS`.
+Their answers are scored in the code sandbox's isolation (`rl_lightning.rewards.scorer_sandbox`), never in this
+process; the others in this process. `check_task_scoring` refuses an evaluating task at start-up where the sandbox
+cannot run.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import re
 from functools import cache
 from typing import Any
 
+from rl_lightning.errors import ConfigError
+from rl_lightning.rewards import isolation
 from rl_lightning.rewards.math import last_boxed
 
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -59,6 +66,41 @@ def extract_answer(text: str, reference: str = "") -> str | None:
     return candidate
 
 
+# Tasks of reasoning-gym 0.1.25 whose score_answer may evaluate text, found by the rule of
+# `rl_lightning.rewards.reasoning_gym_scan` (tests/rewards/test_reasoning_gym_sandbox.py rescans the installed
+# reasoning-gym and fails when a task it finds is missing here): scored in the sandbox.
+EVALUATING_TASKS = {
+    "binary_matrix": "eval() of the answer",
+    "bitwise_arithmetic": "eval() of the row's metadata problem",
+    "composite": "delegates to any task's scorer",
+    "countdown": "sympy parse_expr (eval) of the answer",
+    "intermediate_integration": "sympy parse_expr (eval) of the answer",
+    "n_queens": "eval() of the answer",
+    "number_sorting": "eval() of the row's answer",
+    "polynomial_multiplication": "sympy parse_expr (eval) of the answer",
+    "puzzle24": "sympy parse_expr (eval) of the answer",
+    "simple_integration": "sympy parse_expr (eval) of the answer",
+    "spiral_matrix": "eval() of the answer",
+    "string_insertion": "eval() of the answer",
+}
+
+
+def check_task_scoring(task: str) -> None:
+    """Where `task`'s scorer evaluates text, make sure it can run in the sandbox: a `ConfigError` in one line if not.
+
+    Call at start-up (data loading does, for ``reasoning_gym:`` paths); logs the isolation level once.
+    """
+    if task not in EVALUATING_TASKS:
+        return
+    try:
+        isolation.require_isolation()
+    except ConfigError:
+        raise ConfigError(f"reasoning-gym task '{task}': its scorer evaluates model or data text as Python "
+                          f"({EVALUATING_TASKS[task]}), so it is scored only in the code sandbox, which has no OS "
+                          f"isolation here; {isolation.INSTALL_HINT}, or set {isolation.OPT_IN}=1 to score it "
+                          "unisolated on a machine where that is acceptable") from None
+
+
 @cache
 def _scorer(task: str) -> Any:
     from rl_lightning.data.reasoning_gym import import_reasoning_gym
@@ -71,10 +113,19 @@ def score(completion: str, answer: dict) -> dict[str, float]:
     reference = str(answer["answer"])
     extracted = extract_answer(completion, reference)
     entry = {"question": "", "answer": reference, "metadata": answer.get("metadata", {})}
-    correct = float(_scorer(answer["task"])(extracted, entry)) if extracted is not None else 0.0
+    correct = _correct(str(answer["task"]), extracted, entry) if extracted is not None else 0.0
     stripped = completion.strip()
     bare = stripped == extracted or (len(_TAG.findall(stripped)) == 1 and _TAG.fullmatch(stripped) is not None)
     return {"correct": correct, "format": float(bool(bare))}
+
+
+def _correct(task: str, extracted: str, entry: dict) -> float:
+    if task not in EVALUATING_TASKS:
+        return float(_scorer(task)(extracted, entry))
+    from rl_lightning.rewards.scorer_sandbox import shared_scorer
+
+    check_task_scoring(task)
+    return shared_scorer().score(task, extracted, entry)
 
 
 def reward_fn(messages: list[dict], answer: dict) -> dict[str, float]:
