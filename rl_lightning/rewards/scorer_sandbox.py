@@ -74,14 +74,21 @@ class SandboxedScorer:
         self.process: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
-    def score(self, task: str, answer: str, entry: dict[str, Any]) -> float:
-        """The task's score of `answer` (0.0 when the scoring failed because of the answer: refused, timed out...)."""
+    def score(self, task: str, answer: str, entry: dict[str, Any], audit_gate: bool = True) -> float:
+        """The task's score of `answer` (0.0 when the scoring failed because of the answer: refused, timed out...).
+
+        Raises ValueError when the task has no scorer here, `ScorerError` when the scorer process failed.
+        `audit_gate`: refuse to compile text beyond arithmetic (`scorer_server.refusal`); the tests switch it off to
+        show that the OS isolation holds on its own.
+        """
         request = {"task": task, "answer": answer, "entry": entry, "timeout_s": self.timeout_s,
-                   "memory_mb": self.memory_mb}
+                   "memory_mb": self.memory_mb, "audit_gate": audit_gate}
         with self._lock:
             reply = self._ask(request)
         if "score" in reply:
             return float(reply["score"])
+        if "error" in reply:
+            raise ValueError(f"reasoning-gym task '{task}': {reply['error']}")
         log.info("reasoning-gym scorer (sandboxed): task %s, the answer scores 0: %s", task, reply.get("failure"))
         return 0.0
 

@@ -1,0 +1,128 @@
+"""Reasoning-gym scorers that evaluate text run in the sandbox, never in the trainer or reward worker (issue 36.1).
+
+For each task on `EVALUATING_TASKS`: a completion (or, where the scorer evaluates the row's own text, a data row)
+whose evaluated text writes a file, reads a secret of the trainer's environment and connects to a loopback listener
+does none of the three and scores as garbage, with the sandbox's audit gate on (the reward path) and off (the OS
+isolation alone); the dataset's own answer still scores 1. One scorer process serves the whole module.
+"""
+
+import logging
+import os
+import socket
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from rl_lightning.errors import ConfigError  # noqa: E402
+from rl_lightning.rewards import isolation  # noqa: E402
+from rl_lightning.rewards.reasoning_gym import EVALUATING_TASKS, check_task_scoring, score  # noqa: E402
+from rl_lightning.rewards.reasoning_gym_scan import evaluating_tasks  # noqa: E402
+from rl_lightning.rewards.scorer_sandbox import shared_scorer  # noqa: E402
+
+needs_bwrap = pytest.mark.skipif(isolation.isolation_level() != "bwrap",
+                                 reason=f"no bubblewrap isolation on this machine; {isolation.INSTALL_HINT}")
+SECRET = "s3cret-rg-token"
+FLOOR = {"countdown": 0.01, "puzzle24": 0.01}  # reasoning-gym's own score for an answer it cannot parse
+DATA_EVALUATED = {"bitwise_arithmetic": "problem", "number_sorting": "answer"}  # the row's text is evaluated
+SCORABLE = sorted(set(EVALUATING_TASKS) - {"composite"})  # composite needs a config of datasets to score at all
+
+
+def test_every_task_whose_scorer_evaluates_text_is_listed():
+    """Rescan the installed reasoning-gym with the rule: a new release cannot add an evaluating scorer unnoticed."""
+    found = evaluating_tasks()
+    assert set(found) <= set(EVALUATING_TASKS), f"scored in-process but evaluate text: {set(found) - set(EVALUATING_TASKS)}"
+    assert {"string_insertion", "spiral_matrix", "binary_matrix", "n_queens", "countdown", "puzzle24",
+            "polynomial_multiplication", "simple_integration", "intermediate_integration"} <= set(found)
+    assert "chain_sum" not in found  # the demo's task stays in-process (fast)
+
+
+@pytest.fixture(scope="module")
+def trap(tmp_path_factory):
+    """A secret in the trainer's environment (set before the scorer starts), a listener, and the file to be written."""
+    os.environ["RL_TEST_SECRET"] = SECRET
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    target = tmp_path_factory.mktemp("trap") / "written"
+    program = (f'import os, pathlib, socket\\ntry: socket.create_connection(("127.0.0.1", {listener.getsockname()[1]}), '
+               f'timeout=1)\\nexcept Exception: pass\\npathlib.Path("{target}").write_text("w" + os.environ.get('
+               '"RL_TEST_SECRET", "-"))')
+    payload = f"exec('{program}')"
+    yield payload, target, listener
+    listener.close()
+    os.environ.pop("RL_TEST_SECRET", None)
+    shared_scorer().close()
+
+
+def _entry(task: str) -> dict:
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset(task, seed=0, size=1)[0]
+    return {"task": task, "answer": str(entry["answer"]), "metadata": entry["metadata"]}
+
+
+def _hostile(task: str, payload: str) -> tuple[str, dict]:
+    """The completion and row answer carrying `payload` to where `task`'s scorer evaluates it."""
+    row = _entry(task) if task != "composite" else {"task": task, "answer": "1", "metadata": {
+        "source_dataset": "countdown"}}
+    if task == "bitwise_arithmetic":
+        return "<answer>0x1</answer>", {**row, "metadata": {**row["metadata"], "problem": payload}}
+    if task == "number_sorting":
+        return "<answer>['1', '2']</answer>", {**row, "answer": payload}
+    return f"<answer>{payload}</answer>", row
+
+
+@needs_bwrap
+@pytest.mark.parametrize("task", SCORABLE)
+def test_honest_answers_still_score_one(task, trap):
+    row = _entry(task)
+    assert score(f"<answer>{row['answer']}</answer>", row) == {"correct": 1.0, "format": 1.0}
+
+
+@needs_bwrap
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
+@pytest.mark.parametrize("task", sorted(EVALUATING_TASKS))
+def test_evaluated_text_writes_reads_and_connects_nothing(task, gate, trap, caplog):
+    payload, target, listener = trap
+    completion, row = _hostile(task, payload)
+    with caplog.at_level(logging.INFO):
+        if task == "composite":  # no config of datasets: reasoning-gym cannot build its scorer (as in-process)
+            with pytest.raises(ValueError, match="composite"):
+                score(completion, row)
+            correct = 0.0
+        elif gate:
+            correct = score(completion, row)["correct"]
+        else:
+            entry = {"question": "", "answer": row["answer"], "metadata": row["metadata"]}
+            extracted = completion.removeprefix("<answer>").removesuffix("</answer>")
+            correct = shared_scorer().score(task, extracted, entry, audit_gate=False)
+    assert correct == FLOOR.get(task, 0.0)
+    assert not target.exists()
+    assert SECRET not in caplog.text
+    with pytest.raises(BlockingIOError):  # nobody connected
+        listener.accept()
+
+
+def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch):
+    from rl_lightning.data.reasoning_gym import load_spec_rows
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap on PATH
+    monkeypatch.delenv(isolation.OPT_IN, raising=False)
+    isolation.isolation_level.cache_clear()
+    isolation.require_isolation.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as error:
+            load_spec_rows("reasoning_gym:countdown?train_size=2&test_size=1")
+        message = str(error.value)
+        assert "\n" not in message and "'countdown'" in message and "parse_expr" in message
+        assert "apt-get install bubblewrap" in message and f"{isolation.OPT_IN}=1" in message
+        check_task_scoring("chain_sum")  # scored in-process: no sandbox needed
+        rows = load_spec_rows("reasoning_gym:chain_sum?train_size=2&test_size=1")
+        row = rows[0]["answer"]
+        assert score(f"<answer>{row['answer']}</answer>", row)["correct"] == 1.0
+        assert len(load_spec_rows("reasoning_gym:countdown?train_size=2&test_size=1&format=sft")) == 2  # not scored
+    finally:
+        isolation.isolation_level.cache_clear()
+        isolation.require_isolation.cache_clear()
