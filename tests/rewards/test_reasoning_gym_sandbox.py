@@ -126,3 +126,39 @@ def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch)
     finally:
         isolation.isolation_level.cache_clear()
         isolation.require_isolation.cache_clear()
+
+
+@needs_bwrap
+def test_an_answer_can_neither_change_nor_stop_the_scorer(trap):
+    """Code an answer runs (audit gate off) dies with its child: a patched scorer, a killed or forked scorer process
+    do not reach the next answer."""
+    scorer, row = shared_scorer(), _entry("string_insertion")
+    entry = {"question": "", "answer": row["answer"], "metadata": row["metadata"]}
+    assert scorer.score("string_insertion", row["answer"], entry) == 1.0
+    pid = scorer.process.pid
+    attacks = ["import reasoning_gym.algorithmic.string_insertion as m\\n"
+               "m.StringInsertionDataset.score_answer = lambda *a: 1.0",
+               "import os, signal\\nos.kill(os.getppid(), signal.SIGKILL)",
+               "import os\\nos.fork()"]
+    for attack in attacks:
+        assert scorer.score("string_insertion", f"exec('{attack}')", entry, audit_gate=False) == 0.0
+        assert scorer.score("string_insertion", "wrong", entry) == 0.0  # not 1.0 from a patched scorer
+    assert scorer.score("string_insertion", row["answer"], entry) == 1.0
+    assert scorer.process.pid == pid  # the same scorer process throughout
+
+
+@needs_bwrap
+def test_an_endless_answer_is_cut_at_the_limit(trap):
+    import time
+
+    scorer, row = shared_scorer(), _entry("polynomial_multiplication")
+    entry = {"question": "", "answer": row["answer"], "metadata": row["metadata"]}
+    scorer.timeout_s = 1.0
+    try:
+        start = time.monotonic()
+        assert scorer.score("polynomial_multiplication", "9**9**9**9", entry) == 0.0  # passes the gate: arithmetic
+        assert scorer.score("polynomial_multiplication", "exec('while True: pass')", entry, audit_gate=False) == 0.0
+        assert time.monotonic() - start < 2 * 1.0 + 1.0
+    finally:
+        scorer.timeout_s = 10.0
+    assert scorer.score("polynomial_multiplication", row["answer"], entry) == 1.0
