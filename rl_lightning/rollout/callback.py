@@ -105,7 +105,7 @@ class RolloutCallback(L.Callback):
             return
         if self.env.scorer is None:
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices,
-                                         c.interact_timeout_s)
+                                         c.interact_timeout_s, c.worker_env)
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
         if c.engine == "hf":

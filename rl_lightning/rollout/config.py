@@ -7,6 +7,7 @@ the `rl_lightning.rollout.callback.RolloutCallback` then runs it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
 ENGINES = ("hf", "vllm", "vllm_process")
 VLLM_ENGINES = ("vllm", "vllm_process")
 WEIGHT_SYNCS = ("auto", "full", "adapter")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ class RolloutConfig:
         interact_timeout_s: per-call limit of ``interact`` in seconds with `reward_workers` > 0 (``interact`` runs in
             the same workers; the worker is killed and replaced, and under `on_error` the run stops or that
             conversation ends there); null: no limit.
+        worker_env: names of variables of the trainer's environment that the reward and interact workers get besides
+            their minimal allow-list (locale, paths, thread counts, ``HF_HOME``/offline switches, ``RL_LIGHTNING_*``;
+            see `rl_lightning.rollout.scoring`), e.g. ``[OPENAI_API_KEY]`` for an LLM judge; a listed name missing
+            from the trainer's environment stops the run at start-up. The trainer's other variables (tokens, cloud
+            credentials) never reach a worker; with ``reward_workers: 0`` scoring runs in the trainer and sees them all.
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
             (low, high), and refill the batch with more prompts (drawn from the training set) until it is full or
@@ -137,6 +144,7 @@ class RolloutConfig:
     reward_workers: int | None = None
     reward_timeout_s: float | None = 60.0
     interact_timeout_s: float | None = 60.0
+    worker_env: list[str] | None = None
     seed: int | None = 0
     filter_range: tuple[float, float] | None = None
     max_refill_rounds: int = 4
@@ -185,6 +193,9 @@ class RolloutConfig:
                           f"{self.reward_workers}, {self.reward_timeout_s}")
         if self.interact_timeout_s is not None and not self.interact_timeout_s > 0:
             errors.append(f"interact_timeout_s must be > 0 (seconds) or null (no limit), got {self.interact_timeout_s}")
+        bad_names = [n for n in self.worker_env or [] if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
+        if bad_names:
+            errors.append(f"worker_env must list environment variable names (letters, digits, _), got {bad_names}")
         if errors:
             raise ConfigError("; ".join(f"model.rollout.{e}" for e in errors))
 

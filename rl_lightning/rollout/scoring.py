@@ -9,6 +9,10 @@ back as a timed-out `RewardFailure`. What a failure means is the environment's `
 trainer (`rl_lightning.rollout.env.Environment.judge` for rewards, ``Environment.interact_all`` for tools).
 
 A worker also exits on its own when the trainer goes away (its command pipe closes, or its parent changes).
+
+A worker starts with a minimal environment, not the trainer's (its tokens and credentials stay there): the variables
+of `WORKER_ENV` and `WORKER_ENV_PREFIXES` (locale, paths, thread counts, offline caches, ``RL_LIGHTNING_*``) plus
+those the user names in ``model.rollout.worker_env`` (e.g. an LLM judge's API key).
 """
 
 from __future__ import annotations
@@ -26,6 +30,28 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 STARTUP_LIMIT_S = 120.0  # a worker importing the environment file longer than this is reported, not waited on
+WORKER_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "PYTHONPATH",
+              "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONUTF8",
+              "PYTHONWARNINGS", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "TOKENIZERS_PARALLELISM",
+              "CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
+              "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR")
+WORKER_ENV_PREFIXES = ("LC_", "RL_LIGHTNING_", "COV_CORE_", "COVERAGE_")  # locale, ours, coverage of the workers
+
+
+def worker_environment(names: list[str] | None = None) -> dict[str, str]:
+    """The environment a worker starts with: the allow-list (`WORKER_ENV`, `WORKER_ENV_PREFIXES`) plus `names`.
+
+    Raises a `ConfigError` naming a variable of `names` the trainer does not have.
+    """
+    missing = [name for name in names or [] if name not in os.environ]
+    if missing:
+        from rl_lightning.errors import ConfigError
+
+        raise ConfigError(f"model.rollout.worker_env: {', '.join(missing)} not set in the trainer's environment; set "
+                          "it or remove it from the list")
+    return {name: value for name, value in os.environ.items()
+            if name in WORKER_ENV or name.startswith(WORKER_ENV_PREFIXES) or name in (names or [])}
 
 
 @dataclass
@@ -54,12 +80,13 @@ def env_module_name(env_path: str) -> str:
 
 
 class _Worker:
-    def __init__(self, env_path: str, module_name: str) -> None:
+    def __init__(self, env_path: str, module_name: str, environment: dict[str, str]) -> None:
         to_child, to_worker = os.pipe()
         from_worker, from_child = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rl_lightning.rollout.scoring", str(to_child), str(from_child)],
-            pass_fds=(to_child, from_child), start_new_session=True)  # its own group: killed with its children
+            pass_fds=(to_child, from_child), start_new_session=True,  # its own group: killed with its children
+            env=environment)
         os.close(to_child)
         os.close(from_child)
         self.commands = Connection(to_worker, readable=False)
@@ -79,15 +106,16 @@ class _Worker:
 
 
 def start_pool(env_path: str, workers: int | None, timeout_s: float | None, processes_per_node: int,
-               interact_timeout_s: float | None = None) -> RewardPool | None:
+               interact_timeout_s: float | None = None, worker_env: list[str] | None = None) -> RewardPool | None:
     """The pool for the rollout callback's ``reward_workers``.
 
     None: this machine's CPUs shared among the node's training processes, at most 16; 0: no pool, score (and call
-    ``interact``) in the trainer without a time limit.
+    ``interact``) in the trainer without a time limit (and with the trainer's environment). `worker_env`: variables
+    the workers get besides the allow-list (checked here, at start-up).
     """
     if workers is None:
         workers = max(1, min(16, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
-    return RewardPool(env_path, workers, timeout_s, interact_timeout_s) if workers > 0 else None
+    return RewardPool(env_path, workers, timeout_s, interact_timeout_s, worker_env) if workers > 0 else None
 
 
 class RewardPool:
@@ -98,11 +126,14 @@ class RewardPool:
         workers: number of processes (>= 1), started on the first `map`.
         timeout_s: per-call wall-clock limit of ``reward_fn`` in seconds, or None.
         interact_timeout_s: the same for ``interact``.
+        worker_env: variables of the trainer's environment the workers get besides the allow-list (see the module
+            docstring); a name the trainer does not have is a `ConfigError`, here.
     """
 
     def __init__(self, env_path: str, workers: int, timeout_s: float | None,
-                 interact_timeout_s: float | None = None) -> None:
+                 interact_timeout_s: float | None = None, worker_env: list[str] | None = None) -> None:
         self.env_path, self.size, self.timeout_s = env_path, workers, timeout_s
+        self.environment = worker_environment(worker_env)
         self.limits = {"reward_fn": timeout_s, "interact": interact_timeout_s}
         self.module_name = env_module_name(env_path)
         self.workers: list[_Worker] = []
@@ -122,7 +153,7 @@ class RewardPool:
     def _map(self, calls: list[tuple[Any, ...]], function: str) -> list[Any]:
         limit = self.limits[function]
         while len(self.workers) < self.size:
-            self.workers.append(_Worker(self.env_path, self.module_name))
+            self.workers.append(_Worker(self.env_path, self.module_name, self.environment))
         results: list[Any] = [None] * len(calls)
         pending, done = deque(range(len(calls))), 0
         while done < len(calls):
@@ -207,7 +238,7 @@ class RewardPool:
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self.workers[self.workers.index(worker)] = _Worker(self.env_path, self.module_name)
+        self.workers[self.workers.index(worker)] = _Worker(self.env_path, self.module_name, self.environment)
 
 
 def _serve(commands: Connection, replies: Connection) -> None:
