@@ -47,7 +47,8 @@ _USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]*://)[^/\s@?#'\"]+@")
 _QUERY = re.compile(r"([?&;])([^=&#;\s'\"]+)=([^&#;\s'\"]*)")
 _ENV_REFERENCE = re.compile(r"\$\{oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)")
 
-_remembered: dict[str, str] = {}  # secret value -> what is shown in its place
+_remembered: dict[str, str] = {}  # secret value -> what is shown in its place (``***``)
+_from_env: dict[str, str] = {}  # value of a variable read with oc.env -> ``${oc.env:NAME}``
 
 
 def words(key: str) -> list[str]:
@@ -86,7 +87,9 @@ def remember_env(texts: Iterable[str]) -> list[str]:
     """`remember` the value of each variable `texts` read with ``oc.env``, shown as ``${oc.env:NAME}``; their names."""
     names = env_references(texts)
     for name in names:
-        remember(os.environ.get(name), f"${{oc.env:{name}}}")
+        value = os.environ.get(name)
+        if value and len(value) >= MIN_SECRET_CHARS:
+            _from_env[value] = f"${{oc.env:{name}}}"
     return names
 
 
@@ -101,37 +104,43 @@ def redact_url(text: str) -> str:
     return _QUERY.sub(query, text) if "=" in text else text
 
 
-def redact_text(text: str) -> str:
-    """`text` without any secret this module knows: remembered values, then URL credentials (`redact_url`)."""
+def redact_text(text: str, env: bool = True) -> str:
+    """`text` without any secret this module knows: remembered values, then URL credentials (`redact_url`).
+
+    With `env` false, values read with ``oc.env`` are kept (see `redact`).
+    """
     text = str(text)
-    for value in sorted(_remembered, key=len, reverse=True):
+    known = {**_from_env, **_remembered} if env else _remembered
+    for value in sorted(known, key=len, reverse=True):
         if value in text:
-            text = text.replace(value, _remembered[value])
+            text = text.replace(value, known[value])
     return redact_url(text)
 
 
-def redact(value: Any, key: str = "") -> Any:
+def redact(value: Any, key: str = "", env: bool = True) -> Any:
     """A copy of `value` (a config tree: dicts, lists, tuples, dataclasses, strings) with every secret redacted.
 
     A non-empty string under a secret-named key (`secret_key`) becomes ``***`` (and is `remember`-ed, so it is
     redacted from free text too); any other string goes through `redact_text`. Other values are kept; an unchanged
-    tree is returned as it is (the same object).
+    tree is returned as it is (the same object). With `env` false, values read with ``oc.env`` are kept: a
+    checkpoint's hyperparameters, which a resume compares with the resolved config (a model path read with
+    ``${oc.env:SCRATCH}`` is no credential, and must still match).
     """
     if isinstance(value, str):
         if value and key and secret_key(key) and not value.startswith("${oc.env:"):
             remember(value)
             return REDACTED
-        return redact_text(value)
+        return redact_text(value, env)
     if isinstance(value, dict):
-        items = {k: redact(v, str(k)) for k, v in value.items()}
+        items = {k: redact(v, str(k), env) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else type(value)(items)
     if isinstance(value, list | tuple):
-        items_ = [redact(v, key) for v in value]
+        items_ = [redact(v, key, env) for v in value]
         if all(a is b for a, b in zip(items_, value, strict=True)):
             return value
         return type(value)(items_) if not hasattr(value, "_fields") else type(value)(*items_)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: redact(getattr(value, f.name), f.name) for f in dataclasses.fields(value)}
+        changes = {f.name: redact(getattr(value, f.name), f.name, env) for f in dataclasses.fields(value)}
         changed = {k: v for k, v in changes.items() if v is not getattr(value, k)}
         if not changed:
             return value
@@ -156,3 +165,17 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
         else:
             out.append(redact_text(arg))
     return out
+
+
+def redact_yaml(text: str) -> str:
+    """A YAML document (a dumped config) with its secrets redacted (`redact`); as it is when it holds none."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return redact_text(text)
+    redacted = redact(loaded)
+    if redacted is loaded:
+        return text
+    return yaml.safe_dump(redacted, sort_keys=False, allow_unicode=True, default_flow_style=False, width=120)

@@ -9,24 +9,25 @@ on ``sys.path`` so recipes can name the user's own callbacks and environments by
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_line_error
+from rl_lightning.cli.config_logger import ConfigLogger, flatten_config  # noqa: F401 - flatten_config: for callers
 from rl_lightning.cli.device_check import check_trainer_devices
 from rl_lightning.cli.run_names import configs_name, run_name
 from rl_lightning.errors import UserError
+from rl_lightning.redaction import redact_text, redact_yaml, remember_env
 
 log = logging.getLogger(__name__)
-
-MLFLOW_PARAM_LIMIT = 6000  # mlflow >= 2.x accepts param values up to 6000 characters
 
 # What every recipe would otherwise repeat. A recipe's `trainer.logger` replaces the logger; `trainer.callbacks` in
 # a recipe or an overlay ADDS to these (an entry of a class already listed replaces that one, in place).
@@ -51,82 +52,6 @@ TRAINER_DEFAULTS = {
 EXPERIMENTS = {"SFT": "sft", "RewardModel": "reward-model", "DPO": "dpo", "PPO": "rl"}
 
 
-def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
-    """Flatten a nested config into ``{"model.lr": "1e-05", ...}``, dropping jsonargparse's ``init_args`` level.
-
-    A list of classes (``trainer.callbacks``) gives one key per class, ``trainer.callbacks.RunPlots``, whose value is
-    its arguments as ``key=value, ...`` (``defaults`` when it has none set).
-    """
-    if hasattr(config, "as_dict"):
-        config = config.as_dict()
-    flat: dict[str, str] = {}
-    if isinstance(config, list) and config and all(isinstance(v, dict) and "class_path" in v for v in config):
-        for item in config:
-            name = f"{prefix}.{str(item['class_path']).rsplit('.', 1)[-1]}"
-            args = flatten_config(item.get("init_args") or {})
-            value = ", ".join(f"{k}={v}" for k, v in args.items()) or "defaults"
-            flat[name] = value if name not in flat else f"{flat[name]}; {value}"
-    elif isinstance(config, dict):
-        for key, value in config.items():
-            name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
-            flat.update(flatten_config(value, name))
-    elif isinstance(config, list | tuple):  # paths as written (`[recipes/grpo.yaml]`), not `[Path_fsr(...)]`
-        flat[prefix] = "[" + ", ".join(str(v) for v in config) + "]"
-    else:
-        flat[prefix] = str(config)
-    return flat
-
-
-class ConfigLogger(SaveConfigCallback):
-    """Write the resolved config into the run's folder at setup, and log it to every logger at train start.
-
-    ``config.yaml`` goes into the run's output folder at setup; at train start (after the start-up checks) MLflow gets
-    params (one per key) and ``config.yaml`` as an artifact. Lightning's own SaveConfigCallback needs ``trainer.log_dir``, which is None for MLflow's sqlite store
-    (Lightning issue #19441); this writes ``config.yaml`` into the log_dir of loggers that have one.
-    """
-
-    @override
-    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from rl_lightning.cli.outputs import RunOutputs
-
-        text = self.parser.dump(self.config, skip_none=False)
-        # RunOutputs.setup has run: it comes before this callback (`callbacks` is set by Lightning's connector)
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, RunOutputs) and callback.dirpath is not None:
-                (callback.dirpath / self.config_filename).write_text(text)
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        text, params = self.parser.dump(self.config, skip_none=False), flatten_config(self.config)
-        for logger in trainer.loggers:
-            try:
-                self._log_to(logger, text, params)
-            except Exception as e:  # noqa: BLE001 - never let logging kill rank 0 (the other ranks would hang)
-                # e.g. MLflow refuses to change a parameter of a resumed run (MLFlowLogger(run_id=...)).
-                log.warning("could not log the config to %s: %s", type(logger).__name__, str(e).splitlines()[0])
-
-    def _log_to(self, logger: Any, text: str, params: dict[str, str]) -> None:
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        if isinstance(logger, MLFlowLogger):
-            from mlflow.entities import Param
-
-            items = [Param(k, v[:MLFLOW_PARAM_LIMIT]) for k, v in sorted(params.items())]
-            for start in range(0, len(items), 100):
-                logger.experiment.log_batch(logger.run_id, params=items[start : start + 100])
-            logger.experiment.log_text(logger.run_id, text, self.config_filename)
-            return
-        logger.log_hyperparams(params)
-        # Not trainer.log_dir: it broadcasts, and this hook runs on rank 0 only (a multi-process deadlock).
-        log_dir = getattr(logger, "log_dir", None)
-        if log_dir is not None:
-            os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, self.config_filename), "w") as f:
-                f.write(text)
-
-
 class RLArgumentParser(LightningArgumentParser):
     """A parser whose command-line errors are one line on stderr with exit status 2, instead of usage + message."""
 
@@ -140,7 +65,7 @@ class RLArgumentParser(LightningArgumentParser):
             line = one_line_error(message, self, self.argv)
         except Exception:  # noqa: BLE001 - a bug in the rewording must not hide the user's error
             line = first_line(message)
-        self.exit(2, f"rl_lightning: error: {line}\n")
+        self.exit(2, f"rl_lightning: error: {redact_text(line)}\n")
 
 
 class RLLightningCLI(LightningCLI):
@@ -192,9 +117,24 @@ class RLLightningCLI(LightningCLI):
             elif arg.startswith("--config="):
                 self.config_files.append(arg.split("=", 1)[1])
         self.recipe = self.config_files[-1] if self.config_files else None
+        self.config_texts = []
+        for path in self.config_files:
+            with contextlib.suppress(OSError):
+                self.config_texts.append(open(path).read())
+        remember_env([*raw, *self.config_texts])  # values read with ${oc.env:NAME} are shown as that reference
         for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
             each.argv = raw
-        super().parse_arguments(parser, args)
+        if not any(arg.startswith("--print_config") for arg in raw):
+            super().parse_arguments(parser, args)
+            return
+        # --print_config prints the config and exits: redacted, as every other copy (not jsonargparse's dump, which
+        # it also loads back to resolve ${...} and to instantiate classes)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                super().parse_arguments(parser, args)
+        finally:
+            sys.stdout.write(redact_yaml(printed.getvalue()))
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -235,11 +175,7 @@ class RLLightningCLI(LightningCLI):
 
     def mentions(self, key: str) -> bool:
         """Whether the command line or a config file names `key` (the user chose it: leave it as written)."""
-        texts = list(self.raw_args)
-        for path in self.config_files:
-            with contextlib.suppress(OSError):
-                texts.append(open(path).read())
-        return any(key in text for text in texts)
+        return any(key in text for text in [*self.raw_args, *self.config_texts])
 
     @staticmethod
     def place_outputs(trainer: Any, logger: Any, ckpt_path: str | None, folder: str) -> None:
@@ -364,7 +300,7 @@ def main(args: list[str] | None = None) -> None:
         user_error = find_user_error(e)
         if user_error is None:
             raise
-        print(f"rl_lightning: error: {user_error}", file=sys.stderr)
+        print(f"rl_lightning: error: {redact_text(str(user_error))}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

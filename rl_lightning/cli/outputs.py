@@ -17,6 +17,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from rl_lightning.redaction import redact_text
+
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
@@ -105,7 +107,7 @@ class RunOutputs(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
                 record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": logger._experiment_name,
-                               "mlflow_tracking_uri": logger._tracking_uri})
+                               "mlflow_tracking_uri": redact_text(logger._tracking_uri or "")})  # no password
                 logger.experiment.set_tag(logger.run_id, "output_dir", str(self.dirpath.resolve()))
         (self.dirpath / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
 

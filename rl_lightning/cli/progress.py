@@ -290,7 +290,9 @@ ML_VIEW = "workflowType=machine_learning"
 
 
 def _ui_address(logger: Any, page: str) -> str:
-    uri = logger._tracking_uri or ""
+    from rl_lightning.redaction import redact_text
+
+    uri = redact_text(logger._tracking_uri or "")  # a password in it stays off the terminal
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}"
     return f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/{page}"

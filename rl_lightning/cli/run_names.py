@@ -8,8 +8,9 @@ A run's name is its configs followed by the settings the command line changed:
 - each config file by its path below ``recipes/`` without the extension, ``/`` -> ``-`` (other files: their stem),
   joined with ``+`` (an overlay adds to the recipe's name instead of replacing it);
 - each command-line setting as ``key=value`` with the key's last part (the whole key where two settings share it),
-  numbers as Python prints them (``2e-05``), a path (a value with ``/``) by its file name without extension; the
-  trainer's settings (devices, run length, validation and logging intervals; `UNNAMED`) are left out but for
+  numbers as Python prints them (``2e-05``), a URL by its host (``rm:8000``: never its credentials), a path (a value
+  with ``/``) by its file name without extension, a secret-named key's value as ``***``
+  (`rl_lightning.redaction`); the trainer's settings (devices, run length, validation and logging intervals; `UNNAMED`) are left out but for
   precision, gradient accumulation and clipping.
 
 MLflow's runs table and chart legends show about the first 20 characters of a name; runs that differ in many settings
@@ -26,6 +27,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import PurePath
+from urllib.parse import urlsplit
+
+from rl_lightning.redaction import REDACTED, redact_text, secret_key
 
 # command-line settings that say where, how long and how often a run is recorded, not what it trains: the trainer's
 # (all but the three below) and the resume point. MLflow's legends show a name's first ~20 characters.
@@ -67,8 +71,16 @@ def command_line_settings(argv: Sequence[str]) -> list[tuple[str, str]]:
     return settings
 
 
-def show_value(value: str) -> str:
-    """A setting's value as the name shows it: numbers as Python prints them, a path by its stem, cut if long."""
+def show_value(value: str, key: str = "") -> str:
+    """A setting's value as the name shows it: numbers as Python prints them, a path by its stem, cut if long.
+
+    A URL is shown by its host (never its credentials), the value of a secret-named `key` as ``***``.
+    """
+    if secret_key(key):
+        return REDACTED
+    value = redact_text(value)
+    if "://" in value:
+        value = urlsplit(value).netloc.rpartition("@")[2] or value
     try:
         number = float(value)
     except ValueError:
@@ -86,5 +98,5 @@ def run_name(config_files: Sequence[str], argv: Sequence[str] = ()) -> str:
     last_parts = [key.rsplit(".", 1)[-1] for key, _ in settings]
     words = [configs_name(config_files)] if config_files else []
     for (key, value), last in zip(settings, last_parts, strict=True):
-        words.append(f"{last if last_parts.count(last) == 1 else key}={show_value(value)}")
+        words.append(f"{last if last_parts.count(last) == 1 else key}={show_value(value, key)}")
     return " ".join(words)

@@ -15,7 +15,8 @@
 - The run's lineage (recipe, data and environment file with their hashes, git commit, base model:
   `rl_lightning.tracking.lineage`) is set as tags at train start, and an RL task's environment file is uploaded as the
   artifact ``environment/<file name>``. (The export is logged as a model by ``HFExport``, at train end.)
-- Any other failed run gets the error as its description and an ``error`` tag.
+- Any other failed run gets the error (its first line, redacted: `rl_lightning.redaction`) as its description and an
+  ``error`` tag.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ class MLflowTracking(L.Callback):
         if not trainer.is_global_zero:
             return
         from rl_lightning.errors import UserError
+        from rl_lightning.redaction import redact_text
 
-        message = (str(exception).strip().splitlines() or [type(exception).__name__])[0]
+        message = redact_text((str(exception).strip().splitlines() or [type(exception).__name__])[0])
         for logger in _mlflow_loggers(trainer):
             if logger._run_id is None:
                 continue  # never started: nothing to mark

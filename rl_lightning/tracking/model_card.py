@@ -4,7 +4,8 @@ It follows the Hugging Face model card layout: YAML front matter (``base_model``
 ``pipeline_tag``, ``tags``, the base model's ``license`` when its own card states one), then what the model is, how it
 was trained (task and algorithm, recipe, data with its SHA-256, the key settings as CLI keys), the held-out metrics
 at the start and the end of the run, the command that reproduces it, how to load it, and the library versions. The
-resolved config is written beside it as ``rl_lightning_config.yaml``.
+resolved config (redacted: `rl_lightning.redaction`) is written beside it as ``rl_lightning_config.yaml``, readable by
+its owner only.
 
 `card_text` is pure (a `CardInfo` in, markdown out); `collect` reads the run (the module's hparams, the DataModule's,
 the CLI's config callback, the MLflow history: `rl_lightning.tracking.history`).
@@ -186,14 +187,19 @@ def base_license(model_name: str) -> str | None:
 
 
 def cli_config(trainer: Any) -> tuple[str | None, str | None]:
-    """``(command, resolved config)`` of a CLI run (from its config callback); Nones for a run started from Python."""
+    """``(command, resolved config)`` of a CLI run (from its config callback); Nones for a run started from Python.
+
+    Both redacted (`rl_lightning.redaction`): no credential, values read with ``${oc.env:NAME}`` as that reference.
+    """
     from lightning.pytorch.cli import SaveConfigCallback
+
+    from rl_lightning.redaction import redact_argv, redact_yaml
 
     for callback in trainer.callbacks:
         if isinstance(callback, SaveConfigCallback):
             argv = getattr(callback.parser, "argv", None) or sys.argv[1:]
-            command = format_command([str(a) for a in argv])
-            return command, callback.parser.dump(callback.config, skip_none=False)
+            command = format_command(redact_argv([str(a) for a in argv]))
+            return command, redact_yaml(callback.parser.dump(callback.config, skip_none=False))
     return None, None
 
 
@@ -249,9 +255,11 @@ def collect(trainer: Any, pl_module: Any, lineage: dict[str, str]) -> tuple[Card
 
 def write_card(dirpath: str | Path, trainer: Any, pl_module: Any, lineage: dict[str, str]) -> Path:
     """Write ``README.md`` (and the resolved config, `CONFIG_FILE`, for a CLI run) into the export `dirpath`."""
+    from rl_lightning.parallel.checkpoint_io import write_atomic
+
     info, config = collect(trainer, pl_module, lineage)
     if config is not None:
-        (Path(dirpath) / CONFIG_FILE).write_text(config)
+        write_atomic(Path(dirpath) / CONFIG_FILE, config, mode=0o600)  # the run's settings: its owner's only
     path = Path(dirpath) / "README.md"
     path.write_text(card_text(info))
     return path
