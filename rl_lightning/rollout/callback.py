@@ -28,7 +28,12 @@ from rl_lightning.parallel.reductions import data_parallel_sum, root_device
 from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
 from rl_lightning.rollout.config import RolloutConfig
 from rl_lightning.rollout.engine import SamplingParams
-from rl_lightning.rollout.engine_setup import build_vllm_engine, engine_process_placement, prepare_engine
+from rl_lightning.rollout.engine_setup import (
+    build_vllm_engine,
+    context_limit,
+    engine_process_placement,
+    prepare_engine,
+)
 from rl_lightning.rollout.env import load_environment
 from rl_lightning.rollout.lockstep import Lockstep
 from rl_lightning.rollout.pareto_archive import ParetoArchive
@@ -70,7 +75,7 @@ class RolloutCallback(L.Callback):
     def __init__(self, config: RolloutConfig) -> None:
         self.config = c = config
         self.env = load_environment(c.env_path, c.on_error, weights=c.reward_weights, combination=c.reward_combination,
-                                    ideal=c.reward_ideal, reward_model=c.reward_model)
+                                    ideal=c.reward_ideal, reward_model=c.reward_model, max_tool_chars=c.max_tool_chars)
         if c.max_turns > 1 and self.env.interact is None:
             raise ConfigError(f"model.rollout.max_turns={c.max_turns} needs interact(messages) in {c.env_path}")
         self.weight_sync: WeightSync | None = None
@@ -79,6 +84,7 @@ class RolloutCallback(L.Callback):
         self.lockstep: Lockstep | None = None  # the HF engine on several processes
         self.engine_devices: list[int] | None = None  # engine: vllm_process on GPU (checked in `setup`)
         self.refills = 0
+        self.max_model_len: int | None = None  # multi-turn: a conversation ends before it outgrows it
         # one-step-off-policy rollouts
         self.generator: ThreadGenerator | None = ThreadGenerator() if c.async_steps and not c.replay else None
         self.replay: ReplayDump | None = None  # model.rollout.replay: the dumped rollouts (read in `setup`)
@@ -103,6 +109,7 @@ class RolloutCallback(L.Callback):
         c, task = self.config, _task(pl_module)
         if self.replay is not None:  # no engine, no reward workers (the rollouts are checked in `on_train_start`)
             return
+        self.max_model_len = context_limit(c, task.model.config, _datamodule(trainer))
         if self.env.scorer is None:
             self.env.scorer = start_pool(self.env.path, c.reward_workers, c.reward_timeout_s, trainer.num_devices,
                                          c.interact_timeout_s, c.worker_env)
@@ -211,7 +218,9 @@ class RolloutCallback(L.Callback):
         env = self.env  # interact counts (since the start) are logged once non-zero
         tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures,
                  "rollout/engine_restarts": getattr(self.engine, "restarts", 0),  # engine: vllm_process
-                 "rollout/reward_model_failures": getattr(env.reward_model, "failed_requests", 0)}  # served RM
+                 "rollout/reward_model_failures": getattr(env.reward_model, "failed_requests", 0),  # served RM
+                 "rollout/tool_truncations": env.tool_truncations, "rollout/overlong_conversations":
+                     env.overlong_conversations}
         return trajectories, {"rollout/generate_s": time.perf_counter() - start,  # sampling, scoring and refills
                               "rollout/reward_s": env.reward_seconds,  # scoring alone
                               "rollout/reward_timeouts": float(env.timeouts),  # since the start
@@ -318,14 +327,15 @@ class RolloutCallback(L.Callback):
                                 max_new_tokens=c.max_new_tokens, stop_token_ids=[task.tokenizer.eos_token_id],
                                 seeds=[(c.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
         trajectories = rollout(self.engine, batch["prompts"], self.env, task.tokenizer, params, c.max_turns,
-                               self.lockstep)
+                               self.lockstep, self.max_model_len)
         batch["rollout"] = Rollout(trajectories, c.val_responses_per_prompt, self.env.component_names,
                                    self.env.failures, self.refills)
         self.engine.sleep()
 
     def _generate(self, prompts: list, tokenizer: Any, params: SamplingParams) -> list[Trajectory]:
         c = self.config
-        trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns, self.lockstep)
+        trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns, self.lockstep,
+                               self.max_model_len)
         if c.overlong_cache_length is not None:
             lengths = torch.tensor([t.completion_length for t in trajectories])
             penalties = overlong_penalty(lengths, c.max_completion_tokens, c.overlong_cache_length)

@@ -82,6 +82,10 @@ class RolloutConfig:
             see `rl_lightning.rollout.scoring`), e.g. ``[OPENAI_API_KEY]`` for an LLM judge; a listed name missing
             from the trainer's environment stops the run at start-up. The trainer's other variables (tokens, cloud
             credentials) never reach a worker; with ``reward_workers: 0`` scoring runs in the trainer and sees them all.
+        max_tool_chars: characters of content one ``interact`` call may add to a conversation (all its messages
+            together); more is cut, with a note the model reads, and counted in ``rollout/tool_truncations``; null:
+            no cap. Multi-turn conversations also end (``rollout/overlong_conversations``) when the next turn would
+            pass `max_model_len`.
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
             (low, high), and refill the batch with more prompts (drawn from the training set) until it is full or
@@ -145,6 +149,7 @@ class RolloutConfig:
     reward_timeout_s: float | None = 60.0
     interact_timeout_s: float | None = 60.0
     worker_env: list[str] | None = None
+    max_tool_chars: int | None = 8192
     seed: int | None = 0
     filter_range: tuple[float, float] | None = None
     max_refill_rounds: int = 4
@@ -196,6 +201,8 @@ class RolloutConfig:
         bad_names = [n for n in self.worker_env or [] if not isinstance(n, str) or not _ENV_NAME.fullmatch(n)]
         if bad_names:
             errors.append(f"worker_env must list environment variable names (letters, digits, _), got {bad_names}")
+        if self.max_tool_chars is not None and self.max_tool_chars < 0:
+            errors.append(f"max_tool_chars must be >= 0 (characters) or null (no cap), got {self.max_tool_chars}")
         if errors:
             raise ConfigError("; ".join(f"model.rollout.{e}" for e in errors))
 

@@ -109,6 +109,16 @@ def max_model_len(config: RolloutConfig, model_config: Any, datamodule: Any) -> 
     return needed if limit is None else min(needed, limit)
 
 
+def context_limit(config: RolloutConfig, model_config: Any, datamodule: Any) -> int | None:
+    """The tokens a multi-turn conversation may reach (`max_model_len`); None for one turn or where nothing says."""
+    if config.max_turns == 1:
+        return None
+    try:
+        return max_model_len(config, model_config, datamodule)
+    except ConfigError:  # the HF engine has no hard limit; a vLLM engine has refused this at start-up already
+        return None
+
+
 def prepare_engine(engine: Any, weight_sync: WeightSync | None, model: torch.nn.Module, step: int) -> None:
     """Push the policy's weights into the engine, then wake it.
 

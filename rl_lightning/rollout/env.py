@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ from rl_lightning.rollout.scoring import RewardFailure, describe, env_module_nam
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "zero")
+RM_KEY = "model.rollout.reward_model"
+MAX_TOOL_CHARS = 8192
+"""Default cap on the characters of content of one ``interact`` call's messages (``model.rollout.max_tool_chars``)."""
+TRUNCATED = "\n[... {count} more characters cut: model.rollout.max_tool_chars]"
 COMBINATIONS = ("weighted_sum", "tchebycheff")
 
 
@@ -50,6 +55,9 @@ class Environment:
     either policy), `reward_seconds` the time spent scoring; `interact_failures` counts ``interact`` calls that ended
     their conversation under ``on_error: zero`` (`interact_timeouts` those cut at the time limit). With `weights`,
     ``reward_fn`` returns named components combined by `combination` (Tchebycheff measures gaps to `ideal`).
+    ``interact``'s messages of one call hold at most `max_tool_chars` characters of content together (None: no cap;
+    the rest is cut with a note saying so, counted in `tool_truncations`); `overlong_conversations` counts those the
+    rollout ended because the next turn would not fit the engine's ``max_model_len``.
     """
 
     reward_fn: Callable[[list[dict], Any], Any]
@@ -67,6 +75,9 @@ class Environment:
     ideal: dict[str, float] | None = None
     reward_model: Any = None  # the scorer `reward_model_config` builds (`RewardModelClient`/`LocalRewardModel`)
     reward_model_config: Any = None
+    max_tool_chars: int | None = MAX_TOOL_CHARS
+    tool_truncations: int = 0
+    overlong_conversations: int = 0
 
     @property
     def component_names(self) -> list[str]:
@@ -130,7 +141,9 @@ class Environment:
                 isinstance(value, list) and all(isinstance(m, Mapping) for m in value)):
             value = RewardFailure(f"returned {type(value).__name__} {value!r:.80}, not a list of messages")
         if not isinstance(value, RewardFailure):
-            return value
+            capped, cut = cap_tool_messages(value, self.max_tool_chars)
+            self.tool_truncations += cut
+            return capped
         if value.config:
             raise ConfigError(value.error) from None
         self.interact_timeouts += value.timed_out
@@ -153,9 +166,7 @@ class Environment:
             if isinstance(value, RewardFailure):
                 raise _Failed(value)
             components = self._components(value)
-            reward = self._combine(components) if components else float(value)
-            if not math.isfinite(reward):
-                raise ValueError(f"returned a non-finite value {value!r}")
+            reward = self._combine(components) if components else _real(value, "a value")
         except _WrongComponents as e:  # a configuration mismatch, not a flaky row: always stop
             raise ConfigError(f"{where}: reward_fn from {self.path} {e}") from None
         except Exception as e:  # noqa: BLE001 - user code may raise anything; the policy decides
@@ -183,7 +194,13 @@ class Environment:
         config = self.reward_model_config
         values = self.reward_model.score_each([messages for messages, _, _ in calls])
         combined = []
-        for (reward, components), value in zip(scores, values, strict=True):
+        for (reward, components), value, (_, _, where) in zip(scores, values, calls, strict=True):
+            if not isinstance(value, RewardModelError) and not math.isfinite(value):  # as reward_fn's: the policy
+                value = RewardModelError(f"{where}: the reward model ({config.name}) scored it {value}, not a finite "
+                                         f"number; check the reward model, or set {RM_KEY}.on_error: zero to score "
+                                         "such trajectories 0 for it")
+                if config.on_error == "raise":
+                    raise DataError(str(value))
             if isinstance(value, RewardModelError):
                 self.timeouts += value.timed_out
                 if config.on_error == "raise":
@@ -207,11 +224,7 @@ class Environment:
         if sorted(value) != names:
             fix = "set model.rollout.reward_weights" if not names else "make reward_weights and its keys agree"
             raise _WrongComponents(f"returned components {sorted(value)} but reward_weights has {names}: {fix}")
-        components = {k: float(v) for k, v in value.items()}
-        bad = [k for k, v in components.items() if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"returned non-finite component(s) {bad}")
-        return components
+        return {k: _real(v, f"component {k!r}") for k, v in value.items()}
 
     def _combine(self, components: dict[str, float]) -> float:
         names = sorted(components)
@@ -243,21 +256,53 @@ def _interact_here(interact: Callable[[list[dict]], Any], messages: list[dict]) 
         return RewardFailure(describe(e))
 
 
+def cap_tool_messages(messages: list[Mapping], max_chars: int | None) -> tuple[list[dict], bool]:
+    """`messages` with at most `max_chars` characters of (string) content in all, and whether any was cut.
+
+    Each content keeps what is left of the budget, and a cut one ends with a note the model reads (its length is not
+    counted); every message is kept, so a tool call still gets its reply.
+    """
+    capped, left, cut = [], max_chars, False
+    for message in messages:
+        content = message.get("content")
+        if left is not None and isinstance(content, str) and len(content) > left:
+            content, cut = content[:left] + TRUNCATED.format(count=len(content) - left), True
+        if left is not None and isinstance(content, str):
+            left = max(0, left - len(content))
+        capped.append({**message, "content": content} if "content" in message else dict(message))
+    return capped, cut
+
+
+def _real(value: Any, what: str) -> float:
+    """`value` as a float if it is a finite real number (an int, float or bool, numpy's too), else a ValueError.
+
+    A string such as ``"0.75"`` is refused, not parsed: a reward is a number, and text is a bug to report.
+    """
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"returned {what} of type {type(value).__name__} ({value!r:.80}), not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"returned {what} that is non-finite ({value!r})")
+    return float(value)
+
+
 def _what(failure: RewardFailure) -> str:
     return f"{failure.error} (reward_timeout_s)" if failure.timed_out else f"failed ({failure.error})"
 
 
 def load_environment(env_path: str, on_error: str = "raise", key: str = "env_path",
                      weights: dict[str, float] | None = None, combination: str = "weighted_sum",
-                     ideal: dict[str, float] | None = None, reward_model: Any = None) -> Environment:
+                     ideal: dict[str, float] | None = None, reward_model: Any = None,
+                     max_tool_chars: int | None = MAX_TOOL_CHARS) -> Environment:
     """Import `env_path` and check it defines ``reward_fn(messages, answer)`` (and ``interact(messages)`` if any).
 
     `weights`/`combination`/`ideal` configure multi-component rewards (see `Environment`), `reward_model` (a
     `rl_lightning.rewards.reward_model.RewardModelConfig`) adds a reward-model component (its scorer is built here and
-    started with `Environment.reward_model.start(device)`).
+    started with `Environment.reward_model.start(device)`), `max_tool_chars` caps each ``interact`` result.
     """
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got '{on_error}'")
+    if max_tool_chars is not None and max_tool_chars < 0:
+        raise ConfigError(f"max_tool_chars must be >= 0 (characters) or null (no cap), got {max_tool_chars}")
     if combination not in COMBINATIONS:
         raise ConfigError(f"reward_combination must be one of {', '.join(COMBINATIONS)}, got '{combination}'")
     adapter = load_adapter(env_path, key) if is_adapter(env_path) else None  # verifiers:/openenv: environments
@@ -286,9 +331,10 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         if not callable(interact):
             raise ConfigError(f"{key} '{env_path}': interact must be a function interact(messages) -> list of messages")
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
-    return Environment(reward_fn, interact, env_path if adapter else str(Path(env_path)), on_error, weights=weights, combination=combination,
-                       ideal=ideal, reward_model=None if reward_model is None else reward_model.build(),
-                       reward_model_config=reward_model)
+    return Environment(reward_fn, interact, env_path if adapter else str(Path(env_path)), on_error, weights=weights,
+                       combination=combination, ideal=ideal,
+                       reward_model=None if reward_model is None else reward_model.build(),
+                       reward_model_config=reward_model, max_tool_chars=max_tool_chars)
 
 
 def _import_file(env_path: str, key: str) -> Any:

@@ -123,7 +123,8 @@ def _continuation_seeds(params: SamplingParams, active: list[int], turn: int) ->
 
 
 def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, tokenizer: Any, params: SamplingParams,
-            max_turns: int = 1, lockstep: Lockstep | None = None) -> list[Trajectory]:
+            max_turns: int = 1, lockstep: Lockstep | None = None, max_model_len: int | None = None
+            ) -> list[Trajectory]:
     """`params.n` scored trajectories per prompt (grouped: prompt 0's first).
 
     Multi-turn when `max_turns` > 1 and the environment has ``interact``: a turn ends at a stop token;
@@ -132,8 +133,12 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
     environment's workers when it has them (`rl_lightning.rollout.env.Environment.interact_all`: a call that fails or
     times out ends its conversation or stops the run, as ``on_error`` says). With `lockstep` (an engine whose forward
     is a collective), a turn runs on every rank while any rank has a conversation going; the others generate a
-    filler (`rl_lightning.rollout.lockstep`).
+    filler (`rl_lightning.rollout.lockstep`). A conversation whose next turn would not fit the engine's context
+    (its tokens, the tool messages' and `max_new_tokens` past `max_model_len`; None: the engine's own
+    ``max_model_len`` attribute, if any) ends before the tool messages, counted in the environment's
+    ``overlong_conversations``: the engine never gets a prompt it would refuse.
     """
+    limit = max_model_len if max_model_len is not None else getattr(engine, "max_model_len", None)
     with phase("rollout/generate"):
         groups = generate(engine, [p.prompt_ids for p in prompts], params, lockstep)
     trajectories = [_start(p, c, tokenizer) for p, group in zip(prompts, groups, strict=True) for c in group]
@@ -144,11 +149,16 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
         active = [i for i, t in enumerate(trajectories) if t.finished and t.turns == turn]
         replies = env.interact_all([(trajectories[i].messages, trajectories[i].prompt.where) for i in active])
         tool_messages = dict(zip(active, replies, strict=True))
-        active = [i for i in active if tool_messages[i]]
+        contexts = {i: _context_tokens(tokenizer, trajectories[i], tool_messages[i], last_generated[i])
+                     for i in active if tool_messages[i]}
+        fits = {i for i, context in contexts.items()
+                if limit is None or len(trajectories[i].input_ids) + len(context) + params.max_new_tokens <= limit}
+        env.overlong_conversations += len(contexts) - len(fits)
+        active = [i for i in active if i in fits]
         if not (active if lockstep is None else lockstep.any(bool(active))):
             break
         for i in active:
-            context = _context_tokens(tokenizer, trajectories[i], tool_messages[i], last_generated[i])
+            context = contexts[i]
             t = trajectories[i]
             t.input_ids += context
             t.completion_mask += [0] * len(context)

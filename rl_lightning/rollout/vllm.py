@@ -192,6 +192,7 @@ class VLLMEngine:
         if not initialized:  # vLLM initialises the default group from env:// itself
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        self.max_model_len = max_model_len  # a multi-turn rollout ends a conversation before it outgrows it
         self.tp_size, self.tp_rank = tensor_parallel_size, self.rank % tensor_parallel_size
         self.tp_group = _contiguous_subgroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.sleep_mode = device_type == "cuda" and sleep_mode is not False

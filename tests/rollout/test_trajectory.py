@@ -62,3 +62,42 @@ def test_multi_turn_masks_tool_tokens_and_stops(setup_parts, stop, max_turns, ex
         assert all(lp <= 0 for lp in generated) and len(generated) == expected_turns
         example = t.example()
         assert example.loss_mask == t.completion_mask and example.values["engine_logprobs"] == t.engine_logprobs
+
+
+FLOODING_ENV = '''
+def reward_fn(messages, answer):
+    return 0.0
+
+def interact(messages):
+    return [{"role": "tool", "content": "y" * 50_000}, {"role": "tool", "content": "z" * 10}]
+'''
+
+
+def test_tool_messages_are_capped_with_a_note(setup_parts):
+    """One interact call adds at most max_tool_chars characters (the default 8192; here 100), every message kept."""
+    data, engine, folder = setup_parts
+    path = folder / "flooding.py"
+    path.write_text(FLOODING_ENV)
+    assert load_environment(str(path)).max_tool_chars == 8192
+    env = load_environment(str(path), max_tool_chars=100)
+    trajectories = rollout(engine, data.prompts["train"][:2], env, data.tokenizer, ALL_STOP, max_turns=3)
+    for t in trajectories:
+        assert t.turns == 3 and [m["content"] for m in t.messages if m["role"] == "tool"] == [
+            "y" * 100 + "\n[... 49900 more characters cut: model.rollout.max_tool_chars]",
+            "\n[... 10 more characters cut: model.rollout.max_tool_chars]"] * 2
+    assert env.tool_truncations == 8  # 4 conversations x 2 interact calls
+
+
+def test_a_conversation_that_would_outgrow_max_model_len_ends_there(setup_parts):
+    """The next turn needs its tokens + the tool tokens + max_new_tokens <= max_model_len: else the conversation ends
+    at the turn it had (finished, scored), instead of the engine refusing the prompt and failing the batch."""
+    data, engine, folder = setup_parts
+    path = folder / "flooding.py"
+    path.write_text(FLOODING_ENV)
+    env = load_environment(str(path), max_tool_chars=100)
+    prompts = data.prompts["train"][:2]
+    limit = max(len(p.prompt_ids) for p in prompts) + 1 + ALL_STOP.max_new_tokens + 10  # room for 10 tool tokens
+    trajectories = rollout(engine, prompts, env, data.tokenizer, ALL_STOP, max_turns=3, max_model_len=limit)
+    assert [t.turns for t in trajectories] == [1] * 4 and env.overlong_conversations == 4
+    assert all(t.finished and len(t.input_ids) <= limit and t.messages[-1]["role"] == "assistant"
+               for t in trajectories)
