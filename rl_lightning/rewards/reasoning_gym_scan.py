@@ -41,7 +41,7 @@ def evaluating_tasks() -> dict[str, list[str]]:
     return found
 
 
-def scan_scorer(dataset_class: type) -> list[str]:
+def scan_scorer(dataset_class: Any) -> list[str]:
     """What `dataset_class`'s ``score_answer`` reaches that may evaluate text, as ``function: name`` (sorted)."""
     findings: set[str] = set()
     todo: list[tuple[Any, type | None]] = [(dataset_class.score_answer, dataset_class)]

@@ -23,6 +23,10 @@ import select
 import signal
 import struct
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time the source of rl_lightning.rewards.confine precedes this one (no rl_lightning import)
+    from rl_lightning.rewards.confine import apply_seccomp, die_with_parent, not_dumpable
 
 # Names sympy's parser leaves in the code it evaluates (numbers, symbols, and the functions of the answers of the
 # integration/polynomial/arithmetic tasks); none of them runs code given text (a string argument is sympified, which
@@ -63,7 +67,7 @@ def _install_gate() -> None:
 
     Modules imported from files are compiled under their path and pass; everything else (``<string>``) is checked.
     """
-    busy = []
+    busy: list[int] = []
 
     def gate(event: str, args: tuple) -> None:
         if event != "compile" or busy:
@@ -102,12 +106,13 @@ def _confine_child(reply: int, timeout_s: float, memory_mb: int, program: bytes 
                         ("RLIMIT_MSGQUEUE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
     if program:
-        apply_seccomp(program)  # noqa: F821 - defined by rl_lightning.rewards.confine, whose source precedes this
+        apply_seccomp(program)
     if gate:  # off only in tests, to show that the OS isolation holds on its own
         _install_gate()
 
 
 def _child(scorer, request: dict, reply: int, program: bytes | None) -> None:
+    message: dict[str, Any]
     try:
         _confine_child(reply, request["timeout_s"], request["memory_mb"], program, request.get("audit_gate", True))
         message = {"score": float(scorer(request["answer"], request["entry"]))}
@@ -182,8 +187,8 @@ def main(argv: list[str]) -> None:
     """
     program = bytes.fromhex(argv[0]) if argv[0] != "-" else None
     if int(argv[1]):
-        die_with_parent(int(argv[1]))  # noqa: F821 - from rl_lightning.rewards.confine
-    not_dumpable()  # noqa: F821 - from rl_lightning.rewards.confine
+        die_with_parent(int(argv[1]))
+    not_dumpable()
     sys.dont_write_bytecode = True
     sys.path[:0] = argv[2:]
     import reasoning_gym as rg
