@@ -105,6 +105,10 @@ class RLLightningCLI(LightningCLI):
                             help="fit: take only the model weights of --ckpt_path and start a new run under this "
                                  "config (step 0, fresh optimizer); without it a resume must match the checkpoint's "
                                  "run (task, model, rollout mode)")
+        parser.add_argument("--trust_checkpoint", type=bool, default=False,
+                            help="fit: load --ckpt_path with full pickle, which runs whatever code the file names; "
+                                 "only for a checkpoint you trust as code. Without it checkpoints are read "
+                                 "weights-only (tensors and plain values) and one that needs more is refused")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -14,6 +14,11 @@ this run's and refuses, in one line naming every difference, a checkpoint of
 Everything else (learning rate, ``max_rollouts``, time limits, ...) may change on resume. ``--load_weights_only true``
 takes the checkpoint's model weights only and starts a new run under this config: step 0, a fresh optimizer and
 schedule, a new run folder and MLflow run; the weights must still fit the model (same names and shapes).
+
+A checkpoint is data (`rl_lightning.parallel.checkpoint_trust`): before it is compared, a damaged one (truncated, or
+a byte changed since its save, per its digest) is refused in one line naming the previous complete checkpoint, and
+one that needs more than a weights-only load (pickle of arbitrary objects: it could run code) is refused in one line
+unless ``--trust_checkpoint true``. Every read here and Lightning's own load are weights-only without that flag.
 """
 
 from __future__ import annotations
@@ -25,15 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS  # PPO's estimators that train a critic
 from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.checkpoint_trust import load_file, read_dcp_metadata, refuse_damaged, refuse_untrusted
 
 # hyperparameters (dotted, as in the CLI under `model.`) whose change makes a checkpoint another run's
 IDENTITY = ("model_name", "ref_model_name", "reference_free", "lora", "rollout.engine", "rollout.async_steps")
 SWITCH = "--load_weights_only true"
+TRUST = "--trust_checkpoint true"
 LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -51,19 +57,26 @@ def check_resume(fit_config: Any, model: L.LightningModule, trainer: L.Trainer) 
             does not exist.
     """
     path = fit_config.get("ckpt_path")
-    weights_only = bool(fit_config.get("load_weights_only"))
+    weights_only, trust = bool(fit_config.get("load_weights_only")), bool(fit_config.get("trust_checkpoint"))
+    if fit_config.get("weights_only") is False and not trust:
+        raise ConfigError(f"--weights_only false unpickles the checkpoint in full (it could run code): pass {TRUST} "
+                          "to load a checkpoint you trust as code")
+    fit_config["weights_only"] = not trust  # Lightning's own load (`trainer.fit(weights_only=...)`)
     if path is None or str(path) in ("last", "best", "hpc", "registry") or "://" in str(path):
         if weights_only and path is not None:
             raise ConfigError(f"--load_weights_only needs the checkpoint's path, got --ckpt_path {path}: name the "
                               "file (or the sharded checkpoint's folder)")
         return  # no checkpoint, or one Lightning looks up (or fetches) itself
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise ConfigError(f"--ckpt_path {path} does not exist (resolved to {Path(path).resolve()})")
+    refuse_damaged(path)
+    if not trust:
+        refuse_untrusted(path)
     if weights_only:
         fit_config["ckpt_path"] = None  # a new run: step 0, fresh optimizer, schedule and loops
-        trainer.callbacks.append(WeightsFromCheckpoint(str(path)))
+        trainer.callbacks.append(WeightsFromCheckpoint(str(path), trust))
         return
-    stored, shapes = read_checkpoint(str(path))
+    stored, shapes = read_checkpoint(str(path), trust)
     differences = compare(stored, dict(model.hparams), type(model).__name__)
     differences += architecture_differences(shapes, dict(model.hparams).get("model_name"))
     if differences:
@@ -72,20 +85,21 @@ def check_resume(fit_config: Any, model: L.LightningModule, trainer: L.Trainer) 
                           "start a new run from its weights")
 
 
-def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+def read_checkpoint(path: str, trust: bool = False) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """A checkpoint's task hyperparameters and tensor shapes (``state_dict`` names), read without its tensors.
 
     A ``.ckpt`` file (memory-mapped: only the pickle is read) or a sharded (DCP) folder (``meta.pt`` and DCP's
-    ``.metadata``).
+    ``.metadata``), weights-only unless `trust`.
     """
     if os.path.isdir(path):
         from torch.distributed.checkpoint import FileSystemReader
 
-        meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=False)
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = load_file(os.path.join(path, "meta.pt"), trust, mmap=False)
+        reader = FileSystemReader(path).read_metadata if trust else lambda: read_dcp_metadata(Path(path))
+        metadata = reader().state_dict_metadata
         shapes = {k.removeprefix("state_dict."): tuple(getattr(v, "size", ())) for k, v in metadata.items()}
         return dict(meta.get("hyper_parameters") or {}), shapes
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = load_file(path, trust)
     shapes = {k: tuple(v.shape) for k, v in (checkpoint.get("state_dict") or {}).items() if hasattr(v, "shape")}
     return dict(checkpoint.get("hyper_parameters") or {}), shapes
 
@@ -140,21 +154,21 @@ class WeightsFromCheckpoint(L.Callback):
     full ``state_dict`` or a sharded folder's model shards, strictly (every name and shape must match).
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, trust: bool = False) -> None:
+        self.path, self.trust = path, trust
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Load the weights into `pl_module`."""
+        """Load the weights into `pl_module` (weights-only unless ``--trust_checkpoint``)."""
         try:
             if os.path.isdir(self.path):  # a sharded (DCP) checkpoint: ParallelStrategy's model, shard by shard
                 from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
-                _load_checkpoint(Path(self.path), {"state_dict": pl_module}, strict=True, weights_only=False)
+                _load_checkpoint(Path(self.path), {"state_dict": pl_module}, strict=True, weights_only=not self.trust)
             else:  # a full state dict: into a plain or a sharded model alike
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-                state_dict = torch.load(self.path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+                state_dict = load_file(self.path, self.trust)["state_dict"]
                 misfits = _misfits(state_dict, pl_module.state_dict())
                 if misfits:
                     raise KeyError(misfits)

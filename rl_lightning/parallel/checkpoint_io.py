@@ -11,8 +11,12 @@
   re-pointed at the newest checkpoint *before* the checkpoint it points at is deleted (Lightning deletes the previous
   top-k checkpoint first and relinks after, leaving ``last.ckpt`` dangling in between). It installs
   `AtomicCheckpointIO` on a strategy that has no CheckpointIO of the user's. The CLI's default checkpoint callback.
-- `resume_checkpoint` is what the CLI's ``--ckpt_path last`` resumes: the newest complete ``last*.ckpt``, else the
-  newest complete checkpoint of the folder.
+- `resume_checkpoint` is what the CLI's ``--ckpt_path last`` resumes: the newest whole ``last*.ckpt``, else the
+  newest whole checkpoint of the folder; one it passes over (truncated, or changed since its save) is named in a
+  warning.
+- Every ``.ckpt`` file gets its SHA-256, computed as it is written, in ``<name>.ckpt.sha256`` beside it (a sharded
+  folder: ``SHA256SUMS`` inside, `rl_lightning.parallel.strategy`); loads are weights-only
+  (`rl_lightning.parallel.checkpoint_trust`).
 
 Temporary names start with a dot and end in ``.partial`` (being written) or ``.removing`` (being deleted): nothing
 that looks for checkpoints picks them (Lightning's ``last`` lookup matches ``last*.ckpt``), and the next run's
@@ -21,11 +25,11 @@ that looks for checkpoints picks them (Lightning's ``last`` lookup matches ``las
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import uuid
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +40,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from typing_extensions import override
 
+from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.checkpoint_trust import HashingWriter, damage, digest_line, digest_path
+
+log = logging.getLogger(__name__)
+
 LEFTOVER = re.compile(r"^\..+\.(partial|removing)$")
 LAST = re.compile(r"last(-\d+)?")  # Lightning's `last` checkpoint names (ModelCheckpoint._find_last_checkpoints)
-DCP_FILES = ("meta.pt", ".metadata")  # Lightning's metadata and DCP's: both are written last
 
 
 def temporary_path(path: Path, kind: str = "partial") -> Path:
@@ -93,7 +101,9 @@ def delete(path: Path) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a hidden name in the checkpoint's folder, fsync, then ``os.replace`` into place.
 
-    Remote paths (``s3://``...) go through Lightning's fsspec writer as before.
+    The file's SHA-256, computed while it is written, goes to ``<name>.sha256`` beside it. Loads are weights-only
+    unless the caller asks for ``weights_only=False`` (``--trust_checkpoint true``). Remote paths (``s3://``...) go
+    through Lightning's fsspec writer as before.
     """
 
     @override
@@ -106,19 +116,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         partial = temporary_path(path)
         try:
             with open(partial, "wb") as f:
-                torch.save(checkpoint, f)
+                writer = HashingWriter(f)
+                torch.save(checkpoint, writer)
                 f.flush()
                 os.fsync(f.fileno())
+            digest_path(path).unlink(missing_ok=True)  # never an old digest beside new bytes (a kill in between)
             os.replace(partial, path)  # a `last.ckpt` link is replaced itself, not written through
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
         fsync_folder(path.parent)
+        write_atomic(digest_path(path), digest_line(writer.sha256.hexdigest(), path.name))
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        """Lightning's load, weights-only unless `weights_only` is False (torch's default can be flipped by env)."""
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only is not False)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         if _is_local_file_protocol(path):
             delete(Path(path))
+            digest_path(Path(path)).unlink(missing_ok=True)
         else:
             super().remove_checkpoint(path)
 
@@ -168,26 +188,34 @@ def replace_link(target: str | Path, link: str | Path) -> None:
     fsync_folder(link.parent)
 
 
-def is_complete(path: Path) -> bool:
-    """A whole checkpoint: a ``torch.save`` zip file, or a DCP folder with both metadata files (following links)."""
-    if path.is_dir():
-        return all((path / name).is_file() for name in DCP_FILES)
-    return path.is_file() and zipfile.is_zipfile(path)
-
-
 def resume_checkpoint(folder: str | Path) -> Path | None:
-    """The checkpoint ``--ckpt_path last`` resumes from `folder`; None when there is no complete one.
+    """The checkpoint ``--ckpt_path last`` resumes from `folder`; None when there is no whole one.
 
-    The newest (by modification time) complete ``last*.ckpt``, as Lightning picks among them; if none is complete (a
-    link left dangling by Lightning's own ``ModelCheckpoint``), the newest complete ``*.ckpt``. Hidden names (a save
-    in progress or killed) never count.
+    The newest (by modification time) whole ``last*.ckpt``, as Lightning picks among them; if none is whole (a link
+    left dangling by Lightning's own ``ModelCheckpoint``, a truncated file), the newest whole ``*.ckpt``. Whole:
+    complete and, where it has a digest, matching it (`rl_lightning.parallel.checkpoint_trust.damage`). Each newer
+    checkpoint passed over is named in a warning with what is wrong with it. Hidden names (a save in progress or
+    killed) never count.
     """
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    whole = [p for p in folder.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".") and is_complete(p)]
-    pool = [p for p in whole if LAST.match(p.stem)] or whole
-    return max(pool, key=lambda p: p.stat().st_mtime) if pool else None
+    names = [p for p in folder.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
+    newest_first = sorted(names, key=lambda p: (not LAST.match(p.stem), -p.lstat().st_mtime))
+    passed: dict[Path, str] = {}
+    for candidate in newest_first:
+        problem = damage(candidate)
+        if problem is None:
+            for skipped, why in passed.items():
+                log.warning("%s %s; resuming from %s, the previous complete checkpoint", skipped, why, candidate)
+            return candidate
+        if candidate.resolve() not in {p.resolve() for p in passed}:
+            passed[candidate] = problem
+    if passed:
+        damaged = "; ".join(f"{path.name} {why}" for path, why in passed.items())
+        raise ConfigError(f"--ckpt_path last: no complete checkpoint in {folder} ({damaged}); start a new run "
+                          "(no --ckpt_path), or from the weights of a checkpoint elsewhere (--load_weights_only true)")
+    return None
 
 
 def remove_leftovers(folder: Path) -> None:

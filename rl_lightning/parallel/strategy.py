@@ -33,6 +33,13 @@ from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_io import AtomicCheckpointIO, publish_folder
+from rl_lightning.parallel.checkpoint_trust import (
+    DCP_FILES,
+    FOLDER_DIGESTS,
+    folder_digests,
+    own_shards,
+    refuse_untrusted,
+)
 
 
 class ParallelStrategy(ModelParallelStrategy):
@@ -161,8 +168,9 @@ class ParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save as ModelParallelStrategy does; a sharded (DCP) folder is written whole under a hidden name first.
 
-        Every rank writes its shards into ``.<name>.partial``, rank 0 adds Lightning's ``meta.pt``, then renames the
-        folder into place (`publish_folder`) while the other ranks wait.
+        Every rank writes its shards into ``.<name>.partial`` and hashes them; rank 0 adds Lightning's ``meta.pt``,
+        lists every file's SHA-256 in ``SHA256SUMS``, then renames the folder into place (`publish_folder`) while
+        the other ranks wait.
         """
         if not self._save_distributed_checkpoint or storage_options is not None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -173,9 +181,35 @@ class ParallelStrategy(ModelParallelStrategy):
             shutil.rmtree(staging)
         self.barrier()
         super().save_checkpoint(checkpoint, staging)
+        digests = self._gather(folder_digests(staging, own_shards(staging, self.global_rank)))
         if self.global_rank == 0:
+            digests.append(folder_digests(staging, list(DCP_FILES)))
+            (staging / FOLDER_DIGESTS).write_text("".join(digests))
             publish_folder(staging, path)
         self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, weights-only unless `weights_only` is False; an untrusted DCP folder is checked first.
+
+        torch's DCP reader unpickles a sharded folder's metadata and non-tensor entries in full, so unless trusted
+        the folder is refused first if they hold anything a weights-only read would refuse
+        (`rl_lightning.parallel.checkpoint_trust.refuse_untrusted`).
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if weights_only is not False and path.is_dir():
+            refuse_untrusted(path)
+        return super().load_checkpoint(path, weights_only=weights_only is not False)
+
+    def _gather(self, text: str) -> list[str]:
+        """`text` of every rank, in rank order (this rank's alone in one process)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return [text]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, text)
+        return gathered
 
     def _check_layout(self, world_size: int) -> None:
         product = self.dp_size * self.cp_size * self.tp_size

@@ -30,6 +30,13 @@ class WeightsAtStart(L.Callback):
 '''
 
 
+class RunsCode:
+    """Unpickling this runs ``touch ran``."""
+
+    def __reduce__(self):
+        return os.system, ("touch ran",)
+
+
 def _train(*args: str, steps: int = 2) -> Path:
     """Run SFT for `steps` steps; the run's last checkpoint."""
     main([*SFT, "--trainer.max_steps", str(steps), *args])
@@ -61,9 +68,17 @@ def test_another_model_or_task_is_refused_and_other_settings_may_change(workdir,
     assert lora.startswith(f"--ckpt_path {checkpoint} is a checkpoint of another run: model.lora None -> {{'r': 4,")
     assert _refused(capsys, "fit", "--config", "recipes/dpo.yaml", "--ckpt_path", str(checkpoint)) == (
         f"--ckpt_path {checkpoint} is a checkpoint of another run: model.class_path SFT -> DPO {_hint()}")
-    # the same model by its absolute path, a new learning rate: resumed, on to step 3
-    main([*SFT, "--trainer.max_steps", "3", "--ckpt_path", str(checkpoint), "--model.model_name", str(TINY_MODEL),
-          "--model.optim.lr", "1e-3"])
+    # a copy that also holds a pickle running code (issue 36.2) is refused in one line; nothing runs
+    crafted = checkpoint.with_name("crafted.ckpt")
+    torch.save({**torch.load(checkpoint, weights_only=True), "note": RunsCode()}, crafted)
+    assert _refused(capsys, *SFT, "--ckpt_path", str(crafted)) == (
+        f"--ckpt_path {crafted} needs pickle beyond weights: it holds posix.system, which a weights-only load "
+        "refuses (unpickling it could run code); pass --trust_checkpoint true only for a checkpoint you trust as code")
+    assert not Path("ran").exists()
+    # trusted (the explicit opt-in), by the same model's absolute path, a new learning rate: resumed, on to step 3
+    main([*SFT, "--trainer.max_steps", "3", "--ckpt_path", str(crafted), "--model.model_name", str(TINY_MODEL),
+          "--model.optim.lr", "1e-3", "--trust_checkpoint", "true"])
+    assert Path("ran").exists()
     resumed = torch.load(checkpoint.parent / "epoch=0-step=3.ckpt", weights_only=False)  # the same run folder
     assert resumed["global_step"] == 3 and resumed["hyper_parameters"]["optim"]["lr"] == 1e-3
 

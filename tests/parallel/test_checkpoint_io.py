@@ -18,6 +18,7 @@ from rl_lightning.parallel.checkpoint_io import (
     replace_link,
     resume_checkpoint,
 )
+from rl_lightning.parallel.checkpoint_trust import damage
 
 
 class Unpicklable:
@@ -30,8 +31,8 @@ def test_a_failed_save_leaves_the_old_file_and_no_partial(tmp_path):
     io.save_checkpoint({"step": 1}, path)
     with pytest.raises(RuntimeError, match="killed mid-save"):
         io.save_checkpoint({"step": 2, "bad": Unpicklable()}, path)
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
-    assert torch.load(path)["step"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "last.ckpt.sha256"]  # the old file and its digest
+    assert torch.load(path)["step"] == 1 and damage(path) is None
 
 
 def test_a_save_over_a_link_replaces_the_link_not_its_target(tmp_path):
@@ -42,7 +43,7 @@ def test_a_save_over_a_link_replaces_the_link_not_its_target(tmp_path):
     assert not (tmp_path / "last.ckpt").is_symlink() and torch.load(tmp_path / "last.ckpt")["step"] == 3
     assert torch.load(tmp_path / "step=2.ckpt")["step"] == 2
     io.remove_checkpoint(tmp_path / "last.ckpt")
-    assert sorted(os.listdir(tmp_path)) == ["step=2.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["step=2.ckpt", "step=2.ckpt.sha256"]  # a digest goes with its file
 
 
 def test_replace_link_swaps_links_and_folders(tmp_path):
@@ -111,7 +112,7 @@ def test_last_is_relinked_before_its_checkpoint_is_deleted_and_a_users_io_stays(
     trainer.fit(BoringModel())
     assert trainer.strategy.checkpoint_io is spy
     assert spy.removals == [("epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"), ("epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt")]
-    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "epoch=0-step=3.ckpt.sha256", "last.ckpt"]
     assert callback.state_key == ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last="link").state_key
 
 
