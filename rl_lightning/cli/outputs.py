@@ -3,6 +3,12 @@
 ``outputs/<run>/<YYYY-mm-dd_HH-MM-SS>/`` holds the run's ``checkpoints/``, its Hugging Face ``export/``, its
 ``plots/``, the resolved ``config.yaml`` and ``run.json`` (the MLflow run it logs to); ``outputs/<run>/latest`` points
 at the newest. The CLI resumes ``--ckpt_path last`` in ``latest`` (same folder, same MLflow run).
+
+A run folder belongs to one run: ``latest`` is followed only as a relative link to a folder inside its own
+``outputs/<run>/`` (`latest_run_dir`), and the process that owns a folder (global rank 0) holds an ``flock`` on its
+``run.lock`` while it fits (`RunLock`), so a second process resuming into it is refused in one line instead of
+deleting the first one's save in progress. The kernel drops the lock when its process dies (``kill -9`` too).
+``run.json`` is replaced atomically (`rl_lightning.parallel.checkpoint_io.write_atomic`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from rl_lightning.cli.run_lock import RunLock
+from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.checkpoint_io import write_atomic
 from rl_lightning.redaction import redact_text
 
 log = logging.getLogger(__name__)
@@ -49,9 +58,25 @@ def point_latest(run_dir: Path) -> None:
 
 
 def latest_run_dir(root: str | Path, name: str) -> Path | None:
-    """The folder ``<root>/<name>/latest`` points at, or None when there is no earlier run."""
-    link = Path(root) / name / "latest"
-    return Path(os.path.realpath(link)) if link.is_symlink() and link.resolve().is_dir() else None
+    """The folder ``<root>/<name>/latest`` points at, or None when there is no earlier run.
+
+    Raises:
+        ConfigError: ``latest`` is not a relative link to a folder directly inside ``<root>/<name>`` (an absolute
+            link, ``..``, a link through another link): resuming would adopt another run's folder and MLflow run.
+    """
+    parent = Path(root) / name
+    link = parent / "latest"
+    if not link.is_symlink():
+        return None
+    target = os.readlink(link)
+    child = parent / target
+    inside = (not os.path.isabs(target) and os.sep not in target and target not in (".", "..")
+              and child.is_dir() and not child.is_symlink())
+    if not inside:
+        raise ConfigError(f"{link} points to {target} ({os.path.realpath(link)}), not to a run folder inside "
+                          f"{parent}: remove the link (the next run makes a new one), or resume a run by its "
+                          "checkpoint's path (--ckpt_path <run folder>/checkpoints/last.ckpt)")
+    return Path(os.path.realpath(child))
 
 
 def read_run_file(run_dir: Path) -> dict:
@@ -77,6 +102,7 @@ class RunOutputs(L.Callback):
     def __init__(self, name: str | None = None, root: str = "outputs", dirpath: str | None = None) -> None:
         self.name, self.root = name or "run", root
         self.dirpath = Path(dirpath) if dirpath else None
+        self.lock = RunLock()
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -85,8 +111,8 @@ class RunOutputs(L.Callback):
         if self.dirpath is None:
             path = str(new_run_dir(self.root, self.name)) if trainer.is_global_zero else None
             self.dirpath = Path(trainer.strategy.broadcast(path))
+        self.lock.acquire(self.dirpath, trainer)
         if trainer.is_global_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
             point_latest(self.dirpath)
             print(f"outputs: {self.dirpath}  ({Path(self.root) / self.name / 'latest'} points here)", flush=True)
         for callback in trainer.callbacks:
@@ -96,6 +122,16 @@ class RunOutputs(L.Callback):
                 callback.dirpath = str(self.dirpath / "export")
             elif type(callback).__name__ == "RunPlots" and callback.dirpath is None:
                 callback.dirpath = str(self.dirpath / "plots")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Let go of the run folder (the fit is over)."""
+        self.lock.release()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """Let go of the run folder (the fit failed)."""
+        self.lock.release()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Record the MLflow run (so a resume continues it) and tag the run with this folder."""
@@ -109,7 +145,7 @@ class RunOutputs(L.Callback):
                 record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": logger._experiment_name,
                                "mlflow_tracking_uri": redact_text(logger._tracking_uri or "")})  # no password
                 logger.experiment.set_tag(logger.run_id, "output_dir", str(self.dirpath.resolve()))
-        (self.dirpath / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_atomic(self.dirpath / RUN_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def resume_dir(ckpt_path: str, root: str | Path, name: str) -> Path | None:
