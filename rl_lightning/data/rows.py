@@ -131,6 +131,19 @@ def check_prompt_rows(rows: Rows) -> None:
                             f"{type(row['completion']).__name__} {_short(row['completion'])}")
 
 
+def check_answer_type(answer: Any, where: str, expected: tuple[type, ...], reward: str) -> None:
+    """Raise `DataError` unless a prompt row's `answer` is an instance of one of the `expected` types.
+
+    `reward` names the reward function that declares them (its ``answer_types``). A bool is not a number here (JSON's
+    ``true`` in a math row is a mistake), unless `expected` names ``bool``.
+    """
+    if isinstance(answer, expected) and (not isinstance(answer, bool) or bool in expected):
+        return
+    names = " or ".join(t.__name__ for t in expected)
+    raise DataError(f"{where}: 'answer' is {type(answer).__name__} {_short(answer)}, but {reward} expects {names} "
+                    "(it would score 0 forever): fix the row or point env_path at the reward for this data")
+
+
 def _check_nonempty(rows: Rows) -> None:
     if len(rows) == 0:
         raise DataError(f"dataset '{rows.source}' is empty; point `path` at a file with at least one row")

@@ -69,6 +69,9 @@ def code_reward(messages: list[dict], answer: Any, timeout_s: float = 5.0, memor
     return passed / len(cases)
 
 
+code_reward.answer_types = (str, list, dict)  # type: ignore[attr-defined]  # the test cases, checked at start-up
+
+
 def read_test_cases(answer: Any) -> list[dict[str, str]]:
     """``[{"input": str, "output": str}, ...]`` from the shapes the module docstring lists.
 

@@ -87,3 +87,6 @@ def answers_match(prediction: str | None, reference: Any) -> bool:
 def math_reward(messages: list[dict], answer: Any) -> float:
     """1.0 when the last message's final answer equals `answer`, else 0.0."""
     return float(answers_match(final_answer(messages[-1]["content"]), answer))
+
+
+math_reward.answer_types = (str, int, float)  # type: ignore[attr-defined]  # checked at start-up

@@ -25,3 +25,6 @@ def think_answer_reward(messages: list[dict], answer: Any) -> float:
     if match is None:
         return 0.0
     return 1.0 if answers_match(match.group(2).strip(), answer) else 0.1
+
+
+think_answer_reward.answer_types = (str, int, float)  # type: ignore[attr-defined]  # checked at start-up

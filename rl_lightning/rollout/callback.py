@@ -95,8 +95,14 @@ class RolloutCallback(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Start-up checks of ``engine: vllm_process`` (before any model loads): GPUs of its own, a layout it serves."""
+        """Start-up checks, before any model loads.
+
+        Every prompt's answer is of a type ``reward_fn`` reads; ``engine: vllm_process`` has GPUs of its own and a
+        layout it serves.
+        """
         c = self.config
+        prompts = getattr(_datamodule(trainer), "prompts", {})  # answers of the type reward_fn reads, or one line
+        self.env.check_answers(p for loaded in (prompts.values() if isinstance(prompts, dict) else []) for p in loaded)
         if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
             self.replay = ReplayDump.start(trainer, _task(pl_module), c)
         if c.engine != "vllm_process" or stage != "fit" or c.replay is not None:

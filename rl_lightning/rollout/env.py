@@ -24,7 +24,7 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rl_lightning.algorithms.reward_combination import tchebycheff, weighted_sum
+from rl_lightning.data.rows import check_answer_type
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.rewards.isolation import require_isolation
 from rl_lightning.rollout.env_adapters import is_adapter, load_adapter
@@ -76,6 +77,7 @@ class Environment:
     reward_model: Any = None  # the scorer `reward_model_config` builds (`RewardModelClient`/`LocalRewardModel`)
     reward_model_config: Any = None
     max_tool_chars: int | None = MAX_TOOL_CHARS
+    answer_types: tuple[type, ...] | None = None  # what ``reward_fn`` declares it reads (its ``answer_types``)
     tool_truncations: int = 0
     overlong_conversations: int = 0
 
@@ -88,6 +90,17 @@ class Environment:
     @property
     def _fn_names(self) -> list[str]:
         return sorted(self.weights or {})
+
+    def check_answers(self, prompts: Iterable[Any]) -> None:
+        """A `DataError` naming the first prompt row whose ``answer`` is not of the `answer_types` ``reward_fn`` reads.
+
+        Nothing to check when ``reward_fn`` declares none (its ``answer_types`` attribute, a tuple of types).
+        """
+        if self.answer_types is None:
+            return
+        reward = f"the reward_fn of {self.path}"
+        for prompt in prompts:
+            check_answer_type(prompt.answer, prompt.where, self.answer_types, reward)
 
     def score(self, messages: list[dict], answer: Any, where: str) -> tuple[float, dict[str, float]]:
         """The reward of one trajectory and its named components ({} for a single reward).
@@ -331,10 +344,15 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         if not callable(interact):
             raise ConfigError(f"{key} '{env_path}': interact must be a function interact(messages) -> list of messages")
         _check_arity(interact, 1, f"{key} '{env_path}': interact must take (messages)")
+    answer_types = getattr(reward_fn, "answer_types", None)
+    if answer_types is not None and not (isinstance(answer_types, tuple) and answer_types
+                                         and all(isinstance(t, type) for t in answer_types)):
+        raise ConfigError(f"{key} '{env_path}': reward_fn.answer_types must be a tuple of types, e.g. (str, int, "
+                          f"float), got {answer_types!r}")
     return Environment(reward_fn, interact, env_path if adapter else str(Path(env_path)), on_error, weights=weights,
                        combination=combination, ideal=ideal,
                        reward_model=None if reward_model is None else reward_model.build(),
-                       reward_model_config=reward_model, max_tool_chars=max_tool_chars)
+                       reward_model_config=reward_model, max_tool_chars=max_tool_chars, answer_types=answer_types)
 
 
 def _import_file(env_path: str, key: str) -> Any:

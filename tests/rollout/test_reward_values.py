@@ -66,3 +66,31 @@ def test_a_reward_models_nan_follows_on_error(tmp_path, nan_rm):
     lenient = _env(tmp_path, source, reward_model=RewardModelConfig(path=nan_rm, tokenizer=str(TINY_MODEL),
                                                                     on_error="zero"))
     assert lenient.score_all(calls) == [(0.5, {"reward_model": 0.0})] * 2 and lenient.failures == 2
+
+
+def test_answers_of_a_type_the_reward_cannot_read_are_refused_at_start_up(tmp_path):
+    """A math row whose answer is a list (or a bool, or null) would score 0 forever: one line naming the file, the
+    line and the field, before any generation; the bundled rows pass."""
+    from conftest import DEMO_DATA, REPO
+
+    from rl_lightning.data.prompts import PromptDataModule
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"}\n'
+                    '{"messages": [{"role": "user", "content": "2+2?"}], "answer": ["4"]}\n')
+    data = PromptDataModule(str(rows), tokenizer_name=str(TINY_MODEL), batch_size=1)
+    data.setup("fit")
+    env = load_environment(str(REPO / "examples" / "envs" / "arithmetic.py"))
+    assert env.answer_types == (str, int, float)
+    with pytest.raises(DataError, match=r"^.*rows.jsonl line 2: 'answer' is list \['4'\], but the reward_fn of .*"
+                                        r"arithmetic.py expects str or int or float \(it would score 0 forever\)"):
+        env.check_answers(data.prompts["train"])
+    with pytest.raises(DataError, match=r"'answer' is bool True"):
+        env.check_answers([data.prompts["train"][0].__class__([], [], True, "row 7")])
+    bundled = PromptDataModule(str(DEMO_DATA / "easy.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=1)
+    bundled.setup("fit")
+    env.check_answers(bundled.prompts["train"])
+    load_environment(str(REPO / "examples" / "calculator" / "env.py")).check_answers(bundled.prompts["train"])
+    anything = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
+    assert anything.answer_types is None  # nothing declared: nothing checked
+    anything.check_answers(data.prompts["train"])
