@@ -1,8 +1,9 @@
 """Which reasoning-gym tasks' scorers may evaluate text as code: the rule behind `EVALUATING_TASKS`.
 
 The rule (static, over the installed reasoning-gym source): start at the task's ``score_answer`` and follow what it
-names, transitively: methods of its own class (``self.x``), functions and classes of reasoning-gym (a class: every
-method it defines). The task *may evaluate text* when that code names
+names, transitively: methods and attributes of its own dataset (``self.x``, looked up on the dataset reasoning-gym
+builds to score, so what ``__init__`` stores, lazy imports included, is followed too), functions and classes of
+reasoning-gym (a class: every method it defines). The task *may evaluate text* when that code names
 
 - a builtin that runs or imports text (``eval``, ``exec``, ``compile``, ``__import__``, ``breakpoint``);
 - anything from sympy (its functions ``sympify`` string arguments: ``eval``) or from a module that runs
@@ -35,16 +36,27 @@ def evaluating_tasks() -> dict[str, list[str]]:
 
     found = {}
     for task in sorted(DATASETS):
-        reasons = scan_scorer(DATASETS[task][0])
+        dataset_class, config_class = DATASETS[task]
+        unresolved: list[str] = []
+        reasons = scan_scorer(dataset_class, unresolved)
+        if unresolved:  # attributes set in __init__: look at the dataset reasoning-gym builds to score
+            try:
+                reasons = scan_scorer(dataset_class(config=config_class()))
+            except Exception:  # noqa: BLE001, S110 - it needs a config (composite): the class alone it is
+                pass
         if reasons:
             found[task] = reasons
     return found
 
 
-def scan_scorer(dataset_class: Any) -> list[str]:
-    """What `dataset_class`'s ``score_answer`` reaches that may evaluate text, as ``function: name`` (sorted)."""
+def scan_scorer(dataset: Any, unresolved: list[str] | None = None) -> list[str]:
+    """What `dataset`'s (a dataset or its class) ``score_answer`` reaches that may evaluate text (sorted).
+
+    Each finding reads ``function: name``; `unresolved` collects the ``self.x`` of `dataset` that were not found on it.
+    """
     findings: set[str] = set()
-    todo: list[tuple[Any, type | None]] = [(dataset_class.score_answer, dataset_class)]
+    todo: list[tuple[Any, Any]] = [(type(dataset).score_answer if not inspect.isclass(dataset) else dataset.score_answer,
+                                    dataset)]
     seen: set[Any] = set()
     while todo:
         function, owner = todo.pop()
@@ -61,6 +73,8 @@ def scan_scorer(dataset_class: Any) -> list[str]:
             name, target = _resolve(node, module, owner)
             if name is None:
                 continue
+            if target is None and owner is dataset and _on_self(node) and unresolved is not None:
+                unresolved.append(name)
             reason = _verdict(name, target, node)
             if reason:
                 findings.add(f"{function.__qualname__}: {reason}")
@@ -78,7 +92,7 @@ def _tree(function: Any) -> ast.AST | None:
         return None
 
 
-def _resolve(node: ast.AST, module: Any, owner: type | None) -> tuple[str | None, Any]:
+def _resolve(node: ast.AST, module: Any, owner: Any) -> tuple[str | None, Any]:
     """The name `node` reads and the object it denotes (None where unknown)."""
     scope = vars(module) if module is not None else {}
     if isinstance(node, ast.Name):
@@ -94,6 +108,10 @@ def _resolve(node: ast.AST, module: Any, owner: type | None) -> tuple[str | None
     if isinstance(base, ast.Name) and isinstance(scope.get(base.id), types.ModuleType):
         return node.attr, getattr(scope[base.id], node.attr, None)
     return node.attr, None
+
+
+def _on_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
 
 
 def _origin(target: Any) -> str:
@@ -113,15 +131,16 @@ def _verdict(name: str, target: Any, node: ast.AST) -> str | None:
     return None
 
 
-def _followed(target: Any, owner: type | None) -> list[tuple[Any, type | None]]:
-    """The reasoning-gym functions `target` stands for, with the class their ``self`` is."""
+def _followed(target: Any, owner: Any) -> list[tuple[Any, Any]]:
+    """The reasoning-gym functions `target` stands for, with the object (or class) their ``self`` is."""
     if not _origin(target).startswith("reasoning_gym"):
         return []
     if inspect.isclass(target):
         methods = [m.__func__ if isinstance(m, (staticmethod, classmethod)) else m for m in vars(target).values()]
         return [(m, target) for m in methods if inspect.isfunction(m)]
     if inspect.isfunction(target):
-        own = owner is not None and target.__qualname__.split(".")[0] in {c.__name__ for c in owner.__mro__}
+        mro = (owner if inspect.isclass(owner) else type(owner)).__mro__ if owner is not None else ()
+        own = target.__qualname__.split(".")[0] in {c.__name__ for c in mro}
         return [(target, owner if own else None)]
     return []
 
