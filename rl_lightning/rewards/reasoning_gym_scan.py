@@ -55,8 +55,8 @@ def scan_scorer(dataset: Any, unresolved: list[str] | None = None) -> list[str]:
     Each finding reads ``function: name``; `unresolved` collects the ``self.x`` of `dataset` that were not found on it.
     """
     findings: set[str] = set()
-    todo: list[tuple[Any, Any]] = [(type(dataset).score_answer if not inspect.isclass(dataset) else dataset.score_answer,
-                                    dataset)]
+    dataset_class: Any = dataset if inspect.isclass(dataset) else type(dataset)
+    todo: list[tuple[Any, Any]] = [(dataset_class.score_answer, dataset)]
     seen: set[Any] = set()
     while todo:
         function, owner = todo.pop()
