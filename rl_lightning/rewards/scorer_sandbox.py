@@ -72,6 +72,7 @@ class SandboxedScorer:
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024) -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
         self.process: subprocess.Popen | None = None
+        self._stderr: Any = None  # the scorer process's stderr (a temporary file), for the reason it stopped
         self._lock = threading.Lock()
 
     def score(self, task: str, answer: str, entry: dict[str, Any], audit_gate: bool = True) -> float:
@@ -173,6 +174,9 @@ class SandboxedScorer:
                     except OSError:
                         pass
             self.process = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
 
 
 _shared: dict[str, SandboxedScorer] = {}
