@@ -12,12 +12,20 @@ is built and no reward function runs, and since the PPO update only reads what t
 the same seed and device makes the same updates, bit for bit, as the run that dumped them. A folder that was written
 by another format, another model or tokenizer, another rollout shape, or that lacks a rollout the run needs is
 refused at start-up with one line (`ReplayDump.check`).
+
+A dump is data read back as data: an unreadable manifest, a file in the folder whose name is not a dump file's
+(``rollouts-rank<r>-<n>.jsonl``), or a line that is not a trajectory record is refused in one line naming the file
+and line. The one exception is the last line of a file when it lacks its newline: that is the line a killed run was
+writing, so it is skipped with a warning (the rollout it belonged to then counts as incomplete, which `check` refuses
+only if the run needs that rollout). A damaged line anywhere else is not a kill's doing and stops the replay.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -27,12 +35,18 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.config import RolloutConfig
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 
+log = logging.getLogger(__name__)
+
 FORMAT_VERSION = 2  # 1: conversations and rewards only (before replay)
 MANIFEST = "manifest.json"
 # manifest keys a replay must agree with, and the setting each comes from
 MUST_MATCH = {"model_name": "model.model_name", "tokenizer": "the tokenizer of model.model_name",
               "responses_per_prompt": "model.rollout.responses_per_prompt", "batch_size": "data.batch_size",
               "world_size": "the number of processes (trainer.devices x trainer.num_nodes)"}
+# the keys a training line must hold for `_read_rollouts` and `_trajectory`
+LINE_KEYS = ("rollout", "trajectory", "trajectories", "group_size", "reward_names", "reward_failures", "refills",
+             "prompt_index", "prompt_tokens", "prompt_messages", "input_ids", "completion_mask", "engine_logprobs",
+             "messages", "answer", "prompt_row", "finished", "turns", "reward", "reward_components")
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -93,7 +107,12 @@ class ReplayDump:
         if not path.is_file():
             raise ConfigError(f"{self.key}: no {MANIFEST} there; point it at the rollouts/ folder a run with "
                               "callbacks.rollout_dump.RolloutDump wrote")
-        self.manifest = json.loads(path.read_text())
+        try:
+            self.manifest = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{self.key}: {path} is not JSON ({e}); dump the run again, or restore the file") from None
+        if not isinstance(self.manifest, dict):
+            raise ConfigError(f"{self.key}: {path} is not a dump manifest (a JSON object); dump the run again")
         if self.manifest.get("format") != FORMAT_VERSION:
             raise ConfigError(f"{self.key}: dump format {self.manifest.get('format')}, this version replays format "
                               f"{FORMAT_VERSION}; dump the run again with this version")
@@ -177,21 +196,64 @@ class ReplayDump:
 
 
 def _read_rollouts(dirpath: Path, rank: int) -> dict[int, list[dict[str, Any]]]:
-    """Rank `rank`'s training lines by rollout number; a rollout written again (a resumed run) keeps the last."""
-    files = sorted(dirpath.glob(f"rollouts-rank{rank}-*.jsonl"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    """Rank `rank`'s training lines by rollout number; a rollout written again (a resumed run) keeps the last.
+
+    Raises:
+        ConfigError: one line: a stray file name, or a line that is not a trajectory record (see the module).
+    """
     rollouts: dict[int, list[dict[str, Any]]] = {}
-    for path in files:
-        for number, text in enumerate(path.read_text().splitlines(), 1):
-            line = json.loads(text)
+    for path in _rank_files(dirpath, rank):
+        for number, line in _records(dirpath, path):
             if line.get("split") != "train":
                 continue
-            if line.get("format") != FORMAT_VERSION:
-                raise ConfigError(f"model.rollout.replay={dirpath}: {path.name} line {number} is not a format "
-                                  f"{FORMAT_VERSION} line; dump the run again with this version")
+            missing = [key for key in LINE_KEYS if key not in line]
+            if line.get("format") != FORMAT_VERSION or missing:
+                what = f"lacks {', '.join(missing[:3])}" if line.get("format") == FORMAT_VERSION else \
+                    f"is not a format {FORMAT_VERSION} line"
+                raise ConfigError(f"model.rollout.replay={dirpath}: {path.name} line {number} {what}; dump the run "
+                                  "again with this version")
             if line["trajectory"] == 0:  # a rollout starts (again)
                 rollouts[line["rollout"]] = []
             rollouts.setdefault(line["rollout"], []).append(line)
     return rollouts
+
+
+def _rank_files(dirpath: Path, rank: int) -> list[Path]:
+    """Rank `rank`'s dump files in write order; a stray name among them is refused in one line."""
+    named = re.compile(rf"rollouts-rank{rank}-(\d+)\.jsonl")
+    files = sorted(dirpath.glob(f"rollouts-rank{rank}-*"))
+    stray = [p.name for p in files if not named.fullmatch(p.name)]
+    if stray:
+        raise ConfigError(f"model.rollout.replay={dirpath}: {stray[0]} is not a dump file (rollouts-rank{rank}-<n>"
+                          ".jsonl, as RolloutDump names them); move it out of the folder")
+    return sorted(files, key=lambda p: int(named.fullmatch(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def _records(dirpath: Path, path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The JSON objects of dump file `path` with their line numbers; a torn last line (no newline) is skipped."""
+    key = f"model.rollout.replay={dirpath}"
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path.name} is not UTF-8 text ({e.reason} at byte {e.start}); dump the run "
+                          "again") from None
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                log.warning("%s: %s line %d is cut short (the run was stopped while writing it): skipped", key,
+                            path.name, number)
+                break
+            raise ConfigError(f"{key}: {path.name} line {number} is not JSON ({e.msg} at column {e.colno}); "
+                              "dump the run again, or remove the line and replay a rollout before it") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{key}: {path.name} line {number} is not a trajectory record (a JSON object); dump "
+                              "the run again")
+        records.append((number, record))
+    return records
 
 
 def _ranges(numbers: list[int]) -> str:
