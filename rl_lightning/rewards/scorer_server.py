@@ -23,6 +23,7 @@ import select
 import signal
 import struct
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # at run time the source of rl_lightning.rewards.confine precedes this one (no rl_lightning import)
@@ -132,10 +133,10 @@ def score(scorer, request: dict, program: bytes | None) -> dict:
         os.close(read)
         _child(scorer, request, write, program)
     os.close(write)
-    data, deadline = b"", request["timeout_s"]
+    data, deadline = b"", time.monotonic() + request["timeout_s"]
     try:
         while len(data) <= _REPLY_CAP:
-            ready, _, _ = select.select([read], [], [], deadline)
+            ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 return {"failure": f"timed out after {request['timeout_s']} s"}
             chunk = os.read(read, 4096)
