@@ -106,6 +106,25 @@ def generate(task: str, train_size: int, test_size: int, seed: int, config: tupl
     return {"test": entries[:test_size], "train": entries[test_size:]}
 
 
+def check_rows_scoring(rows: list[dict], source: str) -> None:
+    """Refuse, in one line naming `source`, RL rows of a task whose scorer needs the sandbox where it cannot run.
+
+    Rows of the shape `to_rows` writes (``answer`` = ``{"task", "answer", "metadata"}``) only; see
+    `rl_lightning.rewards.reasoning_gym.check_task_scoring`.
+    """
+    tasks = {row["answer"]["task"] for row in rows if isinstance(row, dict) and isinstance(row.get("answer"), dict)
+             and set(row["answer"]) == {"task", "answer", "metadata"} and isinstance(row["answer"]["task"], str)}
+    if not tasks:
+        return
+    from rl_lightning.rewards.reasoning_gym import check_task_scoring
+
+    for task in sorted(tasks):
+        try:
+            check_task_scoring(task)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
 def _prompt(entry: dict, system_prompt: str) -> list[dict[str, str]]:
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return system + [{"role": "user", "content": entry["question"]}]

@@ -105,8 +105,9 @@ def test_evaluated_text_writes_reads_and_connects_nothing(task, gate, trap, capl
         listener.accept()
 
 
-def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch):
-    from rl_lightning.data.reasoning_gym import load_spec_rows
+def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch, tmp_path):
+    from rl_lightning.data.loading import load_rows
+    from rl_lightning.data.reasoning_gym import load_spec_rows, main
 
     monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap on PATH
     monkeypatch.delenv(isolation.OPT_IN, raising=False)
@@ -123,6 +124,9 @@ def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch)
         row = rows[0]["answer"]
         assert score(f"<answer>{row['answer']}</answer>", row)["correct"] == 1.0
         assert len(load_spec_rows("reasoning_gym:countdown?train_size=2&test_size=1&format=sft")) == 2  # not scored
+        main(["countdown", "--out", str(tmp_path), "--train-size", "2", "--test-size", "1"])  # writing is fine
+        with pytest.raises(ConfigError, match=r"^\S+train.jsonl: reasoning-gym task 'countdown': its scorer evaluates"):
+            load_rows(str(tmp_path / "train.jsonl"))  # reading it for RL is refused, before any training
     finally:
         isolation.isolation_level.cache_clear()
         isolation.require_isolation.cache_clear()
