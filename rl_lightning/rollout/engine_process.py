@@ -3,7 +3,7 @@
 `EngineProcess` is a `rl_lightning.rollout.engine.RolloutEngine` whose `rl_lightning.rollout.vllm.VLLMEngine` runs in
 a spawned process (not a trainer rank: it joins no trainer group). Prompts, sampling parameters and completions
 travel over a pipe; weights are broadcast from the trainer process over a two-member gloo group built from a
-`TCPStore` of its own, separate from the trainer's default group (host tensors; on GPU the engine copies them onto
+``FileStore`` of its own, separate from the trainer's default group (host tensors; on GPU the engine copies them onto
 its device). The trainer waiting on the pipe holds no GIL, so with the asynchronous rollouts of
 `rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
 
@@ -24,6 +24,11 @@ engine keeps its scheduler paused until fully awake). On CUDA the child sees onl
 (``CUDA_VISIBLE_DEVICES``, from ``model.rollout.engine_devices``: by default the first GPUs the trainer does not
 use; see `rl_lightning.rollout.config.engine_devices`).
 
+Local only: the store is a file in a folder only this user can enter and the gloo group binds ``127.0.0.1``
+(`rl_lightning.rollout.local_channels`); the child's own groups (vLLM's one-rank world, NCCL's bootstrap) are set up
+on a file store and the loopback interface as well. The engine process opens no socket another host can reach (a
+``TCPStore`` would listen on every interface, unauthenticated).
+
 Waiting: every wait on the child (its start, the weights group, completions, a weight load, its close) is bounded by
 ``model.rollout.engine_timeout_s``, and a child that died is noticed at once (its exit code, and its error when it
 could send one): either ends in one `EngineProcessError` line naming what the trainer waited for. Both mean the
@@ -37,8 +42,8 @@ import contextlib
 import math
 import multiprocessing as mp
 import os
-import socket
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
@@ -48,6 +53,13 @@ import torch
 import torch.distributed as dist
 
 from rl_lightning.rollout.engine import Completion, SamplingParams
+from rl_lightning.rollout.local_channels import (
+    loopback_environment,
+    loopback_gloo,
+    private_folder,
+    private_store,
+    remove_folder,
+)
 
 DEFAULT_TIMEOUT_S = 1800.0
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -99,14 +111,20 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group(store: Any, rank: int, timeout_s: float) -> Any:
-    return dist.ProcessGroupGloo(dist.PrefixStore("rl_lightning-weights", store), rank, 2, timedelta(seconds=timeout_s))
+    return loopback_gloo(dist.PrefixStore("rl_lightning-weights", store), rank, 2, timedelta(seconds=timeout_s))
+
+
+def _local_world(folder: str, device_type: str, timeout_s: float) -> None:
+    """The child's default group (one rank, which vLLM takes as its world) on a file store, before vLLM makes one.
+
+    vLLM's own would come from ``env://``: a ``TCPStore`` listening on every interface. Its gloo and NCCL sockets
+    bind loopback (`loopback_environment`).
+    """
+    os.environ.update(loopback_environment())
+    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(folder, 'world')}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype
@@ -130,16 +148,17 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def _serve(connection: Any, port: int, engine_kwargs: dict[str, Any], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def _serve(connection: Any, folder: str, engine_kwargs: dict[str, Any], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """The engine process: join the weights group, build the engine (it never sleeps), answer until ``close``.
 
     A failure is sent to the trainer as one ``("error", line)`` message before the process exits with it.
     """
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(key, None)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})  # vLLM's own one-rank group
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
     try:
-        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=timeout_s))
+        _local_world(folder, str(engine_kwargs.get("device_type", "cpu")), timeout_s)
+        store = private_store(folder, 2)
         store.set(JOINED, "1")
         group = _group(store, 1, timeout_s)
         from rl_lightning.rollout.vllm import VLLMEngine
@@ -227,17 +246,17 @@ class EngineProcess:
     def __init__(self, *, devices: Sequence[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs: Any) -> None:
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
-        port = _free_port()
+        self.folder = private_folder("rl_lightning-engine-")  # the stores' files: this user's only
+        self._remove_folder = weakref.finalize(self, remove_folder, self.folder)
         context = mp.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, port, engine_kwargs, timeout_s), daemon=True)
+        self.process = context.Process(target=_serve, args=(child, self.folder, engine_kwargs, timeout_s), daemon=True)
         child_env = {} if devices is None else {
             "CUDA_VISIBLE_DEVICES": visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
         with _environment(child_env):
             self.process.start()
         child.close()  # the child holds its end now: the pipe reads EOF once the child is gone
-        self._store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
+        self._store = private_store(self.folder, 2)
         self._wait("join the weights group", lambda: self._store.check([JOINED]))
         self.group = self._guarded("join the weights group", lambda: _group(self._store, 0, timeout_s))
         ready = self._receive("ready", "start (build its vLLM engine)")
@@ -318,6 +337,7 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=5)
+        self._remove_folder()
 
     # ------------------------------------------------------------------------------------------------ engine
 
@@ -370,3 +390,4 @@ class EngineProcess:
             if self.process.is_alive():
                 self._timed_out("exit after closing its engine")
         self.process.join(timeout=5)
+        self._remove_folder()

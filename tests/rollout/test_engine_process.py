@@ -217,3 +217,32 @@ def test_joining_the_weights_group_times_out(tmp_path, monkeypatch):
                                                  r"within model\.rollout\.engine_timeout_s=5 s \(it was stopped\)"):
         within(60, fake_engine, tmp_path, timeout_s=5)
     assert 5 <= time.monotonic() - start < 25 and no_child_left()
+
+
+def listening(pids: list[int]) -> set[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every TCP socket the processes `pids` listen on (IPv4 and IPv6)."""
+    import psutil
+
+    return {(pid, c.laddr.ip, c.laddr.port) for pid in pids
+            for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_engine_process_listens_on_loopback_only(tmp_path):
+    """While an engine process runs (weights pushed, completions generated), neither the trainer nor the child listens
+    on any address but loopback (the old TCPStore listened on every interface, ``::``), and the stores' folder is this
+    user's only (0o700) and gone after shutdown."""
+    import ipaddress
+    import stat
+
+    before = listening([os.getpid()])
+    engine = fake_engine(tmp_path, timeout_s=120)
+    try:
+        within(60, engine.update_weights, [("model.norm.weight", torch.ones(4))])
+        within(60, engine.generate, [[1, 2]], SamplingParams(max_new_tokens=2))
+        sockets = listening([os.getpid(), engine.process.pid]) - before
+        mode = stat.S_IMODE(os.stat(engine.folder).st_mode)
+    finally:
+        within(60, engine.shutdown)
+    outside = [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback]
+    assert outside == [] and any(pid == engine.process.pid for pid, _, _ in sockets)  # the child's gloo: loopback
+    assert mode == 0o700 and not os.path.exists(engine.folder)
