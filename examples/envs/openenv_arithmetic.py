@@ -43,6 +43,8 @@ class BareNumber(Rubric):
 
 
 class ArithmeticGame(Environment[GuessAction, GuessObservation, State]):
+    SUPPORTS_CONCURRENT_SESSIONS = True  # all state is per instance: a server may hold one per session
+
     def __init__(self) -> None:
         super().__init__(rubric=WeightedSum([Correct(self), BareNumber()], weights=[0.8, 0.2]))
         self.answer, self._state = 0, State()

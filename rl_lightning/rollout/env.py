@@ -321,6 +321,10 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
     adapter = load_adapter(env_path, key) if is_adapter(env_path) else None  # verifiers:/openenv: environments
     if adapter is not None:
         weights = adapter.resolve_weights(weights, f"{key}={env_path!r}")
+        if adapter.trust == "in-process":
+            log.warning("%s=%s runs in-process (the reward workers): its code and the tools or actions the model "
+                        "chooses run with their rights; serve an OpenEnv environment and name its URL "
+                        "(openenv:http://HOST:PORT) to keep them apart", key, env_path)
     if weights is not None and (not weights or any(not math.isfinite(w) or w < 0 for w in weights.values())):
         raise ConfigError(f"reward_weights must map each component name to a finite weight >= 0, got {weights}")
     names = sorted(weights or {})

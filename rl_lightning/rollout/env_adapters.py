@@ -4,8 +4,10 @@
 
 - ``verifiers:<taskset>``: a verifiers 0.4 (``verifiers.v1``) taskset, named as verifiers names it (an installed
   package exporting its ``Taskset`` subclass in ``__all__``) or as a ``.py`` file;
+- ``openenv:http://HOST:PORT``: an OpenEnv environment served by its own server (its container, a Space, or
+  ``uvicorn``), played over OpenEnv's WebSocket client: the preferred form, nothing of the environment runs here;
 - ``openenv:<module>``: an OpenEnv (``openenv-core``) ``Environment`` subclass in a module or ``.py`` file, run
-  in-process (one fresh instance per episode);
+  in-process (one fresh instance per episode): an explicit opt-in, said once in the log;
 
 either followed by ``:<Name>`` to pick one class where the module defines several. The same key everywhere (the
 recipe, ``--model.rollout.env_path``, ``rl_lightning eval --env``, the reward workers, which build the adapter in their
@@ -49,6 +51,7 @@ from typing import Any
 from rl_lightning.errors import ConfigError
 
 PREFIXES = {"verifiers": "verifiers", "openenv": "openenv-core"}
+SERVER_SCHEMES = ("http://", "https://", "ws://", "wss://")
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Adapter:
     reward_fn: Callable[[list[dict], Any], dict[str, float]]
     interact: Callable[[list[dict]], list[dict]] | None
     weights: dict[str, float]
+    trust: str = "in-process"  # where the environment's code and the model-chosen actions run: or "server"
 
     def resolve_weights(self, weights: dict[str, float] | None, where: str) -> dict[str, float]:
         """The weights: the environment's when `weights` (``reward_weights``) is None or ``{}``, else `weights`.
@@ -86,6 +90,11 @@ def load_adapter(env_path: str, key: str = "env_path") -> Adapter:
         importlib.import_module("verifiers.v1" if kind == "verifiers" else "openenv.core.env_server")
     except ImportError as e:
         raise ConfigError(f"{where} needs {PREFIXES[kind]} ({e}): pip install -e '.[envs]'") from None
+    if kind == "openenv" and target.startswith(SERVER_SCHEMES):
+        from rl_lightning.rollout.openenv_adapter import OpenEnvServerAdapter
+
+        served = OpenEnvServerAdapter(target, where)
+        return Adapter(served.reward_fn, served.interact, served.weights, served.trust)
     target, _, name = target.partition(":") if not target.endswith(".py") else (target, "", "")
     module = _import_target(target, where)
     if kind == "verifiers":
@@ -94,13 +103,13 @@ def load_adapter(env_path: str, key: str = "env_path") -> Adapter:
         from rl_lightning.rollout.verifiers_adapter import VerifiersAdapter
 
         found = VerifiersAdapter(_pick_class(module, Taskset, name, where), where)
-        return Adapter(found.reward_fn, found.interact if found.tools else None, found.weights)
+        return Adapter(found.reward_fn, found.interact if found.tools else None, found.weights, found.trust)
     from openenv.core.env_server import Environment
 
     from rl_lightning.rollout.openenv_adapter import OpenEnvAdapter
 
     env = OpenEnvAdapter(_pick_class(module, Environment, name, where), where)
-    return Adapter(env.reward_fn, env.interact, env.weights)
+    return Adapter(env.reward_fn, env.interact, env.weights, env.trust)
 
 
 def _import_target(target: str, where: str) -> ModuleType:

@@ -1,6 +1,13 @@
 """OpenEnv (``openenv-core`` 0.3) environments as ``reward_fn``/``interact``: ``env_path: openenv:<module>``.
 
 The mapping is described in `rl_lightning.rollout.env_adapters`; openenv is imported only when one is used.
+
+Trust (`trust` on each adapter): `OpenEnvServerAdapter` (``openenv:http://HOST:PORT``) plays each episode against
+the environment's own server (its container, Space or ``uvicorn`` process) over OpenEnv's WebSocket client: nothing
+of the environment runs here, and the model's text reaches it only as the action's one string field. `OpenEnvAdapter`
+(``openenv:<module>``) runs the environment class in-process (in the reward workers): its code and whatever it does
+with the model's actions run with the worker's rights, so naming a module is the explicit opt-in, said once in the log
+at start-up.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ RESERVED_OBSERVATION = ("done", "reward", "metadata")
 
 class OpenEnvAdapter:
     """An OpenEnv ``Environment`` class as ``reward_fn``/``interact`` (see the module docstring)."""
+
+    trust = "in-process"
 
     def __init__(self, env_class: Any, where: str) -> None:
         self.env_class, self.where = env_class, where
@@ -74,6 +83,58 @@ class OpenEnvAdapter:
         return [] if observation.done else [{"role": "user", "content": observation_text(observation)}]
 
 
+class OpenEnvServerAdapter:
+    """An OpenEnv environment served at `url` (``openenv:http://HOST:PORT``) as ``reward_fn``/``interact``.
+
+    The same replay as `OpenEnvAdapter`, each call one WebSocket session (``GenericEnvClient``: plain JSON, no
+    environment code here). The server reports only each step's reward, so there is one component, ``reward``. Serve
+    it with as many concurrent sessions (``max_concurrent_envs``) as there are reward workers.
+    """
+
+    trust = "server"
+
+    def __init__(self, url: str, where: str, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        self.url, self.where, self.timeout_s = url.rstrip("/"), where, timeout_s
+        try:
+            response = httpx.get(f"{self.url}/schema", timeout=timeout_s)
+            response.raise_for_status()
+            schema = response.json()["action"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{where}: no OpenEnv server answers {self.url}/schema ({type(e).__name__}: {e}); "
+                              "start the environment's server (its container or uvicorn) there") from None
+        properties = schema.get("properties", {})
+        fields = [n for n, f in properties.items() if n != "metadata" and f.get("type") == "string"]
+        if len(fields) != 1:
+            raise ConfigError(f"{where}: the server's action has {len(fields)} string fields {fields}; the adapter "
+                              "puts the completion text in exactly one")
+        self.text_field = fields[0]
+        self.names, self.weights = ["reward"], {"reward": 1.0}
+
+    def episode(self, messages: list[dict]) -> tuple[Any, dict[str, float]]:
+        """Replay the conversation on a fresh server session; the last step's result and the summed reward."""
+        from openenv.core.generic_client import GenericEnvClient
+
+        total = 0.0
+        with GenericEnvClient(base_url=self.url, message_timeout_s=self.timeout_s).sync() as env:
+            result = env.reset(**next((m["reset"] for m in messages if m.get("reset")), {}))
+            for message in messages:
+                if message["role"] == "assistant" and not result.done:
+                    result = env.step({self.text_field: message["content"] or ""})
+                    total += float(result.reward or 0.0)
+        return result, {"reward": total}
+
+    def reward_fn(self, messages: list[dict], answer: Any) -> dict[str, float]:
+        """The episode's return (`answer` is not used: the ``reset`` arguments say the task)."""
+        return self.episode(messages)[1]
+
+    def interact(self, messages: list[dict]) -> list[dict]:
+        """The last observation as a user turn, or [] once the episode is done."""
+        result, _ = self.episode(messages)
+        return [] if result.done else [{"role": "user", "content": observation_text(result.observation)}]
+
+
 def _action_type(env_class: Any, where: str) -> Any:
     """The action class ``step`` takes (its annotation, else the ``Environment[Action, ...]`` parameter)."""
     from openenv.core.env_server import Action
@@ -101,8 +162,12 @@ def _weighted_parts(rubric: Any) -> list[tuple[Any, float]]:
 
 
 def observation_text(observation: Any) -> str:
-    """An observation's text: its one ``str`` field, else its fields (no done/reward/metadata) as JSON."""
-    fields = {n: v for n, v in observation.model_dump().items() if n not in RESERVED_OBSERVATION}
+    """An observation's text: its one ``str`` field, else its fields (no done/reward/metadata) as JSON.
+
+    `observation` is an ``Observation`` or, from a server, its fields as a dict.
+    """
+    values = observation if isinstance(observation, dict) else observation.model_dump()
+    fields = {n: v for n, v in values.items() if n not in RESERVED_OBSERVATION}
     texts = [v for v in fields.values() if isinstance(v, str)]
     return texts[0] if len(fields) == 1 and texts else json.dumps(fields, default=str)
 

@@ -1,6 +1,12 @@
 """verifiers (0.4, ``verifiers.v1``) tasksets as ``reward_fn``/``interact``: ``env_path: verifiers:<taskset>``.
 
 The mapping is described in `rl_lightning.rollout.env_adapters`; verifiers is imported only when one is used.
+
+Trust: the taskset is code the user installed, and its tools run in-process (in the reward workers, `trust`), not in
+the runtime verifiers would serve them from. What the model chooses is data: a call names one of the declared tools
+(`VerifiersAdapter.tools`), passes only that tool's declared parameters, with values of their annotated types
+(validated by pydantic, as verifiers' MCP server would), and at most `MAX_TOOL_CALLS` calls are answered per turn;
+anything else is answered with an ``error: ...`` tool message the model reads, never raised.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ from typing import Any
 from rl_lightning.errors import ConfigError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MAX_TOOL_CALLS = 16
+"""Tool calls answered per assistant turn; later ones get one error message."""
 
 
 class VerifiersAdapter:
     """A verifiers ``Taskset`` class as ``reward_fn``/``interact`` (see the module docstring)."""
+
+    trust = "in-process"  # the tools run in the reward workers; the model's calls are filtered (module docstring)
 
     def __init__(self, taskset_class: Any, where: str) -> None:
         from verifiers.v1 import Taskset, TasksetConfig
@@ -97,20 +107,58 @@ class VerifiersAdapter:
 
     def interact(self, messages: list[dict]) -> list[dict]:
         """A ``tool`` message for each tool call of the last assistant turn (its result, or the error), else []."""
+        calls = TOOL_CALL.findall(messages[-1]["content"] or "")
         replies = []
-        for index, call in enumerate(TOOL_CALL.findall(messages[-1]["content"] or "")):
-            call_id = f"call_{len(messages)}_{index}"
+        for index, call in enumerate(calls[:MAX_TOOL_CALLS]):
             try:
-                request = json.loads(call)
-                name, arguments = request["name"], request.get("arguments") or {}
-                if name not in self.tools:
-                    raise KeyError(f"unknown tool {name!r}; the tools are {sorted(self.tools)}")
-                result = self.tools[name](**arguments)
-                content = str(_run(result) if inspect.isawaitable(result) else result)
+                content = self.call(call)
             except Exception as e:  # noqa: BLE001 - the model's call failed: the model reads why, as with MCP
                 content = f"error: {type(e).__name__}: {e}"
-            replies.append({"role": "tool", "content": content, "tool_call_id": call_id})
+            replies.append({"role": "tool", "content": content, "tool_call_id": f"call_{len(messages)}_{index}"})
+        if len(calls) > MAX_TOOL_CALLS:
+            replies.append({"role": "tool", "content": f"error: {len(calls) - MAX_TOOL_CALLS} tool call(s) not run: "
+                            f"at most {MAX_TOOL_CALLS} per turn", "tool_call_id": f"call_{len(messages)}_rest"})
         return replies
+
+    def call(self, text: str) -> str:
+        """Run one ``{"name": ..., "arguments": {...}}`` call of a declared tool; a `ValueError` for anything else."""
+        request = json.loads(text)
+        if not isinstance(request, dict) or not isinstance(request.get("name"), str):
+            raise ValueError('a tool call is {"name": "<tool>", "arguments": {...}}')
+        name, arguments = request["name"], request.get("arguments") or {}
+        if name not in self.tools:
+            raise ValueError(f"unknown tool {name[:80]!r}; the tools are {sorted(self.tools)}")
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{name}: arguments must be a JSON object, got {type(arguments).__name__}")
+        fn = self.tools[name]
+        declared = _parameters(fn)
+        unknown = sorted(set(arguments) - set(declared))
+        if unknown:
+            raise ValueError(f"{name} takes {declared}, not {[k[:40] for k in unknown[:5]]}")
+        result = _validated(fn, name)(**arguments)
+        return str(_run(result) if inspect.isawaitable(result) else result)
+
+
+def _parameters(fn: Callable[..., Any]) -> list[str]:
+    """The names a tool declares (no ``*args``/``**kwargs``, nothing verifiers injects such as a runtime)."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in inspect.signature(fn).parameters.items() if p.kind in named and n not in ("runtime", "state")]
+
+
+def _validated(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` with its arguments validated against its annotations; a failure is one `ValueError` line."""
+    from pydantic import ValidationError, validate_call
+
+    checked = validate_call(fn)
+
+    def call(**arguments: Any) -> Any:
+        try:
+            return checked(**arguments)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:3])
+            raise ValueError(f"{name}: {problems}") from None
+
+    return call
 
 
 def _needs_runtime(fn: Callable[..., Any]) -> bool:
