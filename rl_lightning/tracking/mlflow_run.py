@@ -15,6 +15,9 @@
 - The run's lineage (recipe, data and environment file with their hashes, git commit, base model:
   `rl_lightning.tracking.lineage`) is set as tags at train start, and an RL task's environment file is uploaded as the
   artifact ``environment/<file name>``. (The export is logged as a model by ``HFExport``, at train end.)
+- A ``sqlite:`` store on a network file system (NFS, CIFS/SMB, Lustre, GPFS, BeeGFS, CephFS, ...: read from
+  ``/proc/mounts``) gets a one-line warning at start-up: SQLite's file locking is unreliable there, so concurrent jobs
+  writing one ``mlflow.db`` can lock each other out or corrupt it (`shared_sqlite_store`).
 - Any other failed run gets the error (its first line, redacted: `rl_lightning.redaction`) as its description and an
   ``error`` tag.
 """
@@ -28,6 +31,40 @@ import lightning as L
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
+
+# file systems where SQLite's locks do not hold across machines (the SQLite FAQ: "NFS locking is broken")
+NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+                        "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "9p", "afs", "panfs", "wekafs", "virtiofs")
+
+
+def shared_sqlite_store(tracking_uri: str | None, mounts: str) -> str | None:
+    """The warning for a ``sqlite:`` tracking store on a network file system, or None.
+
+    Args:
+        tracking_uri: the MLflow tracking URI (``sqlite:///mlflow.db``, ``sqlite:////abs/path.db``).
+        mounts: the text of ``/proc/mounts`` (device, mount point, type, ... per line).
+    """
+    import os
+    from urllib.parse import unquote, urlsplit
+
+    if not tracking_uri or not tracking_uri.startswith("sqlite:"):
+        return None
+    path = unquote(urlsplit(tracking_uri).path)
+    path = path[1:] if path.startswith("/") else path  # sqlite:///rel.db -> rel.db, sqlite:////abs.db -> /abs.db
+    path = os.path.realpath(path.removeprefix("file:"))
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fields[2]
+    if kind not in NETWORK_FILE_SYSTEMS:
+        return None
+    return (f"MLflow store {path} is on a network file system ({kind} at {best}): SQLite's locking does not hold "
+            "there, so concurrent runs writing it can lock each other out or corrupt it; give each job its own "
+            "local sqlite file, or run an MLflow server (trainer.logger.init_args.tracking_uri: http://host:5000)")
 
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "machine learning" experiment type (vs genai_development)
 
@@ -59,6 +96,22 @@ class MLflowTracking(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
                 logger.follow(trainer)
+        if trainer.is_global_zero:
+            self._warn_shared_sqlite(trainer)
+
+    @staticmethod
+    def _warn_shared_sqlite(trainer: L.Trainer) -> None:
+        try:
+            with open("/proc/mounts") as f:
+                mounts = f.read()
+        except OSError:  # not Linux: nothing to read
+            return
+        from rl_lightning.redaction import redact_text
+
+        for logger in _mlflow_loggers(trainer):
+            warning = shared_sqlite_store(logger._tracking_uri, mounts)
+            if warning:
+                log.warning(redact_text(warning))
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
