@@ -175,6 +175,18 @@ def test_a_sharded_checkpoint_is_checked_and_its_weights_load_alone(workdir):
     assert _cli("--model.model_name", "model").returncode == 0
     checkpoint = Path("outputs/sft/latest/checkpoints/epoch=0-step=2.ckpt").resolve().relative_to(Path.cwd().resolve())
     assert checkpoint.is_dir()
+    from rl_lightning.parallel.checkpoint_trust import damage
+
+    listed = sorted(line.split()[1] for line in (checkpoint / "SHA256SUMS").read_text().splitlines())
+    assert listed == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"] and damage(checkpoint) is None
+    shard = checkpoint / "__1_0.distcp"  # every rank's shards are listed: a changed byte in rank 1's is seen
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    assert damage(checkpoint) == "does not match its digest (SHA256SUMS: __1_0.distcp): a byte changed after it was " \
+                                 "written"
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
     config = json.loads(Path("model/config.json").read_text())
     Path("model/config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
     refused = _cli("--model.model_name", "model", "--ckpt_path", str(checkpoint))
