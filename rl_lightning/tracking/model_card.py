@@ -261,5 +261,5 @@ def write_card(dirpath: str | Path, trainer: Any, pl_module: Any, lineage: dict[
     if config is not None:
         write_atomic(Path(dirpath) / CONFIG_FILE, config, mode=0o600)  # the run's settings: its owner's only
     path = Path(dirpath) / "README.md"
-    path.write_text(card_text(info))
+    write_atomic(path, card_text(info))
     return path
