@@ -55,17 +55,12 @@ def load_rows(path: str, split: str = "train") -> Rows:
         return Rows(load_spec_rows(path), path)
     local = Path(path).expanduser()
     if local.is_dir():
-        rows = _load_saved_dataset(local, split)
-    elif local.is_file():
-        rows = _load_file(local)
-    elif local.suffix in SUPPORTED_EXTENSIONS or path.startswith((".", "/", "~")):
+        return _load_saved_dataset(local, split)
+    if local.is_file():
+        return _load_file(local)
+    if local.suffix in SUPPORTED_EXTENSIONS or path.startswith((".", "/", "~")):
         raise DataError(f"data file not found: '{path}' (resolved to {local.resolve()}); check the `path` setting")
-    else:
-        rows = _load_hub(path, split)
-    from rl_lightning.data.reasoning_gym import check_rows_scoring
-
-    check_rows_scoring(rows.rows, path)  # reasoning-gym rows whose scorer needs the sandbox: refused now, not later
-    return rows
+    return _load_hub(path, split)
 
 
 def _load_file(path: Path) -> Rows:

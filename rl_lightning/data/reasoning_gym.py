@@ -106,25 +106,6 @@ def generate(task: str, train_size: int, test_size: int, seed: int, config: tupl
     return {"test": entries[:test_size], "train": entries[test_size:]}
 
 
-def check_rows_scoring(rows: list[dict], source: str) -> None:
-    """Refuse, in one line naming `source`, RL rows of a task whose scorer needs the sandbox where it cannot run.
-
-    Rows of the shape `to_rows` writes (``answer`` = ``{"task", "answer", "metadata"}``) only; see
-    `rl_lightning.rewards.reasoning_gym.check_task_scoring`.
-    """
-    tasks = {row["answer"]["task"] for row in rows if isinstance(row, dict) and isinstance(row.get("answer"), dict)
-             and set(row["answer"]) == {"task", "answer", "metadata"} and isinstance(row["answer"]["task"], str)}
-    if not tasks:
-        return
-    from rl_lightning.rewards.reasoning_gym import check_task_scoring
-
-    for task in sorted(tasks):
-        try:
-            check_task_scoring(task)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
-
-
 def _prompt(entry: dict, system_prompt: str) -> list[dict[str, str]]:
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return system + [{"role": "user", "content": entry["question"]}]
@@ -189,16 +170,8 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
 
 
 def load_spec_rows(spec: str) -> list[dict]:
-    """The rows a ``reasoning_gym:`` data path names.
-
-    RL rows of a task whose scorer evaluates text are refused here, at start-up, where the sandbox that scores them
-    cannot run (`rl_lightning.rewards.reasoning_gym.check_task_scoring`).
-    """
+    """The rows a ``reasoning_gym:`` data path names."""
     task, split, options, config = parse_spec(spec)
-    if options["format"] == "rl":
-        from rl_lightning.rewards.reasoning_gym import check_task_scoring
-
-        check_task_scoring(task)
     entries = generate(task, options["train_size"], options["test_size"], options["seed"],
                        tuple(sorted(config.items())))[split]
     return to_rows(task, entries, options["format"], options["system_prompt"], options["seed"])

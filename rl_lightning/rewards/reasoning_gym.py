@@ -19,7 +19,7 @@ import re
 from functools import cache
 from typing import Any
 
-from rl_lightning.errors import ConfigError
+from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.rewards import isolation
 from rl_lightning.rewards.math import last_boxed
 
@@ -131,3 +131,23 @@ def _correct(task: str, extracted: str, entry: dict) -> float:
 def reward_fn(messages: list[dict], answer: dict) -> dict[str, float]:
     """Environment entry point: score the last (assistant) message against the row's reasoning-gym answer."""
     return score(messages[-1]["content"], answer)
+
+
+def check_answer(answer: dict, where: str) -> None:
+    """Start-up check of one prompt row's `answer` (named `where`): a task this machine can score.
+
+    A row of a task whose scorer evaluates text is refused in one line where the sandbox cannot run
+    (`check_task_scoring`), before any model loads.
+    """
+    task = answer.get("task")
+    if not isinstance(task, str) or "answer" not in answer:
+        raise DataError(f"{where}: 'answer' is not a reasoning-gym answer (a dict with 'task', 'answer' and "
+                        f"'metadata', as `python -m rl_lightning.data.reasoning_gym` writes): got keys {sorted(answer)}")
+    try:
+        check_task_scoring(task)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+reward_fn.answer_types = (dict,)  # type: ignore[attr-defined]  # checked at start-up, then `check_answer` per row
+reward_fn.check_answer = check_answer  # type: ignore[attr-defined]

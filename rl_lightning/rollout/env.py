@@ -78,6 +78,7 @@ class Environment:
     reward_model_config: Any = None
     max_tool_chars: int | None = MAX_TOOL_CHARS
     answer_types: tuple[type, ...] | None = None  # what ``reward_fn`` declares it reads (its ``answer_types``)
+    answer_check: Callable[[Any, str], None] | None = None  # ``reward_fn.check_answer(answer, where)``, if declared
     tool_truncations: int = 0
     overlong_conversations: int = 0
 
@@ -94,13 +95,17 @@ class Environment:
     def check_answers(self, prompts: Iterable[Any]) -> None:
         """A `DataError` naming the first prompt row whose ``answer`` is not of the `answer_types` ``reward_fn`` reads.
 
-        Nothing to check when ``reward_fn`` declares none (its ``answer_types`` attribute, a tuple of types).
+        Nothing to check when ``reward_fn`` declares none (its ``answer_types``); its ``check_answer(answer, where)``,
+        if any, then sees every row (reasoning-gym refuses a task whose scorer needs the sandbox where none runs).
         """
-        if self.answer_types is None:
+        if self.answer_types is None and self.answer_check is None:
             return
         reward = f"the reward_fn of {self.path}"
         for prompt in prompts:
-            check_answer_type(prompt.answer, prompt.where, self.answer_types, reward)
+            if self.answer_types is not None:
+                check_answer_type(prompt.answer, prompt.where, self.answer_types, reward)
+            if self.answer_check is not None:
+                self.answer_check(prompt.answer, prompt.where)
 
     def score(self, messages: list[dict], answer: Any, where: str) -> tuple[float, dict[str, float]]:
         """The reward of one trajectory and its named components ({} for a single reward).
@@ -353,10 +358,15 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
                                          and all(isinstance(t, type) for t in answer_types)):
         raise ConfigError(f"{key} '{env_path}': reward_fn.answer_types must be a tuple of types, e.g. (str, int, "
                           f"float), got {answer_types!r}")
+    answer_check = getattr(reward_fn, "check_answer", None)
+    if answer_check is not None and not callable(answer_check):
+        raise ConfigError(f"{key} '{env_path}': reward_fn.check_answer must be a function (answer, where), got "
+                          f"{answer_check!r}")
     return Environment(reward_fn, interact, env_path if adapter else str(Path(env_path)), on_error, weights=weights,
                        combination=combination, ideal=ideal,
                        reward_model=None if reward_model is None else reward_model.build(),
-                       reward_model_config=reward_model, max_tool_chars=max_tool_chars, answer_types=answer_types)
+                       reward_model_config=reward_model, max_tool_chars=max_tool_chars, answer_types=answer_types,
+                       answer_check=answer_check)
 
 
 def _import_file(env_path: str, key: str) -> Any:

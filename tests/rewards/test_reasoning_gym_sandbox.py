@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
-from rl_lightning.errors import ConfigError  # noqa: E402
+from rl_lightning.errors import ConfigError, DataError  # noqa: E402
 from rl_lightning.rewards import isolation  # noqa: E402
 from rl_lightning.rewards.reasoning_gym import EVALUATING_TASKS, check_task_scoring, score  # noqa: E402
 from rl_lightning.rewards.reasoning_gym_scan import evaluating_tasks  # noqa: E402
@@ -106,27 +106,42 @@ def test_evaluated_text_writes_reads_and_connects_nothing(task, gate, trap, capl
 
 
 def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch, tmp_path):
+    """The environment's start-up check of the prompt rows (`Environment.check_answers`, called by the rollout
+    callback's setup and by eval) refuses rows of an evaluating task in one line naming the row, before any model."""
+    from types import SimpleNamespace
+
     from rl_lightning.data.loading import load_rows
     from rl_lightning.data.reasoning_gym import load_spec_rows, main
+    from rl_lightning.rewards import reasoning_gym
+    from rl_lightning.rollout.env import load_environment
 
+    env = load_environment(str(reasoning_gym.__file__))  # what the example env file re-exports
     monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap on PATH
     monkeypatch.delenv(isolation.OPT_IN, raising=False)
     isolation.isolation_level.cache_clear()
     isolation.require_isolation.cache_clear()
+
+    def prompts(rows, source):
+        return [SimpleNamespace(answer=row["answer"], where=f"{source} row {i}") for i, row in enumerate(rows)]
+
     try:
         with pytest.raises(ConfigError) as error:
-            load_spec_rows("reasoning_gym:countdown?train_size=2&test_size=1")
+            env.check_answers(prompts(load_spec_rows("reasoning_gym:countdown?train_size=2&test_size=1"), "spec"))
         message = str(error.value)
-        assert "\n" not in message and "'countdown'" in message and "parse_expr" in message
-        assert "apt-get install bubblewrap" in message and f"{isolation.OPT_IN}=1" in message
+        assert "\n" not in message and message.startswith("spec row 0: ") and "'countdown'" in message
+        assert "parse_expr" in message and "apt-get install bubblewrap" in message and f"{isolation.OPT_IN}=1" in message
         check_task_scoring("chain_sum")  # scored in-process: no sandbox needed
         rows = load_spec_rows("reasoning_gym:chain_sum?train_size=2&test_size=1")
+        env.check_answers(prompts(rows, "chain_sum"))
         row = rows[0]["answer"]
         assert score(f"<answer>{row['answer']}</answer>", row)["correct"] == 1.0
         assert len(load_spec_rows("reasoning_gym:countdown?train_size=2&test_size=1&format=sft")) == 2  # not scored
         main(["countdown", "--out", str(tmp_path), "--train-size", "2", "--test-size", "1"])  # writing is fine
-        with pytest.raises(ConfigError, match=r"^\S+train.jsonl: reasoning-gym task 'countdown': its scorer evaluates"):
-            load_rows(str(tmp_path / "train.jsonl"))  # reading it for RL is refused, before any training
+        written = load_rows(str(tmp_path / "train.jsonl")).rows  # reading is fine; training on them is refused
+        with pytest.raises(ConfigError, match=r"^train.jsonl row 0: reasoning-gym task 'countdown': its scorer evaluates"):
+            env.check_answers(prompts(written, "train.jsonl"))
+        with pytest.raises(DataError, match=r"^bad row 0: 'answer' is not a reasoning-gym answer"):
+            env.check_answers([SimpleNamespace(answer={"answer": "3"}, where="bad row 0")])
     finally:
         isolation.isolation_level.cache_clear()
         isolation.require_isolation.cache_clear()

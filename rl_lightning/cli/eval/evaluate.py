@@ -214,6 +214,7 @@ def evaluate(config: EvalConfig, on_samples: Callable[[str, list[Trajectory]], N
     prompts = load_prompts(config.data, tokenizer, config.split, config.limit, config.chat_template)
     weights = parse_weights(config.reward_weights)
     env = load_env(config.env, prompts, weights)
+    env.check_answers(prompts)  # one line for a row the reward cannot score, before the engine starts
     # generation scores nothing: the real scoring (below) needs the component names from a first completion
     placeholder = Environment(lambda messages, answer: 0.0, env.interact, env.path)
     longest = max(len(p.prompt_ids) for p in prompts)
