@@ -1,0 +1,147 @@
+"""The built wheel on its own, as a user gets it from ``pip install``: no clone, an empty working folder.
+
+One wheel is built (``pip wheel --no-deps --no-build-isolation`` on a copy of the package) and installed with
+``--no-deps`` into a fresh virtualenv whose only other packages are the suite's, reached through a ``.pth`` file
+(pip's own resolution of the dependencies is the extras test's job). From an empty folder: every bundled recipe
+parses by name (``--print_config``: every class path imports) and names only files the wheel holds, the tiny GRPO
+recipe trains by name through the ``rl-lightning`` console command, and the other commands' help works. Each extra
+resolves from the wheel (``pip install --dry-run``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+RECIPES = ["dapo", "distill", "dpo", "grpo", "ppo", "real/dpo", "real/grpo", "real/sft", "rm", "sft"]
+
+# Runs inside the installed venv: each recipe (and the demo's recipe + overlay) through the real CLI's
+# --print_config, then every `rl_lightning/...` value of the printed config looked up in the installed package.
+CHECK = r"""
+import contextlib, io, json, re, sys
+import yaml
+import rl_lightning
+from rl_lightning.assets.package_files import package_file
+from rl_lightning.cli.main import main
+from rl_lightning.cli.recipes import recipe_names
+
+def strings(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+    elif isinstance(value, str):
+        yield value
+
+report = {"package": rl_lightning.__file__, "names": recipe_names(), "configs": {}}
+for configs in [[name] for name in recipe_names()] + [["real/grpo", "rl_lightning/cli/demo.yaml"]]:
+    out, err = io.StringIO(), io.StringIO()
+    args = ["fit", *[a for c in configs for a in ("--config", c)], "--print_config"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    refs = [re.sub(r"^[a-z]+:", "", s) for s in strings(yaml.safe_load(out.getvalue()) if code == 0 else {})]
+    refs = [r for r in refs if r.startswith("rl_lightning/")]
+    report["configs"]["+".join(configs)] = {"code": code, "error": err.getvalue()[-2000:], "refs": refs,
+                                            "missing": [r for r in refs if package_file(r) is None]}
+print(json.dumps(report))
+"""
+
+
+def _site_packages(python: Path) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from a copy of the package (the build writes nothing into the repository)."""
+    root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "rl_lightning", source / "rl_lightning", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(root / "dist"), str(source)], check=True, capture_output=True, text=True)
+    (built,) = (root / "dist").glob("rl_lightning-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    """A fresh virtualenv holding the installed wheel; the suite's site-packages supply the dependencies."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    (_site_packages(root / "bin" / "python") / "suite_dependencies.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n")  # a plain path: the suite's editable rl_lightning stays out
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--no-deps",
+                    "--no-index", "-q", str(wheel)], check=True, capture_output=True, text=True)
+    return root
+
+
+@pytest.fixture
+def empty(tmp_path) -> Path:
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    return folder
+
+
+def _run(venv: Path, folder: Path, *command: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([*command], cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_bundled_recipe_parses_from_an_empty_folder(venv, empty):
+    done = _run(venv, empty, str(venv / "bin" / "python"), "-c", CHECK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert Path(report["package"]).is_relative_to(venv)  # the wheel's copy, not the repository's
+    assert report["names"] == RECIPES
+    assert len(report["configs"]) == len(RECIPES) + 1
+    for configs, result in report["configs"].items():
+        assert result["code"] == 0, f"{configs}: {result['error']}"
+        assert result["missing"] == [], configs
+    assert report["configs"]["grpo"]["refs"] == ["rl_lightning/assets/tiny-qwen2-sft",
+                                                 "rl_lightning/recipes/envs/arithmetic_format.py",
+                                                 "rl_lightning/assets/data/easy.jsonl",
+                                                 "rl_lightning/assets/data/easy_test.jsonl"]
+    assert "rl_lightning/recipes/envs/reasoning_gym_env.py" in report["configs"]["real/grpo"]["refs"]
+    assert sorted(os.listdir(empty)) == []  # parsing writes nothing
+
+
+def test_the_tiny_grpo_recipe_trains_by_name_with_the_console_command(venv, empty):
+    done = _run(venv, empty, str(venv / "bin" / "rl-lightning"), "fit", "--config", "grpo",
+                "--model.max_rollouts", "1", "--model.update_per_rollout", "1", "--model.rollout.engine", "hf",
+                "--model.rollout.responses_per_prompt", "2", "--data.batch_size", "2",
+                "--trainer.num_sanity_val_steps", "0", "--trainer.limit_val_batches", "0")
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = (empty / "outputs" / "grpo").resolve()
+    (folder,) = [p for p in run.iterdir() if p.name != "latest"]
+    assert (folder / "export" / "config.json").is_file() and (folder / "plots" / "summary.png").is_file()
+    assert "finished: 1 rollout" in done.stdout + done.stderr
+    config = (folder / "config.yaml").read_text()
+    assert "class_path: rl_lightning.callbacks.rollout_samples.RolloutSamples" in config
+    assert str(venv) in config  # the bundled files, resolved to the installed package
+
+
+@pytest.mark.parametrize("command", ["eval", "demo"])
+def test_the_commands_help_works_from_an_empty_folder(venv, empty, command):
+    done = _run(venv, empty, str(venv / "bin" / "python"), "-m", "rl_lightning", command, "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"usage: python -m rl_lightning {command}")
