@@ -46,9 +46,9 @@ slurm:
 demo: setup
 	$(BIN)/python -m rl_lightning demo
 
-# The same loop on the tiny bundled model in about a minute (recipes/grpo.yaml); needs nothing from the network.
+# The same loop on the tiny bundled model in about a minute (the bundled recipe grpo); needs nothing from the network.
 demo-tiny: setup
-	$(BIN)/python -m rl_lightning fit --config recipes/grpo.yaml
+	$(BIN)/python -m rl_lightning fit --config grpo
 
 # SmolLM2-135M-Instruct as a Hugging Face folder in $$RL_LIGHTNING_CACHE (default ~/.cache/rl_lightning); a no-op
 # once built. See rl_lightning/assets/real.py.
@@ -60,7 +60,7 @@ test: setup real-model lint docs-build
 	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
 
 lint: setup
-	$(BIN)/ruff check rl_lightning callbacks tests benchmarks examples
+	$(BIN)/ruff check rl_lightning tests benchmarks examples
 	$(BIN)/mypy rl_lightning/algorithms rl_lightning/data rl_lightning/rollout
 
 # The manual: `make docs` serves it on http://127.0.0.1:8000 with live reload; `make docs-build` is CI's strict build

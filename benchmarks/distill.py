@@ -10,7 +10,7 @@ the real CLI for ``--rollouts`` rollouts, three ways at the same budget and seed
 Each exported student, the starting student and the teacher are then measured on the held-out prompts
 (``easy_test.jsonl``, 100 questions): the exact per-token KL(student || teacher) over the vocabulary at the positions
 of the student's own sampled completions (temperature 1, ``--samples`` per prompt, seeded), and the greedy accuracy
-(``examples/envs/arithmetic.py``'s reward, as `heldout_reward.py` measures it).
+(``rl_lightning/recipes/envs/arithmetic.py``'s reward, as `heldout_reward.py` measures it).
 
     python benchmarks/distill.py --rollouts 60 --out benchmarks/results/distill_cpu.md
 """

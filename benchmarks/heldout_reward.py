@@ -2,7 +2,7 @@
 
 Prompts are tokenised as `rl_lightning.data.PromptDataModule` does (chat template + generation prompt), completions
 come from `rl_lightning.rollout.hf.HFEngine` stopping at the tokenizer's EOS, and each is scored by the environment's
-``reward_fn`` (``examples/envs/arithmetic.py``: 1 for the right final number, else 0), exactly as in a rollout.
+``reward_fn`` (``rl_lightning/recipes/envs/arithmetic.py``: 1 for the right final number, else 0), exactly as in a rollout.
 
     python benchmarks/heldout_reward.py rl_lightning/assets/tiny-qwen2-sft          # the warm start
     python benchmarks/heldout_reward.py outputs/grpo/latest/export                                 # after `fit --config grpo`

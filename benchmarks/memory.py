@@ -20,7 +20,7 @@ in file order, ``--warmup`` + ``--steps`` optimizer steps (1 + 1: the second ste
   assistant lists ``a + b = c`` lines up to ``--conv-tokens`` (1024) tokens with the model's chat template, so most
   tokens are loss tokens (real SFT answers are long; the demo data's 3-token answers would hide the output head). DPO:
   the same prompt, chosen = correct sums, rejected = every 4th sum (the first included) off by one, up to half of
-  ``--conv-tokens`` per sequence. GRPO: the prompts of ``easy.jsonl`` and ``examples/envs/arithmetic.py``'s reward.
+  ``--conv-tokens`` per sequence. GRPO: the prompts of ``easy.jsonl`` and ``rl_lightning/recipes/envs/arithmetic.py``'s reward.
 - ``sft``: ``--sft-rows`` conversations per step. Ours: packed (``data.max_length_per_device`` 8192, one micro-batch),
   ``rl_varlen`` attention, ``model.lm_head_chunk`` 1024 (chunked output head, the default) or null (full logits),
   ``model.gradient_checkpointing`` off (the main comparison) or on. TRL ``SFTTrainer``: prompt-completion rows

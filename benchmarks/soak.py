@@ -3,7 +3,7 @@
 ``recipes/grpo.yaml`` (tiny-qwen2-sft, the colocated vLLM engine) with reward workers (``model.rollout.reward_workers``)
 and one-step-off-policy rollouts (``model.rollout.async_steps: 1``), small batches so that hundreds of rollouts fit in
 minutes, validation on a few held-out prompts every `--val-every` rollouts and the recipe's checkpoints, exports and
-MLflow logging as usual. `callbacks.process_census.ProcessCensus` samples the trainer process from ``/proc`` every
+MLflow logging as usual. `rl_lightning.callbacks.process_census.ProcessCensus` samples the trainer process from ``/proc`` every
 `--every` rollouts: resident memory, open file descriptors, threads, live descendant processes and their memory.
 
 Printed: one table row per sample, then the growth from the first sample at or after `--warmup` rollouts to the last
@@ -56,9 +56,9 @@ def overlay(args: argparse.Namespace, census_path: Path, val_path: Path) -> dict
             "reward_workers": args.reward_workers, "async_steps": 1, "val_responses_per_prompt": 2}}},
         "data": {"init_args": {"batch_size": args.prompts, "val_path": str(val_path)}},
         "trainer": {"val_check_interval": args.val_every, "callbacks": [
-            {"class_path": "callbacks.rollout_samples.RolloutSamples",
+            {"class_path": "rl_lightning.callbacks.rollout_samples.RolloutSamples",
              "init_args": {"every_n_rollouts": args.val_every, "print_samples": 0}},
-            {"class_path": "callbacks.process_census.ProcessCensus",
+            {"class_path": "rl_lightning.callbacks.process_census.ProcessCensus",
              "init_args": {"every_n_rollouts": args.every, "path": str(census_path)}}]},
     }
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], float, list[int]]:
     sample still alive after the trainer exited."""
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         work = Path(tmp)
-        for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+        for name in ("rl_lightning", "examples"):
             (work / name).symlink_to(REPO / name)
         val_path, census_path = work / "val.jsonl", work / "census.jsonl"
         rows = (REPO / "rl_lightning/assets/data/easy_test.jsonl").read_text().splitlines()[: args.val_prompts]

@@ -19,7 +19,7 @@ constant learning rate, gradient clipping at 1.0), the demo data in file order, 
 - ``dpo``: ``--dpo-pairs`` pairs of ``preference.jsonl`` per step, sigmoid loss, beta 0.1, reference forward every
   step. Ours packed; TRL ``DPOTrainer`` pads (its ``padding_free`` is disabled in 1.16).
 - ``grpo-hf``, ``grpo-vllm``: ``--prompts`` prompts of ``easy.jsonl`` x ``--group`` completions x ``--max-new-tokens``
-  tokens per step, temperature 1, the reward of ``examples/envs/arithmetic.py`` (last number == answer; scored
+  tokens per step, temperature 1, the reward of ``rl_lightning/recipes/envs/arithmetic.py`` (last number == answer; scored
   inline), advantage = reward - group mean (TRL ``scale_rewards="none"``), token-mean loss (TRL ``loss_type="dapo"``),
   clip 0.2, no KL (no reference model), one optimizer step per rollout. Ours with the HF engine and with the
   colocated vLLM engine; TRL ``GRPOTrainer`` with transformers ``generate`` (its default, ``use_vllm=False``). One
@@ -172,7 +172,7 @@ def trl_dataset(task: str, a: argparse.Namespace):
 
 
 def reward(completions: list, answer: list, **_) -> list[float]:
-    """examples/envs/arithmetic.py's reward in TRL's signature."""
+    """rl_lightning/recipes/envs/arithmetic.py's reward in TRL's signature."""
     from rl_lightning.rewards.math import math_reward
 
     return [math_reward(c, a) for c, a in zip(completions, answer, strict=True)]

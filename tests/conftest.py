@@ -99,7 +99,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
 def workdir(tmp_path, monkeypatch):
     """A fresh working directory laid out like the repo root (recipes' relative paths resolve), so MLflow stores,
     checkpoints and exports land in tmp_path."""
-    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+    for name in ("rl_lightning", "examples"):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)
     _forget_mlflow_stores()

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 REPO = Path(__file__).resolve().parents[1]
-WATCHED = tuple(str(REPO / name) + "/" for name in ("rl_lightning", "callbacks", "tests"))
+WATCHED = tuple(str(REPO / name) + "/" for name in ("rl_lightning", "tests"))
 _SKIPPED = (str(Path(torch.__file__).parent) + "/", __file__, functools.__file__)
 _STATE = "_device_rule_state"  # attribute on tracked tensors: HOST or DEVICE
 HOST, DEVICE = "host", "device"

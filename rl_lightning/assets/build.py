@@ -21,7 +21,7 @@ Datasets (JSONL, one object per line), all built from arithmetic so rewards are 
   with and without the system prompt; the other 150 make ``easy.jsonl`` (RL prompts, same two variants) and
   ``easy_sft.jsonl`` (the same prompts with an answer turn). The two sets share no question. The SFT answers are
   sloppy on purpose: half say ``The answer is 7.`` although the system prompt asks for the number only, so the
-  warm-started model has an instruction-following habit for RL to fix (``examples/envs/arithmetic_format.py``).
+  warm-started model has an instruction-following habit for RL to fix (``rl_lightning/recipes/envs/arithmetic_format.py``).
 
 The warm-started model ``tiny-qwen2-sft/`` (``python -m rl_lightning.assets.build --warm-start``) is the random model
 after a short seeded SFT on ``easy_sft.jsonl`` with the repo's own SFT task: it answers in both styles, about half of

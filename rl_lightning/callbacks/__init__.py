@@ -2,21 +2,22 @@
 
 Nothing here is needed to train. Callbacks the tasks cannot run without live in the package (PPO's rollout callback,
 `rl_lightning.rollout.callback.RolloutCallback`, which the task adds itself through ``configure_callbacks``); this
-folder holds the optional ones: `rollout_samples.RolloutSamples` (a table of sampled completions in MLflow),
+package holds the optional ones: `rollout_samples.RolloutSamples` (a table of sampled completions in MLflow),
 `memory_stats.MemoryStats` (host and CUDA memory per step), `memory_profile.MemoryProfile` (each phase's own
 memory peak: generation, weight sync, scoring, forward, backward, optimizer step, checkpoint, export),
 `early_stop.EarlyStopOnReward` (stop once a metric reaches a threshold) and `rollout_dump.RolloutDump` (every trajectory as JSONL, rotated by size).
 
-**Using one.** A recipe or an overlay lists it under ``trainer.callbacks`` by dotted path; the CLI puts the working
-directory (the repo root) on ``sys.path``, so ``callbacks.*`` and your own modules next to it import::
+**Using one.** A recipe or an overlay lists it under ``trainer.callbacks`` by dotted path (they ship with the package,
+so this works from any folder; the CLI also puts the working directory on ``sys.path``, so your own modules next to
+the recipe import the same way)::
 
     trainer:
       callbacks:
-        - class_path: callbacks.rollout_samples.RolloutSamples
+        - class_path: rl_lightning.callbacks.rollout_samples.RolloutSamples
           init_args: {every_n_rollouts: 10, rows: 8}
 
 In this project a recipe's or overlay's ``callbacks:`` list adds to the default callbacks (progress bar,
-checkpointing, Hugging Face export). From the command line, ``--trainer.callbacks+=callbacks.memory_stats.MemoryStats``
+checkpointing, Hugging Face export). From the command line, ``--trainer.callbacks+=rl_lightning.callbacks.memory_stats.MemoryStats``
 appends one.
 
 **Which hook.** ``on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)`` runs after the training step.

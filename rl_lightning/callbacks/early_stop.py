@@ -26,7 +26,7 @@ from typing_extensions import override
 from rl_lightning.errors import ConfigError
 
 MODES = ("max", "min")
-WHERE = "callbacks.early_stop.EarlyStopOnReward"
+WHERE = "rl_lightning.callbacks.early_stop.EarlyStopOnReward"
 
 
 class EarlyStopOnReward(L.Callback):

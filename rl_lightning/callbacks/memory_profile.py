@@ -1,4 +1,4 @@
-"""Where the memory goes, phase by phase: ``--trainer.callbacks+=callbacks.memory_profile.MemoryProfile``.
+"""Where the memory goes, phase by phase: ``--trainer.callbacks+=rl_lightning.callbacks.memory_profile.MemoryProfile``.
 
 Turns on `rl_lightning.models.memory_phases.PhaseProfiler` for the fit. The library marks its phases: for RL,
 ``rollout/weight_sync`` (push to the engine and wake it), ``rollout/generate``, ``rollout/score`` (the reward
@@ -14,7 +14,7 @@ logged to each MLflow run as an artifact.
 
 Phases inside validation are named ``val:<phase>``. Rank 0's numbers are logged and written; each rank measures
 itself. The per-phase host peak resets the kernel's high-water mark, which GNU time and ``ru_maxrss`` also read:
-while this callback is on, take the process's peak from ``memory/peak_rss_mib`` (`callbacks.memory_stats`, which
+while this callback is on, take the process's peak from ``memory/peak_rss_mib`` (`rl_lightning.callbacks.memory_stats`, which
 accounts for the resets) or this table, not from ``/usr/bin/time``.
 """
 

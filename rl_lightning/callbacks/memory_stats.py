@@ -116,7 +116,7 @@ def current_rss_bytes() -> int | None:
 def peak_rss_bytes() -> int:
     """The process's peak resident memory so far (``ru_maxrss``: KiB on Linux, bytes on macOS).
 
-    Includes what `callbacks.memory_profile.MemoryProfile`'s per-phase resets of the kernel's high-water mark hid.
+    Includes what `rl_lightning.callbacks.memory_profile.MemoryProfile`'s per-phase resets of the kernel's high-water mark hid.
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return max(peak if sys.platform == "darwin" else peak * 1024, int(process_peak_mib() * MIB))

@@ -40,7 +40,7 @@ class ProcessCensus(L.Callback):
 
     def __init__(self, every_n_rollouts: int = 10, path: str | None = None) -> None:
         if every_n_rollouts < 1:
-            raise ConfigError(f"callbacks.process_census.ProcessCensus: every_n_rollouts must be >= 1, got "
+            raise ConfigError(f"rl_lightning.callbacks.process_census.ProcessCensus: every_n_rollouts must be >= 1, got "
                               f"{every_n_rollouts}; set it to 1 or more")
         self.every_n_rollouts, self.path = every_n_rollouts, path
         self._seen = 0

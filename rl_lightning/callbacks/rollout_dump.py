@@ -26,7 +26,7 @@ from typing_extensions import override
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.replay import MANIFEST, MUST_MATCH, run_manifest, trajectory_record
 
-WHERE = "callbacks.rollout_dump.RolloutDump"
+WHERE = "rl_lightning.callbacks.rollout_dump.RolloutDump"
 
 
 class RolloutDump(L.Callback):

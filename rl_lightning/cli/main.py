@@ -1,9 +1,10 @@
-"""``python -m rl_lightning fit --config recipes/<task>.yaml``: the LightningCLI entry point.
+"""``python -m rl_lightning fit --config <recipe>``: the LightningCLI entry point.
 
 The recipe picks the task (``model: {class_path: rl_lightning.tasks.SFT, ...}``, or just ``SFT``) and its DataModule;
 every knob is a typed ``__init__`` argument, so ``--help``, ``--model.help SFT`` and ``--print_config`` document the
 whole surface; a typo or a bad value is one line on stderr (`rl_lightning.cli.config_errors`). The working directory is put
-on ``sys.path`` so recipes can name the user's own callbacks and environments by dotted path.
+on ``sys.path`` so recipes can name the user's own callbacks and environments by dotted path. A recipe is a YAML file
+or the name of a bundled one (``grpo``, ``real/grpo``: `rl_lightning.cli.recipes`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing_extensions import override
 from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_line_error
 from rl_lightning.cli.config_logger import ConfigLogger, flatten_config  # noqa: F401 - flatten_config: for callers
 from rl_lightning.cli.device_check import check_trainer_devices
+from rl_lightning.cli.recipes import resolve_config_args, resolve_references
 from rl_lightning.cli.run_names import configs_name, run_name
 from rl_lightning.errors import UserError
 from rl_lightning.redaction import redact_text, redact_yaml, remember_env
@@ -114,6 +116,8 @@ class RLLightningCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # the recipe's path, which the parsed namespace does not keep under a subcommand
         raw = [str(a) for a in (sys.argv[1:] if args is None else args)] if isinstance(args, list | None) else []
+        if isinstance(args, list | None):  # --config grpo: the bundled recipe (rl_lightning.cli.recipes)
+            args = raw = resolve_config_args(raw)
         self.raw_args, self.config_files = raw, []
         for i, arg in enumerate(raw):
             if arg == "--config" and i + 1 < len(raw):
@@ -143,6 +147,7 @@ class RLLightningCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        resolve_references(config)  # rl_lightning/assets/..., rl_lightning/recipes/envs/...: the installed package's
         trainer = config.get("trainer")
         if trainer is None:
             return

@@ -1,7 +1,9 @@
 """Dotted paths that moved when the root modules became packages, and where a user's config still names one.
 
-A recipe or an overlay written before the move names ``rl_lightning.export.HFExport``; the CLI then stops with one
-line naming the key and the new path (`rl_lightning.cli.config_errors`) instead of jsonargparse's import error.
+A recipe or an overlay written before the move names ``rl_lightning.export.HFExport`` (or the repository's old
+top-level ``callbacks.rollout_samples.RolloutSamples``, now ``rl_lightning.callbacks.rollout_samples``); the CLI then
+stops with one line naming the key and the new path (`rl_lightning.cli.config_errors`) instead of jsonargparse's
+import error.
 `MOVED` is the one table of old module -> new module(s); a path moved only when it no longer resolves as written
 (``rl_lightning.models`` is a package now, so ``rl_lightning.models.loading.load_causal_lm`` did not move, while
 ``rl_lightning.models.load_causal_lm`` did).
@@ -30,7 +32,10 @@ MOVED: dict[str, tuple[str, ...]] = {
     "rl_lightning.tracking": ("rl_lightning.tracking.mlflow_run",),
     "rl_lightning.lineage": ("rl_lightning.tracking.lineage",),
     "rl_lightning.export": ("rl_lightning.tracking.export",),
+    # the ready-made callbacks were a folder beside the package, importable only from a clone's root; they ship in it
+    "callbacks": ("rl_lightning.callbacks",),
 }
+ROOTS = tuple(sorted({module.split(".")[0] + "." for module in MOVED}))  # what a moved path starts with
 
 
 def resolves(path: str) -> bool:
@@ -77,5 +82,5 @@ def find_moved(value: Any, key: str = "") -> Iterator[tuple[str, str, str]]:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             yield from find_moved(item, f"{key}[{index}]")
-    elif isinstance(value, str) and value.startswith("rl_lightning.") and (moved := new_path(value)):
+    elif isinstance(value, str) and value.startswith(ROOTS) and (moved := new_path(value)):
         yield key, value, moved

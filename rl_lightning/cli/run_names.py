@@ -3,7 +3,7 @@
 A run's name is its configs followed by the settings the command line changed:
 
     python -m rl_lightning fit --config recipes/grpo.yaml --model.optim.lr 2e-5          -> grpo lr=2e-05
-    python -m rl_lightning fit --config recipes/real/grpo.yaml --config examples/demo.yaml -> real-grpo+demo
+    python -m rl_lightning fit --config recipes/real/grpo.yaml --config rl_lightning/cli/demo.yaml -> real-grpo+demo
 
 - each config file by its path below ``recipes/`` without the extension, ``/`` -> ``-`` (other files: their stem),
   joined with ``+`` (an overlay adds to the recipe's name instead of replacing it);
@@ -41,7 +41,7 @@ MAX_VALUE_CHARS = 40
 def recipe_name(config_path: str) -> str:
     """A config file's part of the name: below ``recipes/`` without the extension, ``/`` -> ``-``; else its stem.
 
-    ``recipes/real/grpo.yaml`` -> ``real-grpo``, ``examples/demo.yaml`` -> ``demo``.
+    ``recipes/real/grpo.yaml`` -> ``real-grpo``, ``rl_lightning/cli/demo.yaml`` -> ``demo``.
     """
     parts = os.path.normpath(os.path.splitext(config_path)[0]).split(os.sep)
     if "recipes" in parts[:-1]:

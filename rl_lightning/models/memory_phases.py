@@ -2,7 +2,7 @@
 
 The library marks its phases with ``with phase("train/backward"):`` (rollout generation, the weight sync, scoring,
 the log-probability passes, forward, backward, optimizer step, checkpoint save, export). A marker costs nothing
-unless a `PhaseProfiler` is active (``callbacks.memory_profile.MemoryProfile`` turns one on). Then each phase
+unless a `PhaseProfiler` is active (``rl_lightning.callbacks.memory_profile.MemoryProfile`` turns one on). Then each phase
 records, per occurrence:
 
 - host: resident memory at its start and end, and its peak: the kernel's high-water mark (``VmHWM``), reset at

@@ -9,7 +9,7 @@ logit transformers returns; vLLM is asked for it with ``use_activation: false``,
 sigmoid to single-label classifiers).
 
 Either can be called from a user's ``reward_fn`` (a module-level instance in the environment file, see
-``examples/envs/rm_env.py``) or configured as a reward component, ``model.rollout.reward_model`` (`RewardModelConfig`),
+``rl_lightning/recipes/envs/rm_env.py``) or configured as a reward component, ``model.rollout.reward_model`` (`RewardModelConfig`),
 which scores every rollout's trajectories once, batched, in the trainer process, next to ``reward_fn``.
 """
 

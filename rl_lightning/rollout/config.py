@@ -117,7 +117,7 @@ class RolloutConfig:
         inflight_segment_tokens: ``async_steps: 1`` with ``engine: vllm``: in-flight weight updates (partial rollouts):
             generation runs in segments of this many tokens, new weights load between segments while long completions
             continue, each token records its policy version (`rl_lightning.rollout.inflight`); null: off.
-        replay: a rollout dump's folder (``callbacks.rollout_dump.RolloutDump``): train on its rollouts instead of
+        replay: a rollout dump's folder (``rl_lightning.callbacks.rollout_dump.RolloutDump``): train on its rollouts instead of
             sampling and scoring (no engine is built, no reward function runs; the engine settings are ignored): the
             same seed on the same device makes the dumped run's updates bit for bit (see
             `rl_lightning.rollout.replay`); null: sample.

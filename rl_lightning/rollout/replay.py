@@ -1,6 +1,6 @@
 """Replayable rollouts: the rollout dump's format (version 2) and its replay, ``model.rollout.replay``.
 
-A dump (written by ``callbacks.rollout_dump.RolloutDump``) is a folder holding ``manifest.json`` (what must agree
+A dump (written by ``rl_lightning.callbacks.rollout_dump.RolloutDump``) is a folder holding ``manifest.json`` (what must agree
 for a replay: the model, a fingerprint of its tokenizer, the rollout's shape; plus the sampling settings, for the
 record) and per rank ``rollouts-rank<r>-<n>.jsonl``, one JSON line per trajectory (`trajectory_record`): the exact
 token ids, completion mask and engine log-probabilities, the reward and its components, the prompt's dataset index,
@@ -106,7 +106,7 @@ class ReplayDump:
         path = self.dirpath / MANIFEST
         if not path.is_file():
             raise ConfigError(f"{self.key}: no {MANIFEST} there; point it at the rollouts/ folder a run with "
-                              "callbacks.rollout_dump.RolloutDump wrote")
+                              "rl_lightning.callbacks.rollout_dump.RolloutDump wrote")
         try:
             self.manifest = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -151,7 +151,7 @@ class ReplayDump:
             errors = self._rollout_errors(list(rollouts), current, filtered)
         if errors:
             raise ConfigError(f"{self.key} cannot be replayed: " + "; ".join(errors) + "; replay with the dumped "
-                              "run's settings, or dump this run (callbacks.rollout_dump.RolloutDump, keep_files: 0)")
+                              "run's settings, or dump this run (rl_lightning.callbacks.rollout_dump.RolloutDump, keep_files: 0)")
 
     def _rollout_errors(self, rollouts: list[int], current: dict[str, Any], filtered: bool) -> list[str]:
         missing = [k + 1 for k in rollouts if k + 1 not in self.lines]  # the dump numbers rollouts from 1

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rl_lightning.assets.package_files import shown_path
+
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -77,7 +79,7 @@ def recipe(trainer: Any) -> str | None:
     for callback in trainer.callbacks:
         if isinstance(callback, SaveConfigCallback):
             files = callback.config.get("config") or []
-            return ", ".join(str(f) for f in files) or None
+            return ", ".join(shown_path(str(f)) for f in files) or None  # a bundled recipe: rl_lightning/recipes/...
     return None
 
 

@@ -161,7 +161,7 @@ def _history(workdir, key):
 def real_sft_run(real_model_dir, tmp_path_factory):
     """6 SFT steps on the same 16 conversations (one batch: every step sees the same data, so the loss must fall)."""
     workdir = tmp_path_factory.mktemp("real-sft")
-    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+    for name in ("rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     _fit(workdir, "recipes/real/sft.yaml", "--data.path", f"{TASK}&train_size=16&test_size=8&format=sft",
          "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.optim.lr", "5e-5", "--model.optim.warmup_steps", "0",

@@ -15,9 +15,9 @@ from conftest import DEMO_DATA, REPO, TINY_MODEL
 from helpers import ppo_task, prompts
 from lightning.pytorch.loggers import MLFlowLogger
 
-from callbacks.early_stop import EarlyStopOnReward
-from callbacks.memory_stats import MemoryStats
-from callbacks.rollout_samples import ARTIFACT_FILE, RolloutSamples
+from rl_lightning.callbacks.early_stop import EarlyStopOnReward
+from rl_lightning.callbacks.memory_stats import MemoryStats
+from rl_lightning.callbacks.rollout_samples import ARTIFACT_FILE, RolloutSamples
 from rl_lightning.errors import ConfigError
 
 ENV = str(REPO / "examples" / "envs" / "arithmetic_format.py")  # two reward components: correct, format
@@ -179,7 +179,7 @@ def test_early_stop_on_reward_stops_after_patience_rollouts(patience):
     assert model.rollouts == patience and trainer.global_step == patience
     lines = [line for line in printed.splitlines() if "stopping" in line]
     assert len(lines) == 1 and f"for {patience} consecutive check(s) (patience {patience})" in lines[0]
-    assert lines[0].startswith("callbacks.early_stop.EarlyStopOnReward: stopping: train/reward=")
+    assert lines[0].startswith("rl_lightning.callbacks.early_stop.EarlyStopOnReward: stopping: train/reward=")
 
 
 def test_sft_logs_memory_and_no_samples(tmp_path):
@@ -238,16 +238,16 @@ def test_val_metrics_are_checked_at_validation_end_only():
 
 @pytest.mark.parametrize(("make", "message"), [
     (lambda: RolloutSamples(every_n_rollouts=0),
-     "callbacks.rollout_samples.RolloutSamples: every_n_rollouts must be >= 1, got 0"),
+     "rl_lightning.callbacks.rollout_samples.RolloutSamples: every_n_rollouts must be >= 1, got 0"),
     (lambda: RolloutSamples(rows=0, print_samples=-1),
-     "callbacks.rollout_samples.RolloutSamples: rows must be >= 1, got 0; print_samples must be >= 0 (0: print "
+     "rl_lightning.callbacks.rollout_samples.RolloutSamples: rows must be >= 1, got 0; print_samples must be >= 0 (0: print "
      "none), got -1"),
-    (lambda: RolloutSamples(max_chars=0), "callbacks.rollout_samples.RolloutSamples: max_chars must be >= 1, got 0"),
-    (lambda: EarlyStopOnReward(0.5, patience=0), "callbacks.early_stop.EarlyStopOnReward: patience must be >= 1, "
+    (lambda: RolloutSamples(max_chars=0), "rl_lightning.callbacks.rollout_samples.RolloutSamples: max_chars must be >= 1, got 0"),
+    (lambda: EarlyStopOnReward(0.5, patience=0), "rl_lightning.callbacks.early_stop.EarlyStopOnReward: patience must be >= 1, "
                                                  "got 0"),
-    (lambda: EarlyStopOnReward(0.5, mode="maximum"), "callbacks.early_stop.EarlyStopOnReward: mode must be one of "
+    (lambda: EarlyStopOnReward(0.5, mode="maximum"), "rl_lightning.callbacks.early_stop.EarlyStopOnReward: mode must be one of "
                                                      "max, min, got 'maximum'"),
-    (lambda: EarlyStopOnReward(math.nan, metric=""), "callbacks.early_stop.EarlyStopOnReward: threshold must be a "
+    (lambda: EarlyStopOnReward(math.nan, metric=""), "rl_lightning.callbacks.early_stop.EarlyStopOnReward: threshold must be a "
                                                      "number, got nan; metric must name a logged metric (e.g. "
                                                      "train/reward), got ''"),
 ])
@@ -260,7 +260,7 @@ def test_bad_arguments_are_one_line_config_errors(make, message):
 def test_rollout_dump_writes_every_trajectory_and_rotates(tmp_path):
     """Every trajectory of every rollout is a JSONL line equal to the rollout's; files rotate by size and only the
     newest `keep_files` stay."""
-    from callbacks.rollout_dump import RolloutDump
+    from rl_lightning.callbacks.rollout_dump import RolloutDump
 
     class Capture(L.Callback):
         def __init__(self):
@@ -286,5 +286,5 @@ def test_rollout_dump_writes_every_trajectory_and_rotates(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "small").glob("*.jsonl"))
     assert kept == ["rollouts-rank0-1.jsonl", "rollouts-rank0-2.jsonl"]  # rollout 1's file was rotated out
     assert json.loads((tmp_path / "small" / kept[-1]).read_text().splitlines()[0])["rollout"] == 3
-    with pytest.raises(ConfigError, match=r"callbacks.rollout_dump.RolloutDump: max_file_mb must be > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"rl_lightning.callbacks.rollout_dump.RolloutDump: max_file_mb must be > 0, got 0"):
         RolloutDump(max_file_mb=0)

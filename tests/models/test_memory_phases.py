@@ -134,7 +134,7 @@ def test_malloc_trim_returns_the_heap_glibc_keeps():
 def grpo_profile(tmp_path_factory):
     from helpers import run_ppo
 
-    from callbacks.memory_profile import MemoryProfile
+    from rl_lightning.callbacks.memory_profile import MemoryProfile
 
     out = tmp_path_factory.mktemp("profile")
     profile = MemoryProfile(dirpath=str(out))
@@ -161,7 +161,7 @@ def test_sft_fit_profiles_lightning_hooks_checkpoint_and_export(tmp_path):
     from conftest import DEMO_DATA, TINY_MODEL
     from helpers import fit
 
-    from callbacks.memory_profile import MemoryProfile
+    from rl_lightning.callbacks.memory_profile import MemoryProfile
     from rl_lightning.data import SFTDataModule
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT

@@ -148,7 +148,7 @@ def test_cli_compile_true_matches_eager(tmp_path_factory):
     losses = {}
     for flag in ("false", "true"):
         workdir = tmp_path_factory.mktemp(f"compile_{flag}")
-        for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+        for name in ("rl_lightning", "examples"):
             (workdir / name).symlink_to(REPO / name)
         losses[flag] = _cli_losses(workdir, "--trainer.strategy.compile", flag)
         # the flag reached the blocks: inductor generated kernels in the compiled run only (the folder itself is made

@@ -1,5 +1,5 @@
 """Standard environments as ``env_path`` (`rl_lightning.rollout.env_adapters`): the real verifiers taskset and OpenEnv
-environment in ``examples/envs/`` score as their own rubrics do, their tools and observations come back as they
+environment in ``rl_lightning/recipes/envs/`` score as their own rubrics do, their tools and observations come back as they
 produce them, a reward worker builds the same adapter, GRPO through the CLI logs the rubric's components, and
 environments of the wrong shape stop at start-up with one line."""
 
@@ -18,8 +18,8 @@ from rl_lightning.rollout.scoring import RewardPool
 pytest.importorskip("verifiers.v1", reason="the envs extra: pip install -e '.[envs]'")
 pytest.importorskip("openenv.core", reason="the envs extra: pip install -e '.[envs]'")
 
-VERIFIERS = f"verifiers:{REPO}/examples/envs/verifiers_arithmetic.py"
-OPENENV = f"openenv:{REPO}/examples/envs/openenv_arithmetic.py"
+VERIFIERS = f"verifiers:{REPO}/rl_lightning/recipes/envs/verifiers_arithmetic.py"
+OPENENV = f"openenv:{REPO}/rl_lightning/recipes/envs/openenv_arithmetic.py"
 PROMPT = [{"role": "system", "content": "You are a careful calculator. Answer with the number only."},
           {"role": "user", "content": "What is 3 + 4?"}]
 
@@ -191,7 +191,7 @@ def _grpo(workdir, env_path, data, *extra):
 @pytest.mark.slow
 def test_grpo_through_the_cli_logs_the_verifiers_reward_functions(workdir, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["rl_lightning"])
-    metrics = _grpo(workdir, "verifiers:examples/envs/verifiers_arithmetic.py", REPO / "rl_lightning/assets/data/easy.jsonl")
+    metrics = _grpo(workdir, "verifiers:rl_lightning/recipes/envs/verifiers_arithmetic.py", REPO / "rl_lightning/assets/data/easy.jsonl")
     assert len(metrics["train/reward/correct"]) == len(metrics["train/reward/bare_number"]) == 2
     for correct, bare, reward in zip(metrics["train/reward/correct"], metrics["train/reward/bare_number"],
                                      metrics["train/reward"], strict=True):
@@ -202,9 +202,9 @@ def test_grpo_through_the_cli_logs_the_verifiers_reward_functions(workdir, monke
 def test_grpo_through_the_cli_logs_the_openenv_rubric_multi_turn(workdir, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["rl_lightning"])
     rows = workdir / "openenv_rows.jsonl"
-    export_rows("openenv:examples/envs/openenv_arithmetic.py", str(rows),
+    export_rows("openenv:rl_lightning/recipes/envs/openenv_arithmetic.py", str(rows),
                 resets=[{"a": a, "b": b} for a in range(1, 5) for b in range(1, 3)])
-    metrics = _grpo(workdir, "openenv:examples/envs/openenv_arithmetic.py", rows, "--model.rollout.max_turns", "2")
+    metrics = _grpo(workdir, "openenv:rl_lightning/recipes/envs/openenv_arithmetic.py", rows, "--model.rollout.max_turns", "2")
     assert len(metrics["train/reward/correct"]) == len(metrics["train/reward/bare_number"]) == 2
     for correct, bare, reward in zip(metrics["train/reward/correct"], metrics["train/reward/bare_number"],
                                      metrics["train/reward"], strict=True):
@@ -213,7 +213,7 @@ def test_grpo_through_the_cli_logs_the_openenv_rubric_multi_turn(workdir, monkey
 
 def test_an_installed_taskset_by_module_name_and_a_class_picked_by_name(tmp_path, monkeypatch):
     """``verifiers:<module>`` imports from sys.path (as verifiers' own ids do); two tasksets need ``:<Name>``."""
-    source = (REPO / "examples/envs/verifiers_arithmetic.py").read_text()
+    source = (REPO / "rl_lightning/recipes/envs/verifiers_arithmetic.py").read_text()
     (tmp_path / "my_tasksets.py").write_text(source + "\n\nclass Harder(ArithmeticTaskset):\n    pass\n\n\n"
                                              "__all__ = ['ArithmeticTaskset', 'Harder']\n")
     monkeypatch.syspath_prepend(str(tmp_path))

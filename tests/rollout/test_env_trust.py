@@ -21,7 +21,7 @@ from rl_lightning.rollout.env_adapters import load_adapter
 pytest.importorskip("verifiers.v1", reason="the envs extra: pip install -e '.[envs]'")
 pytest.importorskip("openenv.core", reason="the envs extra: pip install -e '.[envs]'")
 
-OPENENV = f"{REPO}/examples/envs/openenv_arithmetic.py"
+OPENENV = f"{REPO}/rl_lightning/recipes/envs/openenv_arithmetic.py"
 TASKSET = f"""
 import json
 import sys

@@ -15,7 +15,7 @@ import torch
 from conftest import DEMO_DATA, REPO, TINY_MODEL
 from helpers import Metrics, fit, ppo_task, prompts, run_on_cpu_ranks
 
-from callbacks.rollout_dump import RolloutDump
+from rl_lightning.callbacks.rollout_dump import RolloutDump
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.replay import _ranges
 from rl_lightning.tasks.memory_check import _ppo_fields
@@ -134,7 +134,7 @@ def test_a_dump_of_another_model_or_shape_is_refused_at_start_up(dumped, tmp_pat
     message = _refused(tmp_path, dirpath, raising, key + f"model.model_name is '{SFT_MODEL}' but the dump has "
                        f"'{TINY_MODEL}'", model_name=str(SFT_MODEL))
     assert message.endswith("replay with the dumped run's settings, or dump this run "
-                            "(callbacks.rollout_dump.RolloutDump, keep_files: 0)")
+                            "(rl_lightning.callbacks.rollout_dump.RolloutDump, keep_files: 0)")
     _refused(tmp_path, dirpath, raising, key + "model.rollout.responses_per_prompt is 2 but the dump has 4",
              rollout={"responses_per_prompt": 2})
     _refused(tmp_path, dirpath, raising, key + "data.batch_size is 1 but the dump has 2", batch_size=1)
@@ -224,7 +224,7 @@ def _cli_worker(rank, args):
 def test_replay_of_a_vllm_run_through_the_cli_is_bit_identical(workdir, parity_env):
     """GRPO with the colocated vLLM engine dumps 3 rollouts; ``--model.rollout.replay`` on the same config (engine:
     vllm still named, a reward function that raises) imports no vLLM and makes the same updates bit for bit."""
-    dump = f"    - class_path: callbacks.rollout_dump.RolloutDump\n      init_args: {{dirpath: {workdir / 'rollouts'}}}\n"
+    dump = f"    - class_path: rl_lightning.callbacks.rollout_dump.RolloutDump\n      init_args: {{dirpath: {workdir / 'rollouts'}}}\n"
     common = {"model": TINY_MODEL, "kv": 64 << 20, "data": DEMO_DATA / "arithmetic.jsonl"}
     (workdir / "grpo.yaml").write_text(CONFIG.format(**common, env=parity_env, replay="", dump=dump,
                                                      out=workdir / "original.pt"))
@@ -248,7 +248,7 @@ def test_a_dump_folder_of_another_run_is_refused(dumped, tmp_path, parity_env):
     shutil.copy(dirpath / "manifest.json", tmp_path)
     with pytest.raises(ConfigError) as info:
         _grpo(parity_env, 1, [RolloutDump(str(tmp_path))], model_name=str(SFT_MODEL))
-    assert str(info.value) == (f"callbacks.rollout_dump.RolloutDump: dirpath={tmp_path} holds another run's dump "
+    assert str(info.value) == (f"rl_lightning.callbacks.rollout_dump.RolloutDump: dirpath={tmp_path} holds another run's dump "
                                "(model_name differ): choose another dirpath")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # nothing written
 

@@ -9,7 +9,7 @@ import logging
 import lightning as L
 import pytest
 
-from callbacks.rollout_dump import RolloutDump
+from rl_lightning.callbacks.rollout_dump import RolloutDump
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.replay import FORMAT_VERSION, ReplayDump

@@ -63,7 +63,7 @@ def _final_state(workdir):
 def _workdir(tmp_path, name):
     workdir = tmp_path / name
     workdir.mkdir()
-    for entry in ("recipes", "rl_lightning", "examples", "callbacks"):
+    for entry in ("rl_lightning", "examples"):
         (workdir / entry).symlink_to(REPO / entry)
     lines = (REPO / "rl_lightning" / "assets" / "data" / "easy.jsonl").read_text().splitlines()[:8]
     (workdir / "train8.jsonl").write_text("\n".join(lines) + "\n")  # 2 rollouts a pass: prompts come back

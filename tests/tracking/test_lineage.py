@@ -57,9 +57,9 @@ def test_grpo_run_registers_its_export_with_lineage_and_env_file(workdir):
 
     client = MlflowClient("sqlite:///mlflow.db")
     run = _only_run(client, "rl_lightning/rl", workdir)
-    env, data, val = ("examples/envs/arithmetic_format.py", "rl_lightning/assets/data/easy.jsonl",
+    env, data, val = ("rl_lightning/recipes/envs/arithmetic_format.py", "rl_lightning/assets/data/easy.jsonl",
                       "rl_lightning/assets/data/easy_test.jsonl")
-    expected = {"recipe": "register.yaml, recipes/grpo.yaml",
+    expected = {"recipe": "register.yaml, rl_lightning/recipes/grpo.yaml",  # a bundled recipe: its package path
                 "base_model": "rl_lightning/assets/tiny-qwen2-sft",
                 "data": data, "data_sha256": _digest(data),
                 "val_data": val, "val_data_sha256": _digest(val),

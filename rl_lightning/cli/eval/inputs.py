@@ -103,7 +103,7 @@ def load_env(env: str | None, prompts: list[Prompt], weights: dict[str, float] |
         answer = json.dumps(prompts[0].answer, default=str)[:60] if prompts else ""
         raise ConfigError(f"--env is needed: these rows (answer {answer}) have no built-in reward; give --env "
                           "my_env.py, a file defining reward_fn(messages, answer) -> float or dict of components "
-                          "(examples/envs/arithmetic.py is one)")
+                          "(rl_lightning/recipes/envs/arithmetic.py is one)")
     import importlib
 
     module = importlib.import_module(BUILTIN_REWARDS[builtin])
