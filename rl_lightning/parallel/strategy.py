@@ -40,6 +40,7 @@ from rl_lightning.parallel.checkpoint_trust import (
     own_shards,
     refuse_untrusted,
 )
+from rl_lightning.parallel.local_group import init_local_group, single_host
 
 
 class ParallelStrategy(ModelParallelStrategy):
@@ -141,6 +142,19 @@ class ParallelStrategy(ModelParallelStrategy):
             from rl_lightning.parallel.ring_attention import flash_attn_status
 
             flash_attn_status()  # a flash-attn that is installed but broken: its one warning line now, before the model
+
+    @override
+    def _setup_distributed(self) -> None:
+        """Lightning's; when every rank is on this host, the default group is made first on loopback channels only.
+
+        (`rl_lightning.parallel.local_group`: torch's ``env://`` store would listen on every interface.)
+        """
+        assert self.cluster_environment is not None
+        if single_host(self.num_nodes, self.cluster_environment.main_address):
+            self.set_world_ranks()
+            init_local_group(self.cluster_environment, self._get_process_group_backend(), self._timeout,
+                             self.root_device)
+        super()._setup_distributed()
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -2,6 +2,9 @@
 dp=2 too; distributed checkpoints resume exactly; misconfiguration and unsupported strategies fail at start-up with
 one line."""
 
+import ipaddress
+import json
+import os
 import types
 
 import lightning as L
@@ -14,6 +17,7 @@ from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
+from rl_lightning.parallel.local_group import loopback_interface
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.tasks import DPO, SFT, RewardModel
 
@@ -26,6 +30,18 @@ class LossRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+class ListenerRecorder(L.Callback):
+    """This process's listening TCP sockets and ``GLOO_SOCKET_IFNAME`` during the first step (the groups are up)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import psutil
+
+        if batch_idx == 0:
+            self.seen = {"gloo": os.environ.get("GLOO_SOCKET_IFNAME"), "port": int(os.environ["MASTER_PORT"]),
+                         "sockets": [(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                                     if c.status == psutil.CONN_LISTEN]}
 
 
 def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), strategy_kwargs=None, **trainer_kwargs):
@@ -42,8 +58,9 @@ def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), strategy_kwargs=None, **tr
 
 
 def _sft_worker(rank, sizes, out_path, strategy_kwargs=None):
-    recorder = LossRecorder()
-    trainer = _sft(*sizes, callbacks=[recorder], strategy_kwargs=strategy_kwargs)
+    recorder, listeners = LossRecorder(), ListenerRecorder()
+    trainer = _sft(*sizes, callbacks=[recorder, listeners], strategy_kwargs=strategy_kwargs)
+    (out_path.parent / f"listening{rank}.json").write_text(json.dumps(listeners.seen))
     if rank == 0:
         strategy = trainer.strategy
         offload = getattr(strategy, "activation_offloader", None)
@@ -68,6 +85,14 @@ def test_sft_parallel_losses_equal_single_process(sizes, single_process_losses, 
     assert len(losses) == 3
     for step, (parallel, single) in enumerate(zip(losses, single_process_losses, strict=True)):
         assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
+    # Issue 36.5: the group's store (rank 0, on MASTER_PORT) and gloo listen on 127.0.0.0/8 only (torch's env://
+    # store listened on '::'); gloo's interface is the loopback one (this host's name may resolve to loopback too)
+    world = sizes[0] * sizes[1] * sizes[2]
+    ranks = [json.loads((tmp_path / f"listening{rank}.json").read_text()) for rank in range(world)]
+    sockets = [(ip, port) for seen in ranks for ip, port in seen["sockets"]]
+    assert [s for s in sockets if not ipaddress.ip_address(s[0]).is_loopback] == []
+    assert ["127.0.0.1", ranks[0]["port"]] in ranks[0]["sockets"]
+    assert {seen["gloo"] for seen in ranks} == {loopback_interface()}
 
 
 @pytest.mark.parametrize(
