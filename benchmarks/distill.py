@@ -39,7 +39,7 @@ from rl_lightning.rollout.trajectory import rollout
 REPO = Path(__file__).resolve().parents[1]
 STUDENT = REPO / "rl_lightning" / "assets" / "tiny-qwen2"
 TEACHER = REPO / "rl_lightning" / "assets" / "tiny-qwen2-sft"
-ENV = REPO / "examples" / "envs" / "arithmetic.py"
+ENV = REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"
 ARMS = {"reward": [], "loss": ["--model.distill.type", "loss"], "control": ["--model.distill", "null"]}
 
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "asset:SmolLM2-135M-Instruct"
 TASK = "reasoning_gym:chain_sum?min_terms=2&max_terms=2&max_digits=2"
 WEIGHTS = {"correct": 1.0, "format": 0.5}
-ENV = str(REPO / "examples" / "envs" / "reasoning_gym_env.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py")
 # --smoke: the bundled tiny model (random weights: accuracies are about 0) and a budget of seconds
 SMOKE = {"model": str(REPO / "rl_lightning" / "assets" / "tiny-qwen2"), "train_size": 8, "test_size": 4,
          "rollouts": 1, "prompts": 2, "group": 2, "max_new_tokens": 8, "samples": 2, "engine": "hf", "threads": 1,
@@ -106,8 +106,8 @@ def evaluate(model_dir: str, args: argparse.Namespace) -> dict[str, float]:
     """
     import torch
 
-    from rl_lightning.cli.eval import EvalConfig
-    from rl_lightning.cli.eval import evaluate as run_eval
+    from rl_lightning.cli.eval.evaluate import EvalConfig
+    from rl_lightning.cli.eval.evaluate import evaluate as run_eval
 
     torch.set_num_threads(args.threads)
     config = EvalConfig(model=model_dir, data=data_spec(args, "test"), engine=args.engine, n=args.samples,

@@ -30,7 +30,7 @@ from rl_lightning.rollout.trajectory import rollout
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "rl_lightning" / "assets" / "data" / "easy_test.jsonl"
-DEFAULT_ENV = REPO / "examples" / "envs" / "arithmetic.py"
+DEFAULT_ENV = REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"
 
 
 def load_prompts(path: str | Path, tokenizer, apply_chat_template: bool = True) -> list[Prompt]:

@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="also write the results page (Markdown) here")
     parser.add_argument("--json", type=Path, help="also write every row (with per-rollout values) here")
     args = parser.parse_args(argv)
-    args.env, args.weights = str(REPO / "examples" / "envs" / "reasoning_gym_env.py"), WEIGHTS
+    args.env, args.weights = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py"), WEIGHTS
     if args.smoke:
         args.model, args.data = str(REPO / "rl_lightning" / "assets" / "tiny-qwen2"), str(
             REPO / "rl_lightning" / "assets" / "data" / "arithmetic.jsonl")

@@ -41,8 +41,8 @@ def probe(model_dir: str, args: argparse.Namespace, out: Path) -> dict:
     """Pass rate of each candidate question under the base model; writes the in-band questions to `out` (JSONL)."""
     import torch
 
-    from rl_lightning.cli.eval import EvalConfig
-    from rl_lightning.cli.eval import evaluate as run_eval
+    from rl_lightning.cli.eval.evaluate import EvalConfig
+    from rl_lightning.cli.eval.evaluate import evaluate as run_eval
 
     torch.set_num_threads(args.threads)
     rates: list[tuple[float, dict]] = []

@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "rl_lightning" / "assets"
 DATA = ASSETS / "data"
 TINY = ASSETS / "tiny-qwen2-sft"
-ENV = REPO / "examples" / "envs" / "arithmetic.py"
+ENV = REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"
 # benchmarks/rollout_engines.py's SMALL with the demo tokenizer's vocabulary (~25M parameters)
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
          "intermediate_size": 1408, "vocab_size": 320, "tie_word_embeddings": True, "max_position_embeddings": 1024}

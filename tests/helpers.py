@@ -134,7 +134,7 @@ def run_ppo(env=None, rollouts=1, batch_size=2, callbacks=(), **task_kwargs):
     from conftest import REPO
 
     L.seed_everything(0)
-    model = ppo_task(env or str(REPO / "examples" / "envs" / "arithmetic.py"), max_rollouts=rollouts, **task_kwargs)
+    model = ppo_task(env or str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), max_rollouts=rollouts, **task_kwargs)
     trainer = fit(model, prompts(batch_size), -1, callbacks)
     return model, trainer
 

@@ -122,3 +122,13 @@ def test_distill_benchmark_measures_the_teacher_at_zero_and_the_students_against
     assert kl["student at start (tiny-qwen2)"] > 1.0  # random init vs the SFT'd teacher
     assert kl["reward"] != kl["student at start (tiny-qwen2)"] and kl["control"] != kl["reward"]  # both fits moved
     assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows) and "| student after 1 rollouts, reward |" in stdout
+
+
+def test_cli_help_benchmark_times_the_light_commands(tmp_path):
+    """The help benchmark's light rows (the issue-37 target: under 2 s each on an idle machine; fit's help and the
+    `import lightning` floor are its slow rows, measured by hand: docs/benchmarks.md)."""
+    rows, stdout = _run_benchmark(["benchmarks/cli_help.py", "--runs", "1", "--rows", "help", "eval", "demo"],
+                                  tmp_path)
+    assert [row["command"] for row in rows] == ["python -m rl_lightning --help", "python -m rl_lightning eval --help",
+                                                "python -m rl_lightning demo --help"]
+    assert all(0 < row["s"] < 20 for row in rows) and "| `python -m rl_lightning eval --help` |" in stdout

@@ -6,7 +6,7 @@ from conftest import REPO
 
 from rl_lightning.rollout.env import load_environment
 
-DEMO = REPO / "examples" / "demo.yaml"  # make demo's overlay on recipes/real/grpo.yaml (rl_lightning/cli/demo.py)
+DEMO = REPO / "rl_lightning" / "cli" / "demo.yaml"  # make demo's overlay on recipes/real/grpo.yaml (rl_lightning/cli/demo.py)
 EXAMPLE_RECIPES = sorted(p for p in (REPO / "examples").rglob("*.yaml") if p.parent.name != "gpu" and p != DEMO)
 GPU_SMOKE = REPO / "examples" / "gpu" / "smoke.yaml"  # an overlay on recipes/real/grpo.yaml (docs/gpu.md)
 

@@ -117,7 +117,11 @@ class RLLightningCLI(LightningCLI):
         # the recipe's path, which the parsed namespace does not keep under a subcommand
         raw = [str(a) for a in (sys.argv[1:] if args is None else args)] if isinstance(args, list | None) else []
         if isinstance(args, list | None):  # --config grpo: the bundled recipe (rl_lightning.cli.recipes)
-            args = raw = resolve_config_args(raw)
+            raw = resolve_config_args(raw)
+            if args is None:  # the command line itself (Lightning warns when given both it and `args`)
+                sys.argv[1:] = raw
+            else:
+                args = raw
         self.raw_args, self.config_files = raw, []
         for i, arg in enumerate(raw):
             if arg == "--config" and i + 1 < len(raw):

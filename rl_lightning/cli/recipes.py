@@ -40,8 +40,8 @@ def find_config(value: str) -> str:
     """The file a ``--config`` value names: the user's file when it exists, else the bundled recipe of that name.
 
     Raises:
-        ConfigError: neither exists and the value looks like a recipe name (no folder of its own), naming the
-            bundled recipes.
+        ConfigError: neither exists and the value is a bare name (no folder, no extension), naming the bundled
+            recipes; a missing file's path is left to the parser, which says so in one line.
     """
     if os.path.exists(value) or value.lstrip().startswith(("{", "[")) or "\n" in value:  # a file, or inline YAML
         return value
@@ -50,8 +50,10 @@ def find_config(value: str) -> str:
         return str(bundled)
     if (found := package_file(value)) is not None:
         return str(found)
-    raise ConfigError(f"--config '{value}': no such file and no bundled recipe of that name; bundled recipes: "
-                      f"{', '.join(recipe_names())} (or give a path to your own YAML file)")
+    if "/" in value or value.endswith((".yaml", ".yml", ".json")):  # a file's path: the parser's own one-line error
+        return value
+    raise ConfigError(f"config: no such file and no bundled recipe of that name (value '{value}'); bundled recipes: "
+                      f"{', '.join(recipe_names())}, or give the path of your own YAML file")
 
 
 def resolve_config_args(argv: Sequence[str]) -> list[str]:

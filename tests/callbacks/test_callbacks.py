@@ -20,7 +20,7 @@ from rl_lightning.callbacks.memory_stats import MemoryStats
 from rl_lightning.callbacks.rollout_samples import ARTIFACT_FILE, RolloutSamples
 from rl_lightning.errors import ConfigError
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic_format.py")  # two reward components: correct, format
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py")  # two reward components: correct, format
 SFT_MODEL = str(REPO / "rl_lightning" / "assets" / "tiny-qwen2-sft")  # answers some prompts with a bare number
 ROLLOUT = {"reward_weights": {"correct": 1.0, "format": 0.5}, "reward_workers": 0}
 COLUMNS = ["rollout", "step", "prompt", "answer", "completion", "reward", "reward/correct", "reward/format",

@@ -17,9 +17,8 @@ import pytest
 import torch
 from conftest import DEMO_DATA, REPO
 
-from rl_lightning.cli.eval import EvalConfig, EvalResult, evaluate
 from rl_lightning.cli.eval.command import main
-from rl_lightning.cli.eval.evaluate import summarize
+from rl_lightning.cli.eval.evaluate import EvalConfig, EvalResult, evaluate, summarize
 from rl_lightning.cli.eval.report import log_to_mlflow, table
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.rollout.trajectory import Trajectory

@@ -9,7 +9,7 @@ from helpers import ppo_task, prompts
 
 from rl_lightning.cli.progress import RunProgress, format_metrics
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 
 
 def test_format_metrics_picks_known_keys_in_order():

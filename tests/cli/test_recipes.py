@@ -37,11 +37,12 @@ def test_the_users_own_file_wins(empty):
 
 
 def test_an_unknown_name_is_one_line_naming_the_bundled_recipes(empty):
+    assert find_config("my/missing.yaml") == "my/missing.yaml"  # a path: the parser says it does not exist
     with pytest.raises(ConfigError) as info:
         resolve_config_args(["fit", "--config", "gpro"])
-    assert str(info.value) == ("--config 'gpro': no such file and no bundled recipe of that name; bundled recipes: "
-                               "dapo, distill, dpo, grpo, ppo, real/dpo, real/grpo, real/sft, rm, sft (or give a path "
-                               "to your own YAML file)")
+    assert str(info.value) == ("config: no such file and no bundled recipe of that name (value 'gpro'); bundled "
+                               "recipes: dapo, distill, dpo, grpo, ppo, real/dpo, real/grpo, real/sft, rm, sft, or give "
+                               "the path of your own YAML file")
 
 
 def test_config_arguments_are_resolved_in_both_spellings(empty):

@@ -155,7 +155,7 @@ def test_skipped_step_counts_survive_a_checkpoint(task, tmp_path):
     else:
         first = run_ppo(rollouts=2, callbacks=[NaNGradient(batches=[1]), SaveAfterTheSkip()], optim=OPTIM)[1]
         L.seed_everything(0)
-        model = ppo_task(str(REPO / "examples" / "envs" / "arithmetic.py"), max_rollouts=3, optim=OPTIM)
+        model = ppo_task(str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), max_rollouts=3, optim=OPTIM)
         resumed = _resume(model, prompts(2), path, max_steps=-1)
     assert first.lightning_module.skipped_steps.total == 1
     saved = torch.load(path, weights_only=False)["skipped_steps"]

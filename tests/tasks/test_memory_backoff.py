@@ -18,7 +18,7 @@ from rl_lightning.tasks import PPO
 
 torch.OutOfMemoryError("constructible without CUDA")  # what the simulation raises, as CUDA's allocator does
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 
 
 class SimulatedMemory(L.Callback):

@@ -17,7 +17,7 @@ from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.tasks import PPO
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 _ppo = run_ppo  # env defaults to ENV, the arithmetic example
 
 

@@ -138,7 +138,7 @@ def test_bad_teachers_are_refused_at_construction_in_one_line(tmp_path, distill,
     if distill["teacher"] == "OTHER":
         distill = {**distill, "teacher": str(_other_tokenizer(tmp_path / "other"))}
     with pytest.raises(ConfigError, match=match) as error:
-        ppo_task(str(REPO / "examples" / "envs" / "arithmetic.py"), distill=distill)
+        ppo_task(str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), distill=distill)
     assert "\n" not in str(error.value)
 
 
@@ -146,7 +146,7 @@ def test_the_loss_type_refuses_sequence_mean():
     from helpers import ppo_task
 
     with pytest.raises(ConfigError, match="model.distill.type=loss is a token mean and needs model.aggregation"):
-        ppo_task(str(REPO / "examples" / "envs" / "arithmetic.py"), aggregation="sequence_mean",
+        ppo_task(str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), aggregation="sequence_mean",
                  distill={"teacher": str(TEACHER), "type": "loss"})
 
 

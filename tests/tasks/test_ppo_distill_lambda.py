@@ -195,6 +195,6 @@ def test_a_completion_that_is_not_text_is_refused_naming_the_row(tmp_path):
 )
 def test_bad_lambda_settings_are_refused_at_construction_in_one_line(distill, task, match):
     with pytest.raises(ConfigError, match=match) as error:
-        ppo_task(str(REPO / "examples" / "envs" / "arithmetic.py"),
+        ppo_task(str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"),
                  distill={"teacher": str(TEACHER), **distill}, **task)
     assert "\n" not in str(error.value)

@@ -10,7 +10,7 @@ from helpers import GradientRecorder, Metrics, fit, ppo_task, prompts
 from rl_lightning.cli.progress import RunProgress
 from rl_lightning.errors import ConfigError, DataError
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 class ValCapture(L.Callback):
     def __init__(self):
         self.trajectories = {}

@@ -13,7 +13,7 @@ from helpers import Metrics, fit, ppo_task, prompts
 from rl_lightning.cli.main import main
 from rl_lightning.errors import ConfigError
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 NEW_ESTIMATORS = ("vtrace", "retrace", "td_lambda", "nstep")
 
 

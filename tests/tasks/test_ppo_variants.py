@@ -21,7 +21,7 @@ from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.tasks import PPO
 from rl_lightning.tasks.ppo import CorrectionConfig
 
-ENV = str(REPO / "examples" / "envs" / "arithmetic.py")
+ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 
 
 def engine_shift(parity: int, token: int) -> float:

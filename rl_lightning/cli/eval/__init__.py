@@ -2,9 +2,6 @@
 
 `rl_lightning.cli.eval.inputs` resolves what the user names (model folder, data path, environment) with one-line
 errors; `rl_lightning.cli.eval.evaluate` generates and scores (`EvalConfig`, `evaluate`); `rl_lightning.cli.eval.report`
-prints the table and logs to MLflow; `rl_lightning.cli.eval.command` is the command line.
+prints the table and logs to MLflow; `rl_lightning.cli.eval.command` is the command line. Nothing is imported here,
+so ``eval --help`` loads no torch: ``from rl_lightning.cli.eval.evaluate import EvalConfig, evaluate``.
 """
-
-from rl_lightning.cli.eval.evaluate import EvalConfig, EvalResult, evaluate
-
-__all__ = ["EvalConfig", "EvalResult", "evaluate"]

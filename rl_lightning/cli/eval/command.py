@@ -12,9 +12,11 @@ import os
 import sys
 from typing import NoReturn
 
-from rl_lightning.cli.eval.evaluate import ENGINES, EvalConfig, evaluate
-from rl_lightning.cli.eval.report import log_to_mlflow, table, write_json
 from rl_lightning.errors import UserError
+
+# The engines `evaluate` knows (`rl_lightning.cli.eval.evaluate.ENGINES`, a test checks they agree): written here so
+# that ``eval --help`` imports no torch (the evaluation's modules load when it runs).
+ENGINES = ("auto", "vllm", "hf")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> int:
     """Parse `argv`, evaluate, print the table, write/log the result; returns the exit status (0)."""
     args = build_parser().parse_args(argv)
+    from rl_lightning.cli.eval.evaluate import EvalConfig, evaluate
+    from rl_lightning.cli.eval.report import log_to_mlflow, table, write_json
+
     reporting = {"json", "mlflow", "experiment", "run_name", "run_id"}
     config = EvalConfig(**{k: v for k, v in vars(args).items() if k not in reporting})
     config.check()  # before any model loads
