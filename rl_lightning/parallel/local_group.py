@@ -111,14 +111,21 @@ def init_local_group(environment: Any, backend: str, timeout: timedelta | None, 
         atexit.register(_destroy)
 
 
-def init_single_process_group(device_type: str, timeout: timedelta) -> None:
-    """A default group of this process alone (one rank, in-memory store), its gloo and NCCL sockets on loopback."""
+def init_single_process_group(device_type: str, timeout: timedelta | None = None) -> None:
+    """A default group of this process alone (one rank, in-memory store), its gloo and NCCL sockets on loopback.
+
+    Args:
+        device_type: ``cuda`` (NCCL for CUDA tensors, gloo for host ones) or ``cpu`` (gloo).
+        timeout: the group's collective timeout; None: torch's default.
+    """
     import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
 
     for key, value in loopback_environment().items():
         os.environ.setdefault(key, value)
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout or default_pg_timeout)
 
 
 def _destroy() -> None:

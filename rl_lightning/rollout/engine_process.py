@@ -52,9 +52,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from rl_lightning.parallel.local_group import loopback_environment
 from rl_lightning.rollout.engine import Completion, SamplingParams
 from rl_lightning.rollout.local_channels import (
-    loopback_environment,
     loopback_gloo,
     private_folder,
     private_store,

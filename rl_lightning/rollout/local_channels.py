@@ -7,7 +7,8 @@ one host neither is needed:
 - `private_store`: a ``FileStore`` in a fresh folder only this user can enter (``0o700``): no socket, no port to pick
   (so no race for a free one), and no other user can join or read it;
 - `loopback_gloo`: a gloo group whose device binds ``127.0.0.1``;
-- `loopback_environment`: the variables that make a child's own groups (vLLM's, NCCL's bootstrap) bind loopback.
+- `rl_lightning.parallel.local_group.loopback_environment`: the variables that make a child's own groups (vLLM's,
+  NCCL's bootstrap) bind loopback (shared with the trainer's own group).
 
 torch exposes a gloo group's device only through ``ProcessGroupGloo._Options`` (private, stable since torch 1.x);
 this module is the one place that uses it.
@@ -19,11 +20,9 @@ import os
 import shutil
 import tempfile
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
-IFF_LOOPBACK = 0x8  # linux/if.h
 
 
 def private_folder(prefix: str) -> str:
@@ -52,20 +51,3 @@ def loopback_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, size, options)
-
-
-def loopback_interface() -> str:
-    """The name of this host's loopback network interface (``lo`` on Linux), read from ``/sys/class/net``."""
-    for path in sorted(Path("/sys/class/net").glob("*/flags")):
-        try:
-            if int(path.read_text().strip(), 16) & IFF_LOOPBACK:
-                return path.parent.name
-        except (OSError, ValueError):
-            continue
-    return "lo"
-
-
-def loopback_environment() -> dict[str, str]:
-    """Variables that make gloo and NCCL bind the loopback interface (for a process that talks to this host only)."""
-    interface = loopback_interface()
-    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}

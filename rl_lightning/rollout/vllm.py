@@ -50,6 +50,7 @@ import torch
 
 from rl_lightning.assets.real import resolve_model
 from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.local_group import init_single_process_group
 from rl_lightning.rollout.engine import Completion, SamplingParams
 
 # The adapter-sync decision lives in `rl_lightning.rollout.lora_sync`; it stays importable from here (re-exports).
@@ -189,7 +190,9 @@ class VLLMEngine:
         # external_launcher reads these (Lightning sets LOCAL_RANK and WORLD_SIZE but never RANK)
         os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": str(self.rank if local_rank is None else local_rank),
                            "WORLD_SIZE": str(self.world_size)})
-        if not initialized:  # vLLM initialises the default group from env:// itself
+        if not initialized and self.world_size == 1:  # ours: vLLM's from env:// would listen on every interface
+            init_single_process_group(device_type)
+        elif not initialized:  # vLLM initialises the default group from env:// itself
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         self.max_model_len = max_model_len  # a multi-turn rollout ends a conversation before it outgrows it

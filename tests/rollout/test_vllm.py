@@ -227,7 +227,15 @@ def _single_process_worker(rank):
     assert sum(map(len, many)) * 2 > 4096
     big = engine.generate(many, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=5, stop_token_ids=[256]))
     assert [len(g) for g in big] == [2] * 100
-    engine.shutdown()  # while the process group vLLM made is alive (it destroys it)
+    # Issue 36.5: with no trainer group the engine's one-rank world is ours, on an in-memory store, its gloo on
+    # loopback: nothing listens outside 127.0.0.0/8 (vLLM's own env:// store listened on '::')
+    import ipaddress
+
+    import psutil
+
+    sockets = [c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert [ip for ip in sockets if not ipaddress.ip_address(ip).is_loopback] == []
+    engine.shutdown()  # while the default process group is alive (vLLM destroys it)
 
 
 @needs_vllm
