@@ -8,7 +8,8 @@ A run folder belongs to one run: ``latest`` is followed only as a relative link 
 ``outputs/<run>/`` (`latest_run_dir`), and the process that owns a folder (global rank 0) holds an ``flock`` on its
 ``run.lock`` while it fits (`RunLock`), so a second process resuming into it is refused in one line instead of
 deleting the first one's save in progress. The kernel drops the lock when its process dies (``kill -9`` too).
-``run.json`` is replaced atomically (`rl_lightning.parallel.checkpoint_io.write_atomic`).
+``run.json`` is replaced atomically (`rl_lightning.parallel.checkpoint_io.write_atomic`) and readable by this user only
+(``0o600``).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class RunOutputs(L.Callback):
                 record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": logger._experiment_name,
                                "mlflow_tracking_uri": redact_text(logger._tracking_uri or "")})  # no password
                 logger.experiment.set_tag(logger.run_id, "output_dir", str(self.dirpath.resolve()))
-        write_atomic(self.dirpath / RUN_FILE, json.dumps(record, indent=2) + "\n")
+        write_atomic(self.dirpath / RUN_FILE, json.dumps(record, indent=2) + "\n", mode=0o600)  # this user's only
 
 
 def resume_dir(ckpt_path: str, root: str | Path, name: str) -> Path | None:

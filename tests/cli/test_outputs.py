@@ -4,6 +4,7 @@ start-up leaves no MLflow run, and a run that fails later carries its error."""
 
 import json
 import os
+import stat
 import time
 
 import lightning as L
@@ -89,6 +90,7 @@ def test_mlflow_run_records_kind_system_metrics_data_counters_and_folder(tmp_pat
     assert run.data.tags["output_dir"] == str(outputs.dirpath.resolve())
     assert read_run_file(outputs.dirpath)["mlflow_run_id"] == logger.run_id
     assert json.loads((outputs.dirpath / "run.json").read_text())["mlflow_tracking_uri"] == uri
+    assert stat.S_IMODE(os.stat(outputs.dirpath / "run.json").st_mode) == 0o600  # this user's only (issue 36)
 
 
 def test_start_up_failure_leaves_no_mlflow_run(tmp_path):
