@@ -8,7 +8,7 @@ table ``rollout_samples.json`` of every MLflow logger's run, one row per traject
 | ``rollout`` | the rollout's number, counted from 1 (the task's ``train/rollouts``) |
 | ``step`` | the run's step, where MLflow's charts put the rollout's ``train/*`` values (rollouts done: equal to ``rollout``; `rl_lightning.tracking.logger.steps_done`) |
 | ``prompt`` | the prompt's last user message |
-| ``answer`` | the prompt's reference answer (``str``; empty when there is none) |
+| ``answer`` | what the reward compares against (``str``: a reasoning-gym row's ``answer`` value; empty when none) |
 | ``completion`` | what was generated after the prompt: the assistant text; multi-turn, every turn after the prompt, tool messages prefixed ``[tool]``, one per line |
 | ``reward`` | the trajectory's (combined, shaped) reward |
 | ``reward/<name>`` | each reward component (``model.rollout.reward_weights``) |
@@ -137,6 +137,17 @@ class RolloutSamples(L.Callback):
                 f"{table['completion_length'][i]} tokens{finished}")
 
 
+def reference_answer(answer: Any) -> str:
+    """What the reward compares a completion against, as the table and the sample line show it.
+
+    A structured answer (a reasoning-gym row's ``{'task': 'chain_sum', 'answer': '-31', 'metadata': {...}}``) shows its
+    ``answer`` value (``-31``); any other answer as it is; none as ``""``.
+    """
+    if isinstance(answer, dict) and "answer" in answer:
+        answer = answer["answer"]
+    return "" if answer is None else str(answer)
+
+
 def sample_table(rollout: Rollout, number: int, step: int, rows: int) -> dict[str, list]:
     """The table's columns (see the module docstring) for the first `rows` trajectories of `rollout`."""
     trajectories = rollout.trajectories[:rows]
@@ -144,7 +155,7 @@ def sample_table(rollout: Rollout, number: int, step: int, rows: int) -> dict[st
         "rollout": [number] * len(trajectories),
         "step": [step] * len(trajectories),
         "prompt": [_last_user_message(t.prompt.messages) for t in trajectories],
-        "answer": ["" if t.prompt.answer is None else str(t.prompt.answer) for t in trajectories],
+        "answer": [reference_answer(t.prompt.answer) for t in trajectories],
         "completion": [_completion(t.messages[len(t.prompt.messages) :]) for t in trajectories],
         "reward": [_number(t.reward) for t in trajectories],
     }

@@ -11,7 +11,9 @@ One figure per question, plus ``summary.png`` with all of them:
 Lines are the values logged per step (optimizer step, or rollout for RL); dashed lines with dots are the validation
 points, the one at 0 the starting model's where the task scores it. A long noisy series (20 points or more) is drawn
 faint with its trailing mean over a tenth of the run on top. The data is the MLflow run's metric history read at the
-end (`rl_lightning.tracking.history`: a resumed run's history includes the part before the resume).
+end (`rl_lightning.tracking.history`: a resumed run's history includes the part before the resume). A panel with
+nothing to draw is left out (no KL panel for a run without a KL term whose updates stay on-policy), and so are the
+reward components the run weighs 0 (``reward_weights: {correct: 1.0, format: 0.0}``).
 
 The figure functions are pure (series in, ``matplotlib.figure.Figure`` out) and use matplotlib's object API with the
 Agg canvas: no pyplot, no display, nothing changed in the user's matplotlib state. matplotlib is imported lazily.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,18 +115,25 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def draw(ax: Any, panel: Panel, series: dict[str, Series], xlabel: str) -> None:
+def drawn_lines(panel: Panel, series: dict[str, Series], hidden: Collection[str] = ()) -> tuple[list[str], list[str]]:
+    """The metrics `panel` draws from `series`: ``(lines, points)``, without `hidden` and `Panel.hide_zero`'s zeros."""
+    lines = [name for name in matching(panel.lines, list(series)) if name not in hidden
+             and not (panel.hide_zero and max(map(abs, series[name].y), default=0.0) < NEGLIGIBLE)]
+    return lines, [name for name in matching(panel.points, list(series)) if name not in hidden]
+
+
+def draw(ax: Any, panel: Panel, series: dict[str, Series], xlabel: str, hidden: Collection[str] = ()) -> None:
     """Draw `panel` from `series` on the matplotlib axes `ax`: lines, validation points, title, labels, legend.
 
     Every line's ``gid`` is its metric's name (a trailing mean's: the name and ``:mean``), what tests look them up by.
+    `hidden` metrics are left out (the components a run weighs 0).
     """
     from matplotlib.ticker import MaxNLocator
 
     colours: dict[str, str] = {}
-    for name in matching(panel.lines, list(series)):
+    lines, points = drawn_lines(panel, series, hidden)
+    for name in lines:
         x, y = series[name]
-        if panel.hide_zero and max(map(abs, y), default=0.0) < NEGLIGIBLE:
-            continue
         label, smooth = LABELS.get(name, name), len(x) >= SMOOTH_FROM
         (line,) = ax.plot(x, y, label=f"_{label}" if smooth else label, gid=name, linewidth=1.2,
                           alpha=0.35 if smooth else 1.0, marker=None if smooth else ".")
@@ -133,7 +142,7 @@ def draw(ax: Any, panel: Panel, series: dict[str, Series], xlabel: str) -> None:
             window = max(3, len(x) // 10)
             ax.plot(x, rolling_mean(y, window), gid=f"{name}:mean", color=line.get_color(), linewidth=2.2,
                     label=f"{label} (mean of last {window})")
-    for name in matching(panel.points, list(series)):
+    for name in points:
         x, y = series[name]
         colour = colours.get("train/" + name.removeprefix("val/"))
         ax.plot(x, y, gid=name, linestyle="--", marker="o", markersize=5, linewidth=1.2, label=name,
@@ -148,16 +157,17 @@ def draw(ax: Any, panel: Panel, series: dict[str, Series], xlabel: str) -> None:
         ax.legend(fontsize="small", loc="best")
 
 
-def panel_figure(panel: Panel, series: dict[str, Series], xlabel: str) -> Any:
+def panel_figure(panel: Panel, series: dict[str, Series], xlabel: str, hidden: Collection[str] = ()) -> Any:
     """One panel as its own ``matplotlib.figure.Figure`` (700 x 420 pixels)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
-    draw(figure.add_subplot(), panel, series, xlabel)
+    draw(figure.add_subplot(), panel, series, xlabel, hidden)
     return figure
 
 
-def summary_figure(panels: Sequence[Panel], series: dict[str, Series], xlabel: str, title: str) -> Any:
+def summary_figure(panels: Sequence[Panel], series: dict[str, Series], xlabel: str, title: str,
+                   hidden: Collection[str] = ()) -> Any:
     """Every panel in one figure, two a row, under `title`."""
     from matplotlib.figure import Figure
 
@@ -166,24 +176,35 @@ def summary_figure(panels: Sequence[Panel], series: dict[str, Series], xlabel: s
     figure = Figure(figsize=(6.4 * columns, 3.8 * rows), dpi=100, layout="constrained")
     figure.suptitle(title, fontsize="x-large")
     for i, panel in enumerate(panels):
-        draw(figure.add_subplot(rows, columns, i + 1), panel, series, xlabel)
+        draw(figure.add_subplot(rows, columns, i + 1), panel, series, xlabel, hidden)
     return figure
 
 
-def write_plots(series: dict[str, Series], dirpath: str | Path, title: str) -> list[Path]:
-    """Write one PNG per panel with data and ``summary.png`` into `dirpath`; returns their paths (none without data)."""
+def write_plots(series: dict[str, Series], dirpath: str | Path, title: str, hidden: Collection[str] = ()) -> list[Path]:
+    """Write one PNG per panel that draws something and ``summary.png`` into `dirpath`; returns their paths.
+
+    A panel whose every line is `hidden` or zero throughout (`Panel.hide_zero`: the KL panel of a run with no KL term
+    and on-policy updates) is left out, as one without data; none without any.
+    """
     panels, xlabel = panels_for(list(series))
+    panels = tuple(p for p in panels if any(drawn_lines(p, series, hidden)))
     if not panels:
         return []
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
-    figures = [(p.name, panel_figure(p, series, xlabel)) for p in panels]
-    figures.append(("summary", summary_figure(panels, series, xlabel, title)))
+    figures = [(p.name, panel_figure(p, series, xlabel, hidden)) for p in panels]
+    figures.append(("summary", summary_figure(panels, series, xlabel, title, hidden)))
     paths = []
     for name, figure in figures:
         paths.append(dirpath / f"{name}.png")
         figure.savefig(paths[-1])
     return paths
+
+
+def zero_weight_components(pl_module: Any) -> set[str]:
+    """The metrics of the reward components an RL task weighs 0 (``train/reward/format``, ``val/reward/format``)."""
+    weights = getattr(getattr(pl_module, "rollout_config", None), "reward_weights", None) or {}
+    return {f"{split}/reward/{name}" for name, weight in weights.items() if weight == 0 for split in ("train", "val")}
 
 
 class RunPlots(L.Callback):
@@ -221,7 +242,7 @@ class RunPlots(L.Callback):
         history = read_history(first.experiment, first._run_id)
         title = f"{first._run_name or type(pl_module).__name__} ({type(pl_module).__name__})"
         dirpath = Path(self.dirpath or "plots")
-        paths = write_plots(all_series(history), dirpath, title)
+        paths = write_plots(all_series(history), dirpath, title, zero_weight_components(pl_module))
         for logger in loggers if paths else []:
             for path in paths:
                 logger.experiment.log_artifact(logger._run_id, str(path), "plots")

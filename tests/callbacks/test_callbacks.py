@@ -288,3 +288,19 @@ def test_rollout_dump_writes_every_trajectory_and_rotates(tmp_path):
     assert json.loads((tmp_path / "small" / kept[-1]).read_text().splitlines()[0])["rollout"] == 3
     with pytest.raises(ConfigError, match=r"rl_lightning.callbacks.rollout_dump.RolloutDump: max_file_mb must be > 0, got 0"):
         RolloutDump(max_file_mb=0)
+
+
+def test_the_sample_line_and_table_show_the_answer_the_reward_compares_against(tmp_path, capsys):
+    """A reasoning-gym row's answer field is ``{task, answer, metadata}``: the line shows ``-31``, not the dict."""
+    from rl_lightning.callbacks.rollout_samples import reference_answer
+    from rl_lightning.rollout.trajectory import Rollout
+
+    row = {"task": "chain_sum", "answer": "-31", "metadata": {"source_dataset": "chain_sum", "num_terms": 2}}
+    assert [reference_answer(a) for a in (row, "18", 7, None, {"x": 1})] == ["-31", "18", "7", "", "{'x': 1}"]
+    trainer = types.SimpleNamespace(is_global_zero=True, global_step=1, loggers=[])
+    rollout = Rollout([_trajectory([{"role": "assistant", "content": "-31"}], 1.0, {"correct": 1.0}, row)], 1,
+                      ["correct"])
+    RolloutSamples(every_n_rollouts=1).on_train_batch_end(trainer, types.SimpleNamespace(rollouts=1), None,
+                                                          {"rollout": rollout}, 0)
+    assert capsys.readouterr().out == ("sample @ rollout 1: '2 + 2?' -> '-31' (answer -31) · reward 1 (correct 1) · "
+                                       "2 tokens\n")

@@ -22,6 +22,8 @@ from rl_lightning.tracking.plots import (
     panels_for,
     rolling_mean,
     summary_figure,
+    write_plots,
+    zero_weight_components,
 )
 
 GRPO = ["fit", "--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--model.max_rollouts", "2",
@@ -164,6 +166,39 @@ def test_kl_leaves_out_a_line_that_is_zero_up_to_float_noise():
     ax = Figure().add_subplot()
     draw(ax, RL_PANELS[4], series, "rollout")
     assert [line.get_gid() for line in ax.get_lines()] == ["train/approx_kl"]
+
+
+def test_a_panel_with_nothing_to_draw_and_zero_weight_components_are_left_out(tmp_path):
+    """A run without a KL term whose updates stay on-policy logs KL lines that are zero throughout: no KL panel; the
+    demo weighs `format` 0: no format line in the reward or the held-out panel."""
+    import types
+
+    from matplotlib.figure import Figure
+
+    from rl_lightning.rollout.config import RolloutConfig
+
+    x = [1, 2, 3]
+    series = {"train/rollouts": Series(x, [1.0, 2.0, 3.0]), "train/reward": Series(x, [0.1, 0.2, 0.3]),
+              "train/reward/correct": Series(x, [0.1, 0.2, 0.3]), "train/reward/format": Series(x, [0.5, 0.6, 0.9]),
+              "val/reward": Series([0, 3], [0.2, 0.3]), "val/reward/correct": Series([0, 3], [0.2, 0.3]),
+              "val/reward/format": Series([0, 3], [0.4, 1.0]), "train/entropy": Series(x, [1.0, 0.9, 0.8]),
+              "train/approx_kl": Series(x, [0.0, 0.0, 0.0]), "train/mismatch_kl": Series(x, [1e-13, 0.0, -2e-13])}
+    module = types.SimpleNamespace(rollout_config=RolloutConfig(env_path="e.py",
+                                                                reward_weights={"correct": 1.0, "format": 0.0}))
+    hidden = zero_weight_components(module)
+    assert hidden == {"train/reward/format", "val/reward/format"}
+    assert zero_weight_components(types.SimpleNamespace()) == set()  # SFT, DPO: no reward components
+    paths = write_plots(series, tmp_path, "demo", hidden)
+    assert [p.name for p in paths] == ["reward.png", "heldout.png", "entropy.png", "summary.png"]  # no kl.png
+    ax = Figure().add_subplot()
+    draw(ax, RL_PANELS[0], series, "rollout", hidden)
+    assert [line.get_gid() for line in ax.get_lines()] == ["train/reward", "train/reward/correct", "val/reward"]
+    figure = summary_figure([p for p in RL_PANELS if p.name in ("reward", "heldout", "entropy")], series, "rollout",
+                            "demo", hidden)
+    drawn = {line.get_gid() for ax in figure.axes for line in ax.get_lines()}
+    assert drawn == {"train/reward", "train/reward/correct", "val/reward", "val/reward/correct", "train/entropy"}
+    assert [p.name for p in write_plots(series, tmp_path / "all", "demo")] == [  # without weights: format is drawn
+        "reward.png", "heldout.png", "entropy.png", "summary.png"]
 
 
 def test_plots_can_be_switched_off(workdir):
