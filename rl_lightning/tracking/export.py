@@ -64,15 +64,23 @@ def export_hf(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_ze
 def _export(model: Any, tokenizer_name: str, dirpath: str | Path, is_global_zero: bool) -> None:
     from rl_lightning.models.loading import load_tokenizer
     from rl_lightning.models.lora import is_peft
+    from rl_lightning.parallel.checkpoint_io import publish_folder, temporary_path
 
     state = full_state_dict(model, keep=is_global_zero)  # only the writer holds the gathered model
     if is_global_zero:
+        # written whole under a hidden name, then renamed into place: a kill mid-export leaves the previous export
+        # (or none), never a folder of half-written weights that loads
+        final = Path(dirpath)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = temporary_path(final)
+        staging.mkdir()
         if is_peft(model):
-            export_lora(model, state, Path(dirpath))
+            export_lora(model, state, staging)
         else:
-            model.save_pretrained(dirpath, state_dict=state)
-        load_tokenizer(tokenizer_name).save_pretrained(dirpath)
-        _ordinary_permissions(Path(dirpath))
+            model.save_pretrained(staging, state_dict=state)
+        load_tokenizer(tokenizer_name).save_pretrained(staging)
+        _ordinary_permissions(staging)
+        publish_folder(staging, final)
         log.info("exported Hugging Face model to %s", dirpath)
 
 

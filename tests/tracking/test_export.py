@@ -60,3 +60,24 @@ def test_only_the_writer_holds_the_gathered_model(tmp_path):
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]  # tied: one tensor in the export
     for name, tensor in reference.items():
         assert torch.equal(state[name], tensor), name
+
+
+def test_an_export_that_fails_midway_leaves_the_previous_export_whole(tmp_path):
+    """The export is written under a hidden name and renamed into place: a failure after the weights are written (here
+    the tokenizer cannot load) leaves the previous export as it was, not new weights beside an old tokenizer."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from rl_lightning.tracking.export import export_hf
+
+    model = AutoModelForCausalLM.from_pretrained(str(TINY_MODEL))
+    target = tmp_path / "export"
+    export_hf(model, str(TINY_MODEL), target)
+    before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+    assert "model.safetensors" in before and "tokenizer_config.json" in before
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # different weights: a partial export would show
+    with pytest.raises(Exception):  # noqa: B017 - whatever the tokenizer loader raises for a missing folder
+        export_hf(model, str(tmp_path / "no-such-tokenizer"), target)
+    assert {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == before
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["export"]
