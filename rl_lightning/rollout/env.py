@@ -3,9 +3,8 @@
 The file defines ``reward_fn(messages, answer) -> float`` and optionally ``interact(messages) -> list[message]`` for
 multi-turn tool use (the seeds' API, as in RL2).
 
-The file is imported once at start-up and checked, so a typo fails before any generation. Scoring applies a policy
-for reward functions that raise or return non-numbers/non-finite values: fail fast naming the row, or score 0 and
-count it — never a silent NaN in the loss.
+The file is imported once at start-up and checked, so a typo fails before any generation. Scoring applies a policy for
+reward functions that raise or return non-numbers/non-finite values: fail fast naming the row, or score 0 and count it.
 
 Several rewards: ``reward_fn`` may return a dict of named components (``{"correct": 1.0, "format": 0.5}``); the
 configured ``reward_weights`` (one weight per component, the same names) combine them by weighted sum or weighted
