@@ -24,7 +24,7 @@ import lightning as L
 from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
-from rl_lightning.rollout.replay import MANIFEST, MUST_MATCH, run_manifest, trajectory_record
+from rl_lightning.rollout.replay import MANIFEST, MUST_MATCH, dump_files, run_manifest, trajectory_record
 
 WHERE = "rl_lightning.callbacks.rollout_dump.RolloutDump"
 
@@ -81,8 +81,7 @@ class RolloutDump(L.Callback):
         path.write_text(json.dumps(written, indent=1) + "\n")
 
     def _files(self) -> list[Path]:
-        return sorted(self.dirpath.glob(f"rollouts-rank{self._rank}-*.jsonl"),
-                      key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        return dump_files(self.dirpath, self._rank, f"{WHERE}: dirpath")  # a stray name: one line at setup
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -202,7 +202,7 @@ def _read_rollouts(dirpath: Path, rank: int) -> dict[int, list[dict[str, Any]]]:
         ConfigError: one line: a stray file name, or a line that is not a trajectory record (see the module).
     """
     rollouts: dict[int, list[dict[str, Any]]] = {}
-    for path in _rank_files(dirpath, rank):
+    for path in dump_files(dirpath, rank):
         for number, line in _records(dirpath, path):
             if line.get("split") != "train":
                 continue
@@ -218,13 +218,13 @@ def _read_rollouts(dirpath: Path, rank: int) -> dict[int, list[dict[str, Any]]]:
     return rollouts
 
 
-def _rank_files(dirpath: Path, rank: int) -> list[Path]:
-    """Rank `rank`'s dump files in write order; a stray name among them is refused in one line."""
+def dump_files(dirpath: Path, rank: int, where: str = "model.rollout.replay") -> list[Path]:
+    """Rank `rank`'s dump files in write order; a stray name among them is refused in one line naming `where`."""
     named = re.compile(rf"rollouts-rank{rank}-(\d+)\.jsonl")
     files = sorted(dirpath.glob(f"rollouts-rank{rank}-*"))
     stray = [p.name for p in files if not named.fullmatch(p.name)]
     if stray:
-        raise ConfigError(f"model.rollout.replay={dirpath}: {stray[0]} is not a dump file (rollouts-rank{rank}-<n>"
+        raise ConfigError(f"{where}={dirpath}: {stray[0]} is not a dump file (rollouts-rank{rank}-<n>"
                           ".jsonl, as RolloutDump names them); move it out of the folder")
     return sorted(files, key=lambda p: int(named.fullmatch(p.name).group(1)))  # type: ignore[union-attr]
 

@@ -76,3 +76,16 @@ def test_a_damaged_line_a_stray_file_and_a_bad_manifest_are_one_line(tmp_path):
     (folder / "rollouts-rank0-0 (copy).jsonl").unlink()
     (folder / "manifest.json").write_text('{"format": 2,')
     assert _refused(folder).startswith(f"model.rollout.replay={folder}: {folder / 'manifest.json'} is not JSON (")
+
+
+def test_a_stray_file_in_the_dump_folder_stops_the_writer_at_setup_in_one_line(tmp_path):
+    """The writer reads the same folder when a run resumes (it appends after the newest file): a stray name there was
+    an `int()` ValueError traceback; it is one line at setup, before any rollout."""
+    folder, _ = _dump(tmp_path, rollouts=1)
+    (folder / "rollouts-rank0-copy.jsonl").write_text("")
+    dump = RolloutDump(str(folder))
+    with pytest.raises(ConfigError) as info:
+        dump.setup(L.Trainer(accelerator="cpu", devices=1, logger=False), None, "fit")
+    message = str(info.value)
+    assert "\n" not in message and "rollouts-rank0-copy.jsonl is not a dump file" in message
+    assert message.startswith("rl_lightning.callbacks.rollout_dump.RolloutDump: dirpath=")
