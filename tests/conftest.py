@@ -39,13 +39,30 @@ TINY_SFT = ["--model.model_name", str(TINY_MODEL), "--data.path", str(DEMO_DATA 
             "3", "--trainer.enable_progress_bar", "false"]
 
 
+def shared_tmp(tmp_path_factory, worker_id: str) -> Path:
+    """A folder all pytest-xdist workers of this run share (this run's own base folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
 @pytest.fixture(scope="session")
-def sft_on_two_processes(tmp_path_factory) -> dict[str, torch.Tensor]:
+def sft_on_two_processes(tmp_path_factory, worker_id) -> dict[str, torch.Tensor]:
     """The exported weights of `TINY_SFT` run by ``torchrun --standalone --nproc-per-node 2`` (one node, two
     data-parallel CPU processes): the single-node reference that the two-node runs of tests/parallel/test_multinode.py
-    and tests/test_slurm.py must equal bit for bit. One run (two processes starting torch) serves both."""
+    and tests/test_slurm.py must equal bit for bit. One run (two processes starting torch) serves both, also when
+    the two files run in different pytest-xdist workers (the first one to need it runs it, under a file lock)."""
+    from filelock import FileLock
     from safetensors.torch import load_file
 
+    shared = shared_tmp(tmp_path_factory, worker_id)
+    kept = shared / "sft_single_node.safetensors"
+    with FileLock(str(shared / "sft_single_node.lock")):
+        if not kept.exists():
+            kept.write_bytes(_sft_on_two_processes(tmp_path_factory).read_bytes())
+    return load_file(kept)
+
+
+def _sft_on_two_processes(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sft_single_node")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "rl_lightning", "fit", "--config", str(REPO / "recipes" / "sft.yaml"), *TINY_SFT,
@@ -54,7 +71,7 @@ def sft_on_two_processes(tmp_path_factory) -> dict[str, torch.Tensor]:
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (export,) = folder.glob("outputs/sft/20*/export/model.safetensors")
-    return load_file(export)
+    return export
 
 
 @pytest.fixture(scope="session")
