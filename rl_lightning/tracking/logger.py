@@ -2,7 +2,8 @@
 
 ``rl_lightning.tracking.logger.MLFlowLogger`` is Lightning's ``MLFlowLogger`` (same arguments, same class name, so
 ``isinstance`` checks and recipes that name a logger by its class keep working) with two changes once it follows a
-trainer (`MLflowTracking` makes every logger of this class follow its trainer at setup):
+trainer (`MLflowTracking` makes every logger of this class follow its trainer at setup), and the run's headline
+charts first:
 
 - **Step.** Every value is logged at the run's own step, `steps_done`: rollouts done for PPO-family tasks (the
   terminal's ``rollout 10/40``, the ``rollout`` and ``step`` columns of ``rollout_samples.json``), optimizer steps
@@ -13,6 +14,10 @@ trainer (`MLflowTracking` makes every logger of this class follow its trainer at
   retries, refills, reward failures and timeouts, skipped steps, dropped rows, and Lightning's ``epoch``) not at all
   while they stay 0, and values that rarely change (``train/trajectories``, ``train/max_length_per_device``) once
   and then on change. A constant line is not a chart worth drawing, and a counter's MLflow history is its changes.
+- **Headline first.** The MLflow run page groups charts into sections named by the metric's name up to its last
+  ``/`` and orders the sections by name, capitals first: ``data``, ``memory``, ... came before the reward. The
+  `HEADLINE` metrics are also logged under ``Summary/``, the page's first section: the training reward, the held-out
+  accuracy (the ``correct`` component on the validation prompts) and the held-out reward.
 
 Without a trainer (used on its own) it logs exactly as Lightning's.
 
@@ -44,6 +49,9 @@ COUNTERS: dict[str, float | None] = {
     "train/max_length_per_device": None,
 }
 COUNTER_SUFFIXES = {"_dropped": 0.0}  # data/train_dropped, data/val_dropped, ...: rows dropped by the data checks
+# metric -> its copy in the run page's first chart section (`Summary` sorts before every lower-case section name)
+HEADLINE = {"train/reward": "Summary/reward", "val/reward/correct": "Summary/held-out accuracy",
+            "val/reward": "Summary/held-out reward"}
 
 
 def steps_done(trainer: Any) -> int:
@@ -114,4 +122,5 @@ class MLFlowLogger(LightningMLFlowLogger):
             metrics = self.changed(metrics)
             if not metrics:
                 return
+            metrics = {**metrics, **{HEADLINE[name]: value for name, value in metrics.items() if name in HEADLINE}}
         super().log_metrics(metrics, step)

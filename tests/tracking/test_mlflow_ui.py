@@ -3,8 +3,9 @@
 Two tiny GRPO runs through the CLI, the same recipe and overlay, differing only in ``--model.optim.lr``: the store
 holds them under distinct names, every value on the run's step (the rollout count the terminal and
 ``rollout_samples.json`` show), no constant counter charts and short tag keys; then ``mlflow ui`` serves the store
-and Chromium opens the compare page (both names, the ``val/`` metrics) and the runs' charts view from the link the
-terminal prints (the model-training view, a ``val/reward`` chart whose legend names both runs).
+and Chromium opens the compare page (both names, the ``val/`` metrics), the runs' charts view from the link the
+terminal prints (the model-training view, a ``val/reward`` chart whose legend names both runs) and a run's own
+page, whose first chart section is the headline: held-out accuracy and reward before ``data``, ``train``, ...
 
 Chromium is Debian's (``make setup`` installs it with apt-get as root, as CI runs); Playwright drives it through
 ``executable_path`` (no ``playwright install`` download).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -161,6 +163,13 @@ def test_compare_page_and_charts_show_two_named_runs_and_their_validation(two_ru
             text = _text_when(page, f"{next(iter(LRS.values()))} (val/reward)")
             for name in LRS.values():
                 assert f"{name} (val/reward)" in text, text[:3000]  # the line chart's legend: run (metric)
+            # a run's own page, model metrics: the headline section first (reward, held-out accuracy), then the rest
+            page.goto(f"{base}#/experiments/{experiment_id}/runs/{ids[0]}/model-metrics")
+            lines = _text_when(page, "held-out accuracy").splitlines()
+            sections = [line for line, count in zip(lines, lines[1:], strict=False) if re.fullmatch(r"\(\d+\)", count)]
+            assert sections[:2] == ["Summary", "data"] and sections.index("train") > 1, sections
+            first = lines.index("Summary") + 3  # "Summary", "(3)", "Add chart", then the charts
+            assert lines[first] == "held-out accuracy" and "reward" in lines[first:first + 30], lines[first:first + 30]
             browser.close()
     finally:
         _stop(server)

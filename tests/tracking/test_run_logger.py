@@ -76,3 +76,34 @@ def test_counter_names():
     assert counter_start("train/refills") == (True, 0.0) and counter_start("data/val_dropped") == (True, 0.0)
     assert counter_start("epoch") == (True, 0.0) and counter_start("train/trajectories") == (True, None)
     assert counter_start("train/reward") == (False, None)
+
+
+class Rewarding(Counting):
+    """Logs what an RL task logs for its headline: the training reward, the held-out reward and its `correct` part."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).square().mean()
+        self.log_dict({"train/loss": loss, "train/reward": float(batch_idx)})
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log_dict({"val/reward": 0.5, "val/reward/correct": 0.25})
+
+
+def test_the_headline_is_also_logged_in_the_run_pages_first_section(tmp_path):
+    """MLflow orders chart sections by name (the metric name up to its last "/"), capitals first: `Summary` comes
+    before `data`, `memory`, `train`, `val` (the real page is checked in tests/tracking/test_mlflow_ui.py)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(experiment_name="headline", tracking_uri=uri, run_name="headline")
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, val_check_interval=3, check_val_every_n_epoch=None,
+                        logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[MLflowTracking(system_metrics=False, lineage=False)])
+    trainer.fit(Rewarding())
+    client, run_id = MlflowClient(uri), logger.run_id
+    assert _steps(client, run_id, "Summary/reward") == _steps(client, run_id, "train/reward") == [
+        (1, 0.0), (2, 1.0), (3, 2.0)]
+    assert _steps(client, run_id, "Summary/held-out accuracy") == [(3, 0.25)]
+    assert _steps(client, run_id, "Summary/held-out reward") == [(3, 0.5)]
+    sections = sorted({name.rsplit("/", 1)[0] for name in client.get_run(run_id).data.metrics if "/" in name})
+    assert sections[0] == "Summary" and sections == ["Summary", "data", "train", "val", "val/reward"]
