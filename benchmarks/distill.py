@@ -67,7 +67,7 @@ def heldout_reverse_kl(student, teacher, tokenizer, prompts, samples: int, max_n
 
 def train(arm: str, rollouts: int, folder: Path) -> tuple[Path, float]:
     """Fit the recipe through the CLI in `folder` (a scratch working directory); the export folder and seconds."""
-    for name in ("recipes", "rl_lightning", "examples", "callbacks"):
+    for name in ("rl_lightning", "examples"):
         (folder / name).symlink_to(REPO / name)
     command = [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/distill.yaml",
                "--model.max_rollouts", str(rollouts), "--trainer.limit_val_batches", "0",

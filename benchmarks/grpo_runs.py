@@ -125,7 +125,7 @@ def fit_config(args: argparse.Namespace, workdir: Path, curriculum: dict | None 
     checkpoints, the run's own MLflow store and an HF export in `workdir` (the recipe's callbacks are dropped)."""
     import yaml
 
-    config = yaml.safe_load((REPO / "recipes" / "real" / "grpo.yaml").read_text())
+    config = yaml.safe_load((REPO / "rl_lightning" / "recipes" / "real" / "grpo.yaml").read_text())
     config["seed_everything"] = args.seed
     model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
     model.update(max_rollouts=args.rollouts, update_per_rollout=1)  # PPO counts its run in rollouts

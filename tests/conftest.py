@@ -65,7 +65,7 @@ def sft_on_two_processes(tmp_path_factory, worker_id) -> dict[str, torch.Tensor]
 def _sft_on_two_processes(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sft_single_node")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-               "rl_lightning", "fit", "--config", str(REPO / "recipes" / "sft.yaml"), *TINY_SFT,
+               "rl_lightning", "fit", "--config", str(REPO / "rl_lightning" / "recipes" / "sft.yaml"), *TINY_SFT,
                "--trainer.num_nodes", "1", "--trainer.devices", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=1500)

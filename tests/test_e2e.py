@@ -146,7 +146,7 @@ def grpo_run(request, tmp_path_factory):
     for name in ("rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     (workdir / "recipes").mkdir()
-    recipe = (REPO / "recipes" / "grpo.yaml").read_text()
+    recipe = (REPO / "rl_lightning" / "recipes" / "grpo.yaml").read_text()
     assert recipe.count("engine: vllm") == 1
     (workdir / "recipes" / "grpo.yaml").write_text(recipe.replace("engine: vllm", f"engine: {request.param}"))
     result = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/grpo.yaml"],

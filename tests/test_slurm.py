@@ -64,7 +64,7 @@ def test_gpu_script_renders_one_torchrun_per_node_from_a_real_allocation(slurm, 
     host, port = _option(command, "--rdzv-endpoint").split(":")
     assert host == "127.0.0.1" and 20000 <= int(port) < 40000  # node1's NodeAddr in slurm.conf
     assert _option(command, "--rdzv-backend") == "c10d"
-    assert _option(command, "--config") == str(REPO / "recipes" / f"{task}.yaml")
+    assert _option(command, "--config") == task  # the bundled recipe, by name
     assert [_option(command, f"--trainer.{key}") for key in ("accelerator", "num_nodes", "devices")] == ["gpu", "2", "2"]
     assert command[-2:] == ["--data.path", "my data.jsonl"]  # user overrides last, quoting intact
 

@@ -147,6 +147,13 @@ def test_the_tiny_grpo_recipe_trains_by_name_with_the_console_command(venv, empt
     assert str(venv) in config  # the bundled files, resolved to the installed package
 
 
+def test_the_console_command_lists_the_commands_and_the_bundled_recipes(venv, empty):
+    done = _run(venv, empty, str(venv / "bin" / "rl-lightning"), "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: rl-lightning <command> [options]\n")
+    assert "real/grpo" in done.stdout and "  demo " in done.stdout
+
+
 @pytest.mark.parametrize("command", ["eval", "demo"])
 def test_the_commands_help_works_from_an_empty_folder(venv, empty, command):
     done = _run(venv, empty, str(venv / "bin" / "python"), "-m", "rl_lightning", command, "--help")

@@ -17,7 +17,10 @@ shift
 [[ -n ${SLURM_JOB_NODELIST:-} && -n ${SLURM_JOB_NUM_NODES:-} ]] \
     || die "SLURM_JOB_NODELIST is unset: this runs inside a Slurm job; submit with examples/slurm/submit.sh"
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
-[[ -f $REPO/$recipe ]] || die "REPO=$REPO holds no $recipe; submit from the rl_lightning checkout or set REPO"
+# a recipe file in REPO (the submit directory), else as given: a bundled recipe's name (grpo, real/grpo) or a path
+# the CLI reads itself (an unknown one is one error line from the first rank)
+config=$recipe
+if [[ -f $REPO/$recipe ]]; then config=$REPO/$recipe; fi
 ACCELERATOR=${ACCELERATOR:-gpu}
 gpus=${SLURM_GPUS_PER_NODE:-}
 gpus=${gpus##*:}  # "h100:8" -> "8"
@@ -39,7 +42,7 @@ command=(srun --nodes "$nodes" --ntasks-per-node 1 --kill-on-bad-exit=1
     "${PYTHON:-python}" -m torch.distributed.run
     --nnodes "$nodes" --nproc-per-node "$PROCS_PER_NODE"
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "${SLURM_JOB_ID:-0}"
-    -m rl_lightning fit --config "$REPO/$recipe"
+    -m rl_lightning fit --config "$config"
     --trainer.accelerator "$ACCELERATOR" --trainer.num_nodes "$nodes" --trainer.devices "$PROCS_PER_NODE" "$@")
 if [[ ${DRY_RUN:-0} == 1 ]]; then
     printf '%q ' "${command[@]}"

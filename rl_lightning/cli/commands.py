@@ -6,11 +6,12 @@ no torch or Lightning, and ``fit`` loads the training stack (`rl_lightning.cli.m
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rl_lightning.cli.recipes import recipe_names
 
-OVERVIEW = """usage: rl-lightning <command> [options]   (or: python -m rl_lightning <command> [options])
+OVERVIEW = """usage: {program} <command> [options]
 
 LLM post-training with PyTorch Lightning: SFT, reward models, DPO, PPO / GRPO / DAPO, on-policy distillation.
 
@@ -27,8 +28,9 @@ Each command has --help: fit --help lists every option, fit --config grpo --prin
 
 
 def overview() -> str:
-    """The top-level help: the commands and the bundled recipes' names."""
-    return OVERVIEW.format(recipes=", ".join(recipe_names()))
+    """The top-level help: the commands and the bundled recipes' names, the program named as it was typed."""
+    program = "rl-lightning" if os.path.basename(sys.argv[0]) == "rl-lightning" else "python -m rl_lightning"
+    return OVERVIEW.format(program=program, recipes=", ".join(recipe_names()))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ def test_help_imports_no_training_stack(args):
     elif args:
         assert done.stdout.startswith(f"usage: python -m rl_lightning {args[0]}")
     else:  # no command: the overview on stderr
-        assert done.stderr.startswith("usage: rl-lightning <command>")
+        assert done.stderr.startswith("usage: python -m rl_lightning <command>")
 
 
 def test_the_overview_names_the_commands_and_the_bundled_recipes(capsys):

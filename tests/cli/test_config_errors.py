@@ -190,7 +190,7 @@ def test_missing_required_argument_without_the_message_text(workdir, capsys, mon
     assert calls == []
 
 
-@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml")))
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(REPO)) for p in (REPO / "rl_lightning" / "recipes").rglob("*.yaml")))
 def test_every_recipe_passes_the_structured_check(recipe, workdir, capsys, monkeypatch):
     """No false alarm: walking a whole shipped recipe, the check passes every key and reports the one real mistake."""
     calls = _without_message_text(monkeypatch)
