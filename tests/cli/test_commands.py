@@ -50,3 +50,15 @@ def test_the_eval_commands_engines_are_the_evaluations():
     from rl_lightning.cli.eval.evaluate import ENGINES
 
     assert command.ENGINES == ENGINES
+
+
+def test_eval_names_the_packages_own_files_from_any_folder(tmp_path, monkeypatch):
+    from rl_lightning.assets.package_files import PACKAGE
+
+    monkeypatch.chdir(tmp_path)
+    args = command.parse(["--model", "rl_lightning/assets/tiny-qwen2-sft", "--data", "rl_lightning/assets/data/"
+                          "easy_test.jsonl", "--env", "rl_lightning/recipes/envs/arithmetic.py"])
+    assert (args.model, args.data, args.env) == (str(PACKAGE / "assets" / "tiny-qwen2-sft"),
+                                                 str(PACKAGE / "assets" / "data" / "easy_test.jsonl"),
+                                                 str(PACKAGE / "recipes" / "envs" / "arithmetic.py"))
+    assert command.parse(["--model", "asset:SmolLM2-135M-Instruct", "--data", "my.jsonl"]).env is None

@@ -63,9 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments, the package's own files resolved.
+
+    ``rl_lightning/assets/...`` and the example environments ``rl_lightning/recipes/envs/...`` name the installed
+    package's files from any folder (`rl_lightning.assets.package_files`).
+    """
+    from rl_lightning.assets.package_files import resolve_reference
+
+    args = build_parser().parse_args(argv)
+    for key in ("model", "data", "env"):
+        if getattr(args, key) is not None:
+            setattr(args, key, resolve_reference(getattr(args, key)))
+    return args
+
+
 def run(argv: list[str] | None = None) -> int:
     """Parse `argv`, evaluate, print the table, write/log the result; returns the exit status (0)."""
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     from rl_lightning.cli.eval.evaluate import EvalConfig, evaluate
     from rl_lightning.cli.eval.report import log_to_mlflow, table, write_json
 
