@@ -68,9 +68,11 @@ demo-tiny: runtime
 real-model: runtime
 	$(BIN)/python -m rl_lightning.assets.build --real
 
-# The CI command: lint (Ruff + pydocstyle, mypy), the docs site built strictly, then the whole suite (slow tests too).
+# The CI command: lint (Ruff + pydocstyle, mypy), the docs site built strictly, then the whole suite (slow tests too)
+# in two pytest-xdist workers, a test file per worker at a time (module fixtures stay shared; most tests wait on
+# the processes they start, so two files at once keep both cores busy).
 test: setup real-model lint docs-build
-	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider
+	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check rl_lightning tests benchmarks examples
