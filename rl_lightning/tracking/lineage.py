@@ -94,14 +94,15 @@ def collect(trainer: Any, pl_module: Any) -> dict[str, str]:
     tags: dict[str, str] = {}
     if (files := recipe(trainer)) is not None:
         tags["recipe"] = files
+    # the package's own files (a bundled recipe's model, data, environment) as rl_lightning/..., not this machine's path
     if (model_name := getattr(pl_module.hparams, "model_name", None)) is not None:
-        tags["base_model"] = str(model_name)
+        tags["base_model"] = shown_path(str(model_name))
     data = getattr(getattr(trainer, "datamodule", None), "hparams", {})
     for key, tag in (("path", "data"), ("val_path", "val_data")):
         if data.get(key):
-            tags[tag], tags[f"{tag}_sha256"] = str(data[key]), data_sha256(str(data[key]))
+            tags[tag], tags[f"{tag}_sha256"] = shown_path(str(data[key])), data_sha256(str(data[key]))
     if (env := env_path(pl_module)) is not None:
-        tags["env"], tags["env_sha256"] = str(env), sha256(env)
+        tags["env"], tags["env_sha256"] = shown_path(str(env)), sha256(env)
     if (git := git_commit()) is not None:
         tags["mlflow.source.git.commit"] = tags["git_commit"] = git[0]
         tags["git_dirty"] = str(git[1]).lower()

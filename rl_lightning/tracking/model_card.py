@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_lightning.assets.package_files import shown_path
 from rl_lightning.tracking.history import XY
 
 CONFIG_FILE = "rl_lightning_config.yaml"
@@ -198,7 +199,7 @@ def cli_config(trainer: Any) -> tuple[str | None, str | None]:
     for callback in trainer.callbacks:
         if isinstance(callback, SaveConfigCallback):
             argv = getattr(callback.parser, "argv", None) or sys.argv[1:]
-            command = format_command(redact_argv([str(a) for a in argv]))
+            command = format_command(redact_argv([shown_path(str(a)) for a in argv]))  # a bundled recipe: its path
             return command, redact_yaml(callback.parser.dump(callback.config, skip_none=False))
     return None, None
 
@@ -232,7 +233,7 @@ def collect(trainer: Any, pl_module: Any, lineage: dict[str, str]) -> tuple[Card
     settings |= {f"trainer.{k}": v for k, v in run.items() if v not in (None, -1)}
     steps = f"{trainer.global_step} optimizer step{'s' if trainer.global_step != 1 else ''}"
     rollouts = getattr(pl_module, "rollouts", None) if task == "PPO" else None
-    base = str(hparams.get("model_name"))
+    base = shown_path(str(hparams.get("model_name")))  # a bundled model as rl_lightning/assets/..., not this machine's
     hub_id, known_license, note = ASSET_ORIGINS.get(base, (base, base_license(base), None))
     info = CardInfo(base_model=hub_id, task=task, algorithm=algorithm(task, hparams),
                     length=f"{rollouts} rollouts ({steps})" if rollouts is not None else steps,

@@ -105,3 +105,21 @@ def test_a_users_own_callbacks_package_is_not_a_moved_path(empty, monkeypatch):
         assert list(find_moved({"class_path": "callbacks.mine.Mine"})) == []
     finally:
         _forget_callbacks()
+
+
+def test_lineage_names_the_bundled_files_by_their_package_path_not_this_machines(empty):
+    """A bundled recipe run from any folder resolves its files to the installed package (an absolute path in a
+    virtualenv); the lineage tags (and so the model card) show them as rl_lightning/..., with the real files' hashes."""
+    import types
+
+    from rl_lightning.tracking.lineage import collect, sha256
+
+    data, env = PACKAGE / "assets" / "data" / "easy.jsonl", RECIPES / "envs" / "arithmetic.py"
+    trainer = types.SimpleNamespace(callbacks=[], datamodule=types.SimpleNamespace(hparams={"path": str(data)}))
+    module = types.SimpleNamespace(hparams=types.SimpleNamespace(model_name=str(PACKAGE / "assets" / "tiny-qwen2-sft")),
+                                   rollout_config=types.SimpleNamespace(env_path=str(env)))
+    tags = collect(trainer, module)
+    assert (tags["base_model"], tags["data"], tags["env"]) == ("rl_lightning/assets/tiny-qwen2-sft",
+                                                               "rl_lightning/assets/data/easy.jsonl",
+                                                               "rl_lightning/recipes/envs/arithmetic.py")
+    assert tags["env_sha256"] == sha256(env) and len(tags["data_sha256"]) == 64
