@@ -34,6 +34,7 @@ import lightning as L
 import yaml
 from typing_extensions import override
 
+from rl_lightning.assets.package_files import shown_path
 from rl_lightning.cli.search_space import Param, load_space, overrides
 from rl_lightning.errors import ConfigError, UserError
 
@@ -202,7 +203,7 @@ class Tuner:
         a = self.args
         tags = {"rl_lightning.tune": "study", "optuna.study": study_name}
         self.parent = self.client.create_run(self.experiment_id, run_name=study_name, tags=tags).info.run_id
-        params = {"recipe": a.config[-1], "metric": a.metric, "direction": direction, "sampler": a.sampler,
+        params = {"recipe": shown_path(a.config[-1]), "metric": a.metric, "direction": direction, "sampler": a.sampler,
                   "pruner": a.pruner, "n_trials": n_trials, "seed": a.seed, "objective_reduce": a.objective_reduce,
                   "fit_args": " ".join(self.fit_args)}
         for p in self.space:
@@ -286,9 +287,11 @@ def run(argv: list[str]) -> Any:
     """Parse the tune arguments, validate the space, run the study; returns the `optuna.Study`."""
     import optuna
 
+    from rl_lightning.cli.recipes import find_config
     from rl_lightning.cli.run_names import configs_name
 
     args, fit_args = build_parser().parse_known_args(argv)
+    args.config = [find_config(path) for path in args.config]  # --config grpo: the bundled recipe
     space = load_space(args.search, grid=args.sampler == "grid")
     n_trials = args.n_trials
     if n_trials is None and args.sampler != "grid":

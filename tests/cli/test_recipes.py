@@ -123,3 +123,10 @@ def test_lineage_names_the_bundled_files_by_their_package_path_not_this_machines
                                                                "rl_lightning/assets/data/easy.jsonl",
                                                                "rl_lightning/recipes/envs/arithmetic.py")
     assert tags["env_sha256"] == sha256(env) and len(tags["data_sha256"]) == 64
+
+
+def test_tune_takes_bundled_recipes_by_name_too(empty):
+    from rl_lightning.cli.tune import run
+
+    with pytest.raises(ConfigError, match=r"no bundled recipe of that name \(value 'gpro'\); bundled recipes: dapo"):
+        run(["--config", "gpro", "--search", "space.yaml"])
