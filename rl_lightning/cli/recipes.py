@@ -20,7 +20,6 @@ from rl_lightning.assets.package_files import PACKAGE, PREFIX, package_file, res
 from rl_lightning.errors import ConfigError
 
 RECIPES = PACKAGE / "recipes"
-DEMO_OVERLAY = PACKAGE / "cli" / "demo.yaml"
 
 
 def recipe_names() -> list[str]:
@@ -43,7 +42,7 @@ def find_config(value: str) -> str:
         ConfigError: neither exists and the value is a bare name (no folder, no extension), naming the bundled
             recipes; a missing file's path is left to the parser, which says so in one line.
     """
-    if os.path.exists(value) or value.lstrip().startswith(("{", "[")) or "\n" in value:  # a file, or inline YAML
+    if os.path.isfile(value) or value.lstrip().startswith(("{", "[")) or "\n" in value:  # a file, or inline YAML
         return value
     bundled = bundled_recipe(value)
     if bundled is not None:

@@ -130,3 +130,8 @@ def test_tune_takes_bundled_recipes_by_name_too(empty):
 
     with pytest.raises(ConfigError, match=r"no bundled recipe of that name \(value 'gpro'\); bundled recipes: dapo"):
         run(["--config", "gpro", "--search", "space.yaml"])
+
+
+def test_a_folder_of_the_recipes_name_does_not_hide_it(empty):
+    (empty / "grpo").mkdir()  # e.g. the user's own run folder
+    assert find_config("grpo") == str(RECIPES / "grpo.yaml")
