@@ -8,11 +8,10 @@ import base64
 import json
 import os
 import stat
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from auth_server import AuthServer
 from conftest import TINY_MODEL
 from mlflow import MlflowClient
 
@@ -60,42 +59,6 @@ trainer:
 """
 
 
-class BasicAuthServer:
-    """A reward model server on localhost scoring each sequence by its length, for requests with the right basic
-    auth only (401 otherwise)."""
-
-    def __init__(self, user: str, password: str):
-        self.expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        self.authorised = self.refused = 0
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self._answer({"object": "list", "data": [{"id": str(TINY_MODEL), "object": "model"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._answer({"data": [{"index": i, "probs": [len(ids) / 100]} for i, ids in enumerate(body["input"])]})
-
-            def _answer(self, payload):
-                ok = self.headers.get("Authorization") == server.expected
-                server.authorised += ok
-                server.refused += not ok
-                data = json.dumps(payload if ok else {"error": {"message": "unauthorised"}}).encode()
-                self.send_response(200 if ok else 401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
 def _leaks(root: Path) -> list[str]:
     """``file: secret`` for every secret in any file under `root` (symlinked repo folders and the inputs left out)."""
     found = []
@@ -113,7 +76,7 @@ def test_a_fit_with_secrets_leaves_none_behind(workdir, monkeypatch, capfd):
     monkeypatch.setenv("HOOK_SECRET", HOOK_SECRET)
     (workdir / "notify.py").write_text(NOTIFY)
     (workdir / "overlay.yaml").write_text(OVERLAY)
-    server = BasicAuthServer("rm-user", RM_PASSWORD)
+    server = AuthServer("Basic " + base64.b64encode(f"rm-user:{RM_PASSWORD}".encode()).decode(), scale=0.01)
     url = f"http://rm-user:{RM_PASSWORD}@127.0.0.1:{server.port}"
     tracking = f"sqlite:///file:mlflow.db?uri=true&access_token={TRACKING_TOKEN}&mode=rwc"
     args = ["fit", "--config", "recipes/grpo.yaml", "--config", "overlay.yaml", "--model.rollout.reward_model.url",

@@ -3,11 +3,9 @@ a URL's ``user:password@`` goes as HTTP basic auth, and neither credential is in
 a real HTTP server on localhost that refuses requests without them."""
 
 import base64
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from auth_server import AuthServer
 from conftest import TINY_MODEL
 
 from rl_lightning.errors import ConfigError
@@ -15,44 +13,6 @@ from rl_lightning.rewards.reward_model import RewardModelConfig, RewardModelErro
 
 API_KEY = "sk-live-0123456789abcdef"
 PASSWORD = "pw-9876543210"
-
-
-class AuthServer:
-    """Lists the tiny model and scores each sequence by its length, only for requests that carry `expected` as their
-    Authorization header (401 otherwise); records each request's header."""
-
-    def __init__(self, expected: str):
-        self.expected, self.seen = expected, []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self._answer({"object": "list", "data": [{"id": str(TINY_MODEL), "object": "model"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._answer({"data": [{"index": i, "probs": [float(len(ids))]} for i, ids in enumerate(body["input"])]})
-
-            def _answer(self, payload):
-                server.seen.append(self.headers.get("Authorization"))
-                ok = self.headers.get("Authorization") == server.expected
-                data = json.dumps(payload if ok else {"error": {"message": "unauthorised"}}).encode()
-                self.send_response(200 if ok else 401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
