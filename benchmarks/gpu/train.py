@@ -357,7 +357,7 @@ def grpo(args: argparse.Namespace) -> None:
     timer = StepTimer(device)
     with tempfile.TemporaryDirectory() as folder:
         model_name = str(TINY_SFT) if args.dry else random_checkpoint(QWEN3_0_6B, folder, device)
-        rollout = RolloutConfig(str(ROOT / "examples" / "envs" / "arithmetic_format.py"), responses_per_prompt=responses,
+        rollout = RolloutConfig(str(ROOT / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py"), responses_per_prompt=responses,
                                 max_new_tokens=new_tokens, engine="hf", reward_workers=0,
                                 reward_weights={"correct": 1.0, "format": 0.5})
         task = PPO(model_name, rollout, max_rollouts=3, update_per_rollout=2, clip_high=0.28,

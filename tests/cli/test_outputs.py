@@ -104,7 +104,7 @@ def test_start_up_failure_leaves_no_mlflow_run(tmp_path):
                         enable_model_summary=False, enable_checkpointing=False,
                         callbacks=[RunOutputs("grpo", root=str(tmp_path / "outputs")), MLflowTracking()])
     with pytest.raises(ConfigError, match="set model.max_rollouts instead of trainer.max_steps"):
-        trainer.fit(ppo_task(str(DEMO_DATA.parent.parent.parent / "examples" / "envs" / "arithmetic.py"),
+        trainer.fit(ppo_task(str(DEMO_DATA.parent.parent.parent / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"),
                              max_rollouts=1), datamodule=prompts(2))
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
