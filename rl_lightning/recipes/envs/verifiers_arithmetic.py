@@ -15,7 +15,7 @@ from pathlib import Path
 
 import verifiers.v1 as vf
 
-ROWS = Path(__file__).resolve().parents[2] / "rl_lightning" / "assets" / "data" / "easy.jsonl"
+ROWS = Path(__file__).resolve().parents[2] / "assets" / "data" / "easy.jsonl"  # rl_lightning/assets/data
 NUMBER = re.compile(r"-?\d+")
 MAX_MAGNITUDE = 10**15
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
