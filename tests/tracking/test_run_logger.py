@@ -42,19 +42,24 @@ class Counting(L.LightningModule):
         return torch.utils.data.DataLoader(torch.ones(1, 2), batch_size=1)
 
 
+def _fit(tmp_path, name: str, module: L.LightningModule, max_steps: int, val_every: int) -> tuple[MlflowClient, str]:
+    """Fit `module` with the MLflow logger and `MLflowTracking` on a sqlite store in `tmp_path`; (client, run id)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(experiment_name=name, tracking_uri=uri, run_name=name)
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, val_check_interval=val_every,
+                        check_val_every_n_epoch=None, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[MLflowTracking(system_metrics=False, lineage=False)])
+    trainer.fit(module)
+    return MlflowClient(uri), logger.run_id
+
+
 def _steps(client: MlflowClient, run_id: str, name: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
 
 
 def test_values_sit_at_steps_done_and_counters_only_when_they_move(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    logger = MLFlowLogger(experiment_name="axis", tracking_uri=uri, run_name="axis")
-    trainer = L.Trainer(accelerator="cpu", max_steps=5, val_check_interval=2, check_val_every_n_epoch=None,
-                        logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[MLflowTracking(system_metrics=False, lineage=False)])
-    trainer.fit(Counting())
-    client, run_id = MlflowClient(uri), logger.run_id
+    client, run_id = _fit(tmp_path, "axis", Counting(), max_steps=5, val_every=2)
     assert [step for step, _ in _steps(client, run_id, "train/loss")] == [1, 2, 3, 4, 5]  # optimizer steps done
     assert [step for step, _ in _steps(client, run_id, "val/loss")] == [2, 4]  # after steps 2 and 4
     assert _steps(client, run_id, "val/start") == [(0, 1.0)]
@@ -93,14 +98,7 @@ class Rewarding(Counting):
 def test_the_headline_is_also_logged_in_the_run_pages_first_section(tmp_path):
     """MLflow orders chart sections by name (the metric name up to its last "/"), capitals first: `Summary` comes
     before `data`, `memory`, `train`, `val` (the real page is checked in tests/tracking/test_mlflow_ui.py)."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    logger = MLFlowLogger(experiment_name="headline", tracking_uri=uri, run_name="headline")
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, val_check_interval=3, check_val_every_n_epoch=None,
-                        logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[MLflowTracking(system_metrics=False, lineage=False)])
-    trainer.fit(Rewarding())
-    client, run_id = MlflowClient(uri), logger.run_id
+    client, run_id = _fit(tmp_path, "headline", Rewarding(), max_steps=3, val_every=3)
     assert _steps(client, run_id, "Summary/reward") == _steps(client, run_id, "train/reward") == [
         (1, 0.0), (2, 1.0), (3, 2.0)]
     assert _steps(client, run_id, "Summary/held-out accuracy") == [(3, 0.25)]
