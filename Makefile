@@ -76,7 +76,7 @@ test: setup real-model lint docs-build
 
 lint: setup
 	$(BIN)/ruff check rl_lightning tests benchmarks examples
-	$(BIN)/mypy rl_lightning/algorithms rl_lightning/data rl_lightning/rollout
+	$(BIN)/mypy rl_lightning/algorithms rl_lightning/data rl_lightning/rollout rl_lightning/engines rl_lightning/envs rl_lightning/memory
 
 # The manual: `make docs` serves it on http://127.0.0.1:8000 with live reload; `make docs-build` is CI's strict build
 # (a broken link, a page missing from the nav or an API reference to a missing object fails it).

@@ -10,7 +10,7 @@ async/sync step-time ratio.
     python benchmarks/async_rollout.py --rollouts 8 --max-new-tokens 128 --json out.json
     python benchmarks/async_rollout.py --process    # a third run: async, the engine in its own process
 
-``--process`` injects a `rl_lightning.rollout.engine_process.EngineProcess` (disaggregated: vLLM in a spawned
+``--process`` injects a `rl_lightning.engines.process.EngineProcess` (disaggregated: vLLM in a spawned
 process, weights broadcast over a gloo group of its own) as the callback's engine; it is not a config key yet.
 
 The overlap pays when generation and the update can run at the same time: here the background thread's vLLM forward
@@ -51,9 +51,9 @@ class StepTimer(L.Callback):
 
 def run(args: argparse.Namespace, env_path: str, async_steps: int, engine=None) -> tuple[dict, object]:
     from rl_lightning.data import PromptDataModule
+    from rl_lightning.engines.process import EngineProcess
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
-    from rl_lightning.rollout.engine_process import EngineProcess
     from rl_lightning.tasks import PPO
 
     L.seed_everything(0)
@@ -96,7 +96,7 @@ def main() -> None:
         engine.shutdown()
         rows = [sync, asynchronous]
         if args.process:
-            from rl_lightning.rollout.engine_process import EngineProcess
+            from rl_lightning.engines.process import EngineProcess
 
             engine = EngineProcess(model_path=args.model, max_model_len=512 + args.max_new_tokens,
                                    kv_cache_memory_bytes=256 << 20)

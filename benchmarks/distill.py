@@ -30,10 +30,10 @@ import torch
 from heldout_reward import DEFAULT_DATA, load_prompts, mean_reward
 
 from rl_lightning.algorithms.distill import masked_token_mean, token_kl
+from rl_lightning.engines.hf import HFEngine
+from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.models.loading import load_tokenizer
-from rl_lightning.rollout.engine import SamplingParams
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.hf import HFEngine
 from rl_lightning.rollout.trajectory import rollout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Mean reward of a model on held-out prompts: greedy accuracy (and optionally sampled accuracy) before/after RL.
 
 Prompts are tokenised as `rl_lightning.data.PromptDataModule` does (chat template + generation prompt), completions
-come from `rl_lightning.rollout.hf.HFEngine` stopping at the tokenizer's EOS, and each is scored by the environment's
+come from `rl_lightning.engines.hf.HFEngine` stopping at the tokenizer's EOS, and each is scored by the environment's
 ``reward_fn`` (``rl_lightning/recipes/envs/arithmetic.py``: 1 for the right final number, else 0), exactly as in a rollout.
 
     python benchmarks/heldout_reward.py rl_lightning/assets/tiny-qwen2-sft          # the warm start
@@ -22,10 +22,10 @@ import torch
 
 from rl_lightning.data.loading import load_rows
 from rl_lightning.data.prompts import Prompt, encode_prompt
+from rl_lightning.engines.hf import HFEngine
+from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.models.loading import load_tokenizer
-from rl_lightning.rollout.engine import SamplingParams
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.hf import HFEngine
 from rl_lightning.rollout.trajectory import rollout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -52,9 +52,9 @@ class StepTimer(L.Callback):
 
 def run(args: argparse.Namespace, env_path: str, segment: int | None, engine=None) -> tuple[dict, object]:
     from rl_lightning.data import PromptDataModule
+    from rl_lightning.engines.segmented import SegmentedEngine
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
-    from rl_lightning.rollout.inflight import SegmentedEngine
     from rl_lightning.tasks import PPO
 
     L.seed_everything(0)

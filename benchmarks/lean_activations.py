@@ -43,7 +43,7 @@ def _micro_batch(n: int, vocab: int, seed: int = 0) -> dict:
 
 
 def _step(model, batch: dict) -> None:
-    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.logprobs import target_logprobs
 
     logprobs, _ = target_logprobs(model, batch, chunk_size=1024)
     (-logprobs.mean()).backward()
@@ -53,7 +53,7 @@ def _saved_mib(model, batch: dict) -> float:
     """MiB the forward saves for the backward: storages once, parameters never."""
     import torch
 
-    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.logprobs import target_logprobs
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}

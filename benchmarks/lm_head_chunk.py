@@ -59,7 +59,7 @@ def measure(n: int, chunk: int | None, head: str, hidden: int, vocab: int, repea
     """Seconds per forward + backward (median) and peak RSS MiB above the start, in this process."""
     import torch
 
-    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.logprobs import target_logprobs
 
     torch.manual_seed(0)
     model = _model(hidden, vocab, head)

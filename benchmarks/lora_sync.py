@@ -56,7 +56,7 @@ def nudge(model, scale: float) -> None:
 
 def greedy_logprob_diff(engine, model, prompt: list[int]) -> float:
     from rl_lightning.algorithms import token_logprobs
-    from rl_lightning.rollout.engine import SamplingParams
+    from rl_lightning.engines.protocol import SamplingParams
 
     completion = engine.generate([prompt], SamplingParams(n=1, temperature=0.0, max_new_tokens=16))[0][0]
     ids = torch.tensor([prompt + completion.token_ids])
@@ -69,10 +69,10 @@ def greedy_logprob_diff(engine, model, prompt: list[int]) -> float:
 def measure(rank_id: int, model_dir: str, mode: str, args: argparse.Namespace, out: str) -> None:
     """One process: engine + policy, a warm-up push, then `repeats` timed pushes (results as JSON to `out`)."""
     from rl_lightning.data.prompts import encode_prompt
+    from rl_lightning.engines.protocol import SamplingParams
+    from rl_lightning.engines.vllm import VLLMEngine
+    from rl_lightning.engines.weights import WeightSync
     from rl_lightning.models.loading import load_tokenizer
-    from rl_lightning.rollout.engine import SamplingParams
-    from rl_lightning.rollout.vllm import VLLMEngine
-    from rl_lightning.rollout.weights import WeightSync
 
     model = lora_policy(model_dir, args.rank)
     adapter = mode == "adapter"

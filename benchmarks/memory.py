@@ -152,7 +152,7 @@ def worker(spec: dict) -> dict:
         out = vs_trl.run_trl(spec["task"], a)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     if spec["framework"] == "ours":
-        from rl_lightning.models.memory_phases import process_peak_mib
+        from rl_lightning.memory.phases import process_peak_mib
 
         peak = max(peak, process_peak_mib())
     return {**out, "peak_rss_mib": peak, "load_rss_mib": callback.load_rss, "micro_batch_tokens": callback.micro}

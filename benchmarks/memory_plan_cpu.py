@@ -3,7 +3,7 @@
 Each configuration runs in its own process (so the peak is its own): 2 optimizer steps (rollouts for GRPO) of the
 task with ``model.memory_check: false``; the prediction is the plan the task printed at start-up
 (`rl_lightning.tasks.memory_check`, baseline measured then), the measurement the process's peak resident memory
-at the end of the fit (`rl_lightning.models.memory_phases.process_peak_mib`). Checkpoints are off: the plan covers the
+at the end of the fit (`rl_lightning.memory.phases.process_peak_mib`). Checkpoints are off: the plan covers the
 training step. The data is synthetic so micro-batches fill their budget: one short prompt and a long answer (SFT, DPO)
 or the demo arithmetic prompts with long sampled completions (GRPO).
 
@@ -121,8 +121,8 @@ def measure(name: str) -> dict:
     """Fit configuration `name` in this process: the plan's prediction, the measured peak and the phases' peaks."""
     import lightning as L
 
-    from rl_lightning.models.memory_phases import PhaseProfiler, process_peak_mib
-    from rl_lightning.models.memory_plan import MIB
+    from rl_lightning.memory.phases import PhaseProfiler, process_peak_mib
+    from rl_lightning.memory.plan import MIB
 
     config = CONFIGS[name]
     L.seed_everything(0)

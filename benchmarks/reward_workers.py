@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.scoring import RewardPool
+from rl_lightning.envs.environment import load_environment
+from rl_lightning.envs.workers import RewardPool
 
 ENVS = {
     "code": "from rl_lightning.rewards.code import code_reward\n\n"

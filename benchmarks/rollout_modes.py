@@ -6,7 +6,7 @@ Modes (``model.rollout`` settings of the PPO task):
 - ``async``: one-step-off-policy on a background thread of the training process (``engine: vllm``,
   ``async_steps: 1``; `rl_lightning.rollout.async_rollout`);
 - ``process-sync`` / ``process-async``: disaggregated, vLLM in a process of its own fed full weights over a gloo
-  group of its own (``engine: vllm_process``, ``async_steps`` 0 / 1; `rl_lightning.rollout.engine_process`);
+  group of its own (``engine: vllm_process``, ``async_steps`` 0 / 1; `rl_lightning.engines.process`);
 - ``inflight``: one-step-off-policy with in-flight weight updates (``engine: vllm``, ``async_steps: 1``,
   ``inflight_segment_tokens: --segment-tokens``; `rl_lightning.rollout.inflight`): generation runs in segments and
   new weights load between them; run when this checkout's `RolloutConfig` has the key, else listed as skipped.
@@ -116,7 +116,7 @@ def fit_mode(args: argparse.Namespace, name: str, engine: Any) -> tuple[dict[str
     task = timed_task_class()(args.model, rollout, optim=OptimConfig(lr=args.lr, lr_schedule="constant"),
                               max_rollouts=args.rollouts, max_length_per_device=512)
     if name == "inflight" and engine is not None:  # the callback wraps only an engine it builds itself
-        from rl_lightning.rollout.inflight import SegmentedEngine
+        from rl_lightning.engines.segmented import SegmentedEngine
 
         engine = SegmentedEngine(engine, args.segment_tokens)
     task.rollout_callback.engine = engine  # None: built at fit start; else the earlier mode's, reused

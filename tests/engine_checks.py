@@ -1,4 +1,4 @@
-"""What the vLLM engine tests share (tests/rollout/test_vllm.py, test_lora_sync.py, tests/assets/test_real_model.py).
+"""What the vLLM engine tests share (tests/engines/test_vllm.py, test_lora_sync.py, tests/assets/test_real_model.py).
 
 The trainer-side references an engine is held to: the tiny model, demo prompts in a model's chat template, real
 optimizer steps so the weights move, and the check that an engine generates what HF generate does on the trainer's
@@ -15,7 +15,7 @@ import torch
 from conftest import DEMO_DATA, TINY_MODEL, assert_close
 
 from rl_lightning.algorithms import token_logprobs
-from rl_lightning.rollout.engine import SamplingParams
+from rl_lightning.engines.protocol import SamplingParams
 
 KV_CACHE = 64 << 20
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=10)
@@ -66,7 +66,7 @@ def recomputed(model, prompt, completion, temperature):
 def check_against_trainer(engine, reference, prompts, stop_token, pad_token_id=257, model_dir=TINY_MODEL):
     """Greedy: same tokens as HF generate on the trainer's weights, and the trainer's log-probabilities. Sampling at
     temperature 0.7: the engine's processed log-probabilities are the trainer's at that temperature."""
-    from rl_lightning.rollout.hf import HFEngine
+    from rl_lightning.engines.hf import HFEngine
 
     hf = HFEngine(reference, pad_token_id=pad_token_id)
     greedy = engine.generate(prompts, GREEDY)

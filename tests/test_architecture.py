@@ -1,9 +1,11 @@
 """The house rules that keep the package walkable, checked on the source (AST, no imports run):
 
 - no import circle between modules (function-level imports count: a lazy import is still a dependency);
-- imports flow one way between packages, top to bottom: cli, callbacks, tracking, tasks, rollout, rewards, data,
-  models|parallel (siblings), assets, algorithms; `rl_lightning.errors` and `.redaction` are for everyone; nothing imports `cli`,
-  and `algorithms` imports nothing of ours;
+- imports flow one way between packages, top to bottom: cli, callbacks, tracking, tasks, rollout, envs, rewards,
+  engines, data, parallel, models, memory, attention, assets, algorithms; `rl_lightning.errors` and `.redaction` are
+  for everyone; nothing imports `cli`, and `algorithms` imports nothing of ours;
+- every package's ``__init__`` says what it may import (``May import: a, b.``) and imports nothing else, so the
+  package graph has no circle either;
 - at most 5 modules at the package root, every package's ``__init__`` opens with a docstring;
 - no file over 400 lines and no function over 80 in `rl_lightning/` (its callbacks and example environments too).
 """
@@ -17,11 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "rl_lightning"
 RECIPES = PACKAGE / "recipes"
 
-# Top to bottom; a package may import its own modules and any package below it. Packages on one line are siblings
-# that may import each other (the packed attention dispatches to ring attention, which builds on the models' kernels
-# and shards models with LoRA in mind); module-level circles between them are still refused.
-LAYERS = [["__main__"], ["cli"], ["callbacks"], ["tracking"], ["tasks"], ["rollout"], ["rewards"], ["data"], ["models", "parallel"],
-          ["assets"], ["algorithms"], ["errors", "redaction"]]
+# Top to bottom; a package may import its own modules and what its ``__init__`` declares, all of it below it.
+LAYERS = [["__main__"], ["cli"], ["callbacks"], ["tracking"], ["tasks"], ["rollout"], ["envs"], ["rewards"], ["engines"],
+          ["data"], ["parallel"], ["models"], ["memory"], ["attention"], ["assets"], ["algorithms"],
+          ["errors", "redaction"]]
+FOR_EVERYONE = {"errors", "redaction"}
 # Commands that live beside what they build: they sit at the top of the order, and nothing of ours imports them.
 COMMANDS = {"rl_lightning.assets.build": "cli"}
 
@@ -138,6 +140,54 @@ def test_imports_flow_down_the_layers():
         and _layer(_package(target)) < _layer(_package(module))
     ]
     assert upward == []
+
+
+def _declared(package: str) -> set[str] | None:
+    """What the package's ``__init__`` docstring says it may import (None: every package)."""
+    docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text())) or ""
+    line = next((line for line in docstring.splitlines() if line.startswith("May import: ")), None)
+    assert line is not None, f"rl_lightning/{package}/__init__.py: its docstring needs a 'May import: ...' line"
+    listed = line.removeprefix("May import: ").split("(")[0].strip().rstrip(".")
+    if listed == "every package of ours":
+        return None
+    return set() if listed == "nothing of ours" else {name.strip() for name in listed.split(",")}
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        source = _package(module)
+        graph.setdefault(source, set()).update(_package(t) for t in targets if _package(t) not in {source, "<root>"})
+    return graph
+
+
+def test_each_package_imports_only_what_its_init_declares_and_the_declared_lie_below_it():
+    packages = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    undeclared, upward = [], []
+    for package, targets in _package_graph().items():
+        if package not in packages:
+            continue
+        declared = _declared(package)
+        if declared is not None:
+            undeclared += [f"{package} -> {t}" for t in sorted(targets - declared - FOR_EVERYONE)]
+            upward += [f"{package} declares {d}" for d in sorted(declared) if d not in packages
+                       or _layer(d) <= _layer(package)]
+    assert undeclared == [], "imports a package its __init__ does not declare (add it to 'May import:' or move code)"
+    assert upward == [], "a declared package is unknown or not below the declaring one"
+
+
+def test_no_import_circle_between_packages():
+    assert _cycles(_package_graph()) == []
+
+
+def test_the_declaration_check_catches_an_undeclared_import(monkeypatch):
+    graph = {name: set(targets) for name, targets in GRAPH.items()}
+    graph["rl_lightning.attention.kernels"] = {"rl_lightning.models.lora"}  # attention may import nothing of ours
+    monkeypatch.setitem(globals(), "GRAPH", graph)
+    with pytest.raises(AssertionError, match="does not declare"):
+        test_each_package_imports_only_what_its_init_declares_and_the_declared_lie_below_it()
+    graph["rl_lightning.models.lora"] = {"rl_lightning.attention.kernels"}
+    assert _cycles(_package_graph()) != []
 
 
 def test_algorithms_import_nothing_of_ours_and_nothing_imports_commands():

@@ -266,7 +266,7 @@ def _readme_block(language: str, marker: str) -> str:
 
 def test_the_readme_environment_works_as_written(tmp_path):
     """The README's reward environment, loaded as a run loads it: components scored, the tool answers, then stops."""
-    from rl_lightning.rollout.env import load_environment
+    from rl_lightning.envs.environment import load_environment
 
     path = tmp_path / "my_env.py"
     path.write_text(_readme_block("python", "def reward_fn"))

@@ -4,7 +4,7 @@ and instantiates with the real CLI."""
 import pytest
 from conftest import REPO
 
-from rl_lightning.rollout.env import load_environment
+from rl_lightning.envs.environment import load_environment
 
 DEMO = REPO / "rl_lightning" / "cli" / "demo.yaml"  # make demo's overlay on recipes/real/grpo.yaml (rl_lightning/cli/demo.py)
 EXAMPLE_RECIPES = sorted(p for p in (REPO / "examples").rglob("*.yaml") if p.parent.name != "gpu" and p != DEMO)

@@ -3,7 +3,7 @@
 Two checks, each against exact attention: per-sequence SDPA with torch's math backend in fp64 on the same
 (low-precision-rounded) inputs, so the reference shares no kernel with what it checks:
 
-(a) ``rl_varlen``'s packed kernel (`rl_lightning.models.attention.packed_varlen_attn`: one ``varlen_attn`` call for a
+(a) ``rl_varlen``'s packed kernel (`rl_lightning.attention.packed.packed_varlen_attn`: one ``varlen_attn`` call for a
     packed row of uneven sequences, bf16) -- output and dq/dk/dv errors, and the forward + backward time of that call
     against the per-sequence SDPA loop it replaces on CUDA.
 (b) the zigzag ring's block kernels and log-sum-exp merge (aten ``_flash_attention_forward/backward`` per step),
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from rl_lightning.models.attention import packed_backend, packed_sdpa, packed_varlen_attn
-from rl_lightning.models.kernels import block_backend
-from rl_lightning.parallel.ring_attention import ring_attention_emulated, shard_tokens, zigzag_layout
+from rl_lightning.attention.kernels import block_backend
+from rl_lightning.attention.packed import packed_backend, packed_sdpa, packed_varlen_attn
+from rl_lightning.attention.ring import ring_attention_emulated, shard_tokens, zigzag_layout
 
 
 @dataclass

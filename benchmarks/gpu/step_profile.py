@@ -43,7 +43,7 @@ def category(kernel: str) -> str:
 def phases(model, optimizer, batch, num_tokens, chunk, device) -> dict[str, float]:
     """Seconds of forward + loss, backward, clipping and the optimizer in one step, synchronised between them."""
     from rl_lightning.algorithms import sft_loss
-    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.logprobs import target_logprobs
     from rl_lightning.models.optim import clip_grad_norm
 
     marks = [time.perf_counter()]

@@ -92,7 +92,7 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype = torch.fl
     `rl_lightning.models.loading.load_causal_lm` sets up a loaded one (no KV cache, train mode); equal seeds, equal weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl_lightning.models.attention import NAME, register_varlen_attention
+    from rl_lightning.attention.packed import NAME, register_varlen_attention
 
     register_varlen_attention()
     torch.manual_seed(seed)
@@ -135,7 +135,7 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, to
                ) -> tuple[float, float]:
     """`rl_lightning.tasks.SFT.training_step` for one micro-batch, without Lightning: (loss, pre-clip grad norm)."""
     from rl_lightning.algorithms import sft_loss
-    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.logprobs import target_logprobs
     from rl_lightning.models.optim import clip_grad_norm
 
     loss, metrics = sft_loss(target_logprobs(model, batch, chunk_size=LM_HEAD_CHUNK)[0], batch["target_mask"], num_tokens)
@@ -171,7 +171,7 @@ def peak_flops(device: torch.device) -> float | None:
 @torch.no_grad()
 def packing_gap(model: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float, int]:
     """|packed - per-sequence| log-probability of every target token: (mean, max, count)."""
-    from rl_lightning.models.loading import target_logprobs
+    from rl_lightning.models.logprobs import target_logprobs
 
     packed = target_logprobs(model, batch)[0][0]  # (N,)
     bounds = batch["cu_seqlens"].tolist()
@@ -294,7 +294,7 @@ def gather(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import rollout_engines as bench
 
-    from rl_lightning.rollout.weights import named_weights
+    from rl_lightning.engines.weights import named_weights
 
     device = setup(args.dry)
     model = bench.sharded_model(bench.SMALL if args.dry else bench.QWEN2_1_5B, device)

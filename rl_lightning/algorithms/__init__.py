@@ -1,6 +1,8 @@
 """Pure tensor functions: inputs are tensors and scalar hyper-parameters; outputs a loss and a metrics dict.
 
 No config objects, no logging, no torch.distributed: global normalisers are passed in as arguments.
+
+May import: nothing of ours.
 """
 
 from rl_lightning.algorithms.advantages import (

@@ -6,4 +6,6 @@ The tiny demo models and data are the folders beside this file; the real model's
 `real` imports nothing of ours but `rl_lightning.errors`, so models and rollout can resolve model names with it.
 `build` is a command (``python -m rl_lightning.assets.build``) that trains the warm-start model with the tasks: it
 sits at the top of the import order, and nothing of ours imports it.
+
+May import: nothing of ours (`build`, a command at the top of the order, imports what it trains with).
 """

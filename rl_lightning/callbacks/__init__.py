@@ -36,4 +36,6 @@ Other tasks' batches have no ``"rollout"`` key: check before reading it. The met
 (``train/reward``, ``train/loss``, ...) are in ``trainer.callback_metrics`` by then, already reduced over ranks.
 The rollout callback runs in ``on_train_batch_start``, after the Trainer's own callbacks (Lightning runs callbacks a
 module adds last), so another callback's ``on_train_batch_start`` sees the batch before its rollout.
+
+May import: rollout, memory.
 """

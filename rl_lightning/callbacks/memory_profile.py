@@ -1,6 +1,6 @@
 """Where the memory goes, phase by phase: ``--trainer.callbacks+=rl_lightning.callbacks.memory_profile.MemoryProfile``.
 
-Turns on `rl_lightning.models.memory_phases.PhaseProfiler` for the fit. The library marks its phases: for RL,
+Turns on `rl_lightning.memory.phases.PhaseProfiler` for the fit. The library marks its phases: for RL,
 ``rollout/weight_sync`` (push to the engine and wake it), ``rollout/generate``, ``rollout/score`` (the reward
 function), ``train/score`` (old and reference log-probabilities, values), ``train/forward``, ``train/backward``,
 ``train/optimizer_step``; for SFT, DPO and RM ``train/score`` (DPO's reference pass), ``train/forward``,
@@ -27,7 +27,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from rl_lightning.models.memory_phases import PhaseProfiler, phase
+from rl_lightning.memory.phases import PhaseProfiler, phase
 
 
 class MemoryProfile(L.Callback):

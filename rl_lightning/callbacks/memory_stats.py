@@ -37,7 +37,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.models.memory_phases import cuda_peak_mib, process_peak_mib, reset_cuda_peak
+from rl_lightning.memory.phases import cuda_peak_mib, process_peak_mib, reset_cuda_peak
 
 MIB = 1 << 20
 

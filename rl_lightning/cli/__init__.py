@@ -10,5 +10,7 @@
   called (``grpo lr=2e-05``) in MLflow, on the terminal and on disk;
 - `tune` and `search_space`: ``python -m rl_lightning tune``, the Optuna search over recipe keys.
 
-The top of the import order: may import every other package of ours; nothing of ours imports it.
+The top of the import order: nothing of ours imports it.
+
+May import: every package of ours.
 """

@@ -1,4 +1,7 @@
-"""Data: loading (Hugging Face name or local file), row validation, chat-template tokenisation, DataModules."""
+"""Data: loading (Hugging Face name or local file), row validation, chat-template tokenisation, DataModules.
+
+May import: parallel, models, algorithms.
+"""
 
 from rl_lightning.data.loading import load_rows
 from rl_lightning.data.preference import Pair, PreferenceDataModule

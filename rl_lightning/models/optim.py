@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from rl_lightning.errors import ConfigError, TrainingError
-from rl_lightning.models.memory_phases import phase
+from rl_lightning.memory.phases import phase
 
 SCHEDULES = ("cosine", "linear", "constant")
 

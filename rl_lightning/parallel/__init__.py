@@ -1,7 +1,9 @@
-"""Parallelism: the 3-D (data x context x tensor) strategy, sharding, offload and zigzag ring attention.
+"""Parallelism: the 3-D (data x context x tensor) strategy, sharding, offload, checkpoints and reductions.
 
 `ParallelStrategy` is imported on first use, so a light submodule (`rl_lightning.parallel.local_group`, which the
 engine process's child imports) does not load Lightning with it.
+
+May import: models, attention.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def compile_decoder_layers(model: Any, mode: str | None = None) -> None:
 
     transformers' gradient checkpointing wraps the block's ``__call__`` from outside, so under
     ``activation_checkpointing`` the recomputation in the backward calls the compiled forward again. Attention stays
-    eager (`rl_lightning.models.attention.varlen_attention` is excluded from compilation: its packed-row bookkeeping
+    eager (`rl_lightning.attention.packed.varlen_attention` is excluded from compilation: its packed-row bookkeeping
     syncs with the host), so each block compiles as two graphs, before and after attention. With LoRA the PEFT
     adapter layers inside each block are compiled with it.
     """

@@ -65,7 +65,7 @@ def local_micro_batch(layout: Layout, micro_batch: dict[str, Any]) -> dict[str, 
     """This rank's share of a micro-batch: its zigzag slice under context parallelism, else the whole of it."""
     if layout.cp_size == 1:
         return micro_batch
-    from rl_lightning.parallel.zigzag import shard_micro_batch
+    from rl_lightning.attention.zigzag import shard_micro_batch
 
     if "cu_seqlens" not in micro_batch:
         raise ValueError("context parallelism needs packed micro-batches; set data.packing: true")

@@ -4,7 +4,7 @@
   flattened data x context group (ZeRO-3). ``replicate_size`` > 1 splits the data-parallel ranks into replica groups
   (HSDP: shard within a group, replicate across groups, all-reduce between replicas) — RL2's ``ddp_size``.
 - **Context parallel** ranks see the same sequences and each keeps a zigzag share of every packed sequence; attention
-  runs as ring attention over the group (`rl_lightning.parallel.ring_attention`).
+  runs as ring attention over the group (`rl_lightning.attention.ring`).
 - **Tensor parallel** ranks see the same tokens and hold column/row shards of each block's linear layers.
 
 Mesh dims (outermost first): ``replicate, shard, context_parallel, tensor_parallel``; the derived 1-D meshes are
@@ -139,7 +139,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._build_meshes()
         self.lightning_module._device_mesh = self._device_mesh
         if self.cp_size > 1 and self.root_device.type == "cuda":
-            from rl_lightning.parallel.ring_attention import flash_attn_status
+            from rl_lightning.attention.ring import flash_attn_status
 
             flash_attn_status()  # a flash-attn that is installed but broken: its one warning line now, before the model
 

@@ -1,1 +1,4 @@
-"""Built-in reward functions (``reward_fn(messages, answer) -> float``) and the sandbox that runs model-written code."""
+"""Built-in reward functions (``reward_fn(messages, answer) -> float``) and the sandbox that runs model-written code.
+
+May import: data, models.
+"""

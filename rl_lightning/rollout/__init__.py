@@ -1,1 +1,10 @@
-"""Rollouts: the engine protocol (HF generate, colocated vLLM), environments (`env_path`), the callback."""
+"""Rollouts: the PPO task's callback that turns prompts into scored trajectories, and how it schedules them.
+
+- `callback`: `RolloutCallback`, the per-step flow (wake the engine, push weights, generate, score, sleep);
+  `config`: its ``model.rollout.*`` settings; `engine_setup`: building the engine those settings name;
+- `trajectory`: prompts to trajectories (single- or multi-turn, token-in/token-out); `refill`: DAPO dynamic sampling
+  across ranks; `replay`: the rollout dump's format and its replay; `pareto_archive`: the run's Pareto archive;
+- `async_rollout`: one-step-off-policy rollouts; `inflight`: in-flight weight updates.
+
+May import: envs, rewards, engines, data, parallel, memory, algorithms.
+"""

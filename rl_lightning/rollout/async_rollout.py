@@ -23,7 +23,7 @@ sampled by the policy that sampled it in the uninterrupted run, and goes on bit 
 Generators (the `Generator` protocol): `ThreadGenerator`, one thread in the training process that drives the engine
 and the reward workers. With the in-process vLLM engine this is the colocated mode: the engine's forward and the
 trainer's kernels share the process (both release the GIL in their kernels, not in their Python). With
-`rl_lightning.rollout.engine_process.EngineProcess` as the engine the same thread only waits on a pipe while a
+`rl_lightning.engines.process.EngineProcess` as the engine the same thread only waits on a pipe while a
 separate engine process generates (disaggregated; weights broadcast over a process group of its own); that engine is
 not selectable from the config yet. A generator keeping several rollouts in flight (``async_steps`` > 1) or feeding
 engines shared by several trainer ranks would implement the same protocol.

@@ -22,26 +22,26 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.algorithms.dapo import overlong_penalty
+from rl_lightning.engines.lockstep import Lockstep
+from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.engines.weights import WeightSync
+from rl_lightning.envs.environment import load_environment
+from rl_lightning.envs.workers import start_pool
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.memory_phases import release_host_memory
+from rl_lightning.memory.phases import release_host_memory
 from rl_lightning.parallel.reductions import data_parallel_sum, root_device
 from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
 from rl_lightning.rollout.config import RolloutConfig
-from rl_lightning.rollout.engine import SamplingParams
 from rl_lightning.rollout.engine_setup import (
     build_vllm_engine,
     context_limit,
     engine_process_placement,
     prepare_engine,
 )
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.lockstep import Lockstep
 from rl_lightning.rollout.pareto_archive import ParetoArchive
 from rl_lightning.rollout.refill import data_parallel_ranks, refill
 from rl_lightning.rollout.replay import ReplayDump, run_manifest
-from rl_lightning.rollout.scoring import start_pool
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
-from rl_lightning.rollout.weights import WeightSync
 
 __all__ = ["PolicyTask", "RolloutCallback", "RolloutConfig"]
 
@@ -122,7 +122,7 @@ class RolloutCallback(L.Callback):
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
         if c.engine == "hf":
-            from rl_lightning.rollout.hf import HFEngine
+            from rl_lightning.engines.hf import HFEngine
 
             # the strategy's device, not the parameters': under strategy.cpu_offload they stay on the CPU
             self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, root_device(trainer))

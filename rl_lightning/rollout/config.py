@@ -11,11 +11,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rl_lightning.engines.process import DEFAULT_TIMEOUT_S
+from rl_lightning.engines.vllm import INSTALL_HINT, vllm_available
 from rl_lightning.errors import ConfigError
 from rl_lightning.rewards.reward_model import RewardModelConfig
 from rl_lightning.rollout.async_rollout import async_errors
-from rl_lightning.rollout.engine_process import DEFAULT_TIMEOUT_S
-from rl_lightning.rollout.vllm import INSTALL_HINT, vllm_available
 
 ENGINES = ("hf", "vllm", "vllm_process")
 VLLM_ENGINES = ("vllm", "vllm_process")
@@ -29,7 +29,7 @@ class RolloutConfig:
 
     Args:
         env_path: Python file defining ``reward_fn(messages, answer)`` (and optionally ``interact(messages)``), or a
-            standard environment: ``verifiers:<taskset>``, ``openenv:<module>`` (`rl_lightning.rollout.env_adapters`).
+            standard environment: ``verifiers:<taskset>``, ``openenv:<module>`` (`rl_lightning.envs.adapters`).
         responses_per_prompt: completions sampled per prompt (the group size of group-baseline estimators).
         max_turns: assistant turns per conversation (> 1 needs ``interact``).
         temperature: sampling temperature; the task recomputes old, reference and current log-probabilities at it.
@@ -38,9 +38,9 @@ class RolloutConfig:
         max_new_tokens: tokens generated per turn.
         engine: ``hf`` (transformers generate on the policy itself: simple, slow) or ``vllm`` (a vLLM engine colocated
             in the training processes, fed the policy's weights after every optimizer step; see
-            `rl_lightning.rollout.vllm`) or ``vllm_process`` (vLLM in a process of its own, not a trainer rank, fed
+            `rl_lightning.engines.vllm`) or ``vllm_process`` (vLLM in a process of its own, not a trainer rank, fed
             full weights over a gloo group of its own: disaggregated generation; several trainer ranks share the one
-            global rank 0 starts, see `rl_lightning.rollout.engine_process` and `rl_lightning.rollout.shared_engine`).
+            global rank 0 starts, see `rl_lightning.engines.process` and `rl_lightning.engines.shared`).
         engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
             must divide the number of processes; consecutive ranks share an engine).
         engine_devices: ``vllm_process`` on GPU: the engine process's GPUs, numbered as the trainer sees them (one per
@@ -53,7 +53,7 @@ class RolloutConfig:
         engine_restarts: ``vllm_process``: how many times an engine process that is lost (killed, crashed, or
             stopped after `engine_timeout_s`) is replaced by a fresh one, given the weights the lost one held, before
             the run stops; the failed generate or weight load is repeated on it (same seeds: same completions). Logged
-            as ``rollout/engine_restarts`` once non-zero. See `rl_lightning.rollout.engine_restart`.
+            as ``rollout/engine_restarts`` once non-zero. See `rl_lightning.engines.restart`.
         max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
             ``max_new_tokens`` (single turn) or the model's ``max_position_embeddings`` (multi-turn).
         kv_cache_memory_bytes: ``vllm``: KV-cache size in bytes; on CPU it is always explicit (default 1 GiB), on GPU
@@ -79,7 +79,7 @@ class RolloutConfig:
             conversation ends there); null: no limit.
         worker_env: names of variables of the trainer's environment that the reward and interact workers get besides
             their minimal allow-list (locale, paths, thread counts, ``HF_HOME``/offline switches, ``RL_LIGHTNING_*``;
-            see `rl_lightning.rollout.scoring`), e.g. ``[OPENAI_API_KEY]`` for an LLM judge; a listed name missing
+            see `rl_lightning.envs.workers`), e.g. ``[OPENAI_API_KEY]`` for an LLM judge; a listed name missing
             from the trainer's environment stops the run at start-up. The trainer's other variables (tokens, cloud
             credentials) never reach a worker; with ``reward_workers: 0`` scoring runs in the trainer and sees them all.
         max_tool_chars: characters of content one ``interact`` call may add to a conversation (all its messages

@@ -13,16 +13,16 @@ from typing import Any
 import lightning as L
 import torch
 
+from rl_lightning.engines.weights import WeightSync, named_weights
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.memory_phases import phase
+from rl_lightning.memory.phases import phase
 from rl_lightning.rollout.config import RolloutConfig, engine_process_devices
-from rl_lightning.rollout.weights import WeightSync, named_weights
 
 
 def engine_process_placement(config: RolloutConfig, trainer: L.Trainer) -> list[int] | None:
     """Start-up checks of ``engine: vllm_process`` (before any model loads): GPUs of its own, a layout it can serve.
 
-    Several trainer ranks share the one engine process global rank 0 starts (`rl_lightning.rollout.shared_engine`):
+    Several trainer ranks share the one engine process global rank 0 starts (`rl_lightning.engines.shared`):
     its GPUs are checked against rank 0's node.
 
     Returns:
@@ -55,7 +55,7 @@ def build_vllm_engine(config: RolloutConfig, trainer: L.Trainer, task: Any, engi
     Returns:
         The engine, and whether it takes adapter-only weight syncs (a LoRA policy on a colocated engine).
     """
-    from rl_lightning.rollout.vllm import VLLMEngine, adapter_sync_rank, check_engine
+    from rl_lightning.engines.vllm import VLLMEngine, adapter_sync_rank, check_engine
 
     c = config
     device_type = trainer.strategy.root_device.type
@@ -73,7 +73,7 @@ def build_vllm_engine(config: RolloutConfig, trainer: L.Trainer, task: Any, engi
 def _engine_process(config: RolloutConfig, trainer: L.Trainer, model_path: str, length: int,
                     devices: list[int] | None) -> Any:
     """The engine process; with several trainer ranks, rank 0's, shared by all (`start_shared_engine`)."""
-    from rl_lightning.rollout.engine_restart import RestartingEngine
+    from rl_lightning.engines.restart import RestartingEngine
 
     c = config
     kwargs = dict(devices=devices, timeout_s=c.engine_timeout_s, bucket_bytes=c.weight_bucket_mb << 20,
@@ -82,7 +82,7 @@ def _engine_process(config: RolloutConfig, trainer: L.Trainer, model_path: str, 
                   kv_cache_memory_bytes=c.kv_cache_memory_bytes)
     if trainer.world_size == 1:
         return RestartingEngine(c.engine_restarts, **kwargs)
-    from rl_lightning.rollout.shared_engine import start_shared_engine
+    from rl_lightning.engines.shared import start_shared_engine
 
     # a peer waits for rank 0 through every restart rank 0 may take (each bounded by engine_timeout_s)
     return start_shared_engine(lambda: RestartingEngine(c.engine_restarts, **kwargs),

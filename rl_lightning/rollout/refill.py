@@ -11,7 +11,7 @@ The decision is global, so the batch is the one a single process would build fro
   groups at the end).
 
 A rank whose share of a round is empty (fewer training prompts than a global batch) generates a filler under the HF
-engine's lockstep (`rl_lightning.rollout.lockstep`). Without collectives (``async_steps: 1``, whose rollouts run in
+engine's lockstep (`rl_lightning.engines.lockstep`). Without collectives (``async_steps: 1``, whose rollouts run in
 a background thread) each rank refills its own share from its own stream, as before.
 """
 

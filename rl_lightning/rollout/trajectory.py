@@ -13,11 +13,11 @@ from typing import Any
 
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.data.tokenization import TokenizedExample
+from rl_lightning.engines.lockstep import Lockstep, generate
+from rl_lightning.engines.protocol import Completion, RolloutEngine, SamplingParams
+from rl_lightning.envs.environment import Environment
 from rl_lightning.errors import DataError
-from rl_lightning.models.memory_phases import phase
-from rl_lightning.rollout.engine import Completion, RolloutEngine, SamplingParams
-from rl_lightning.rollout.env import Environment
-from rl_lightning.rollout.lockstep import Lockstep, generate
+from rl_lightning.memory.phases import phase
 
 
 @dataclass
@@ -130,10 +130,10 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
     Multi-turn when `max_turns` > 1 and the environment has ``interact``: a turn ends at a stop token;
     ``interact(messages)`` returns tool messages to append (``[]`` ends the conversation), then generation continues,
     up to `max_turns` assistant turns. Truncated turns (no stop token) end the conversation. ``interact`` runs in the
-    environment's workers when it has them (`rl_lightning.rollout.env.Environment.interact_all`: a call that fails or
+    environment's workers when it has them (`rl_lightning.envs.environment.Environment.interact_all`: a call that fails or
     times out ends its conversation or stops the run, as ``on_error`` says). With `lockstep` (an engine whose forward
     is a collective), a turn runs on every rank while any rank has a conversation going; the others generate a
-    filler (`rl_lightning.rollout.lockstep`). A conversation whose next turn would not fit the engine's context
+    filler (`rl_lightning.engines.lockstep`). A conversation whose next turn would not fit the engine's context
     (its tokens, the tool messages' and `max_new_tokens` past `max_model_len`; None: the engine's own
     ``max_model_len`` attribute, if any) ends before the tool messages, counted in the environment's
     ``overlong_conversations``: the engine never gets a prompt it would refuse.

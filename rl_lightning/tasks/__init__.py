@@ -1,4 +1,7 @@
-"""One thin LightningModule per task. Each orchestrates data → model → `rl_lightning.algorithms` → logging."""
+"""One thin LightningModule per task. Each orchestrates data → model → `rl_lightning.algorithms` → logging.
+
+May import: rollout, data, parallel, models, memory, assets, algorithms.
+"""
 
 from rl_lightning.tasks.dpo import DPO
 from rl_lightning.tasks.ppo import PPO

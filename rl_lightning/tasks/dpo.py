@@ -22,9 +22,10 @@ from typing_extensions import override
 
 from rl_lightning.algorithms import kto_reference_point
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
+from rl_lightning.memory.phases import phase
+from rl_lightning.models.loading import load_causal_lm
+from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
-from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import data_parallel_sum, local_micro_batch, parallel_layout, sequence_sums

@@ -1,9 +1,9 @@
 """The memory plan at start-up: every task's ``setup`` calls `check_memory` before any model weights load.
 
-It reads the model's config (no weights: `rl_lightning.models.model_shape`), the task's arguments, the trainer
+It reads the model's config (no weights: `rl_lightning.memory.model_shape`), the task's arguments, the trainer
 (precision, strategy, device) and the prepared data (token budget, the share of tokens the output head runs on, the
-longest packing unit), asks `rl_lightning.models.memory_plan.plan_memory` for the peak per device, prints the plan
-once (global rank 0) and refuses, in one line naming the keys that would fit (`rl_lightning.models.memory_fit`), a
+longest packing unit), asks `rl_lightning.memory.plan.plan_memory` for the peak per device, prints the plan
+once (global rank 0) and refuses, in one line naming the keys that would fit (`rl_lightning.memory.fit`), a
 run whose predicted peak exceeds the device's memory, unless ``model.memory_check: false``. PPO's
 ``max_length_per_device: auto`` becomes the largest budget whose predicted peak fits in `SAFETY` of the device.
 
@@ -22,10 +22,10 @@ import torch
 
 from rl_lightning.data.steps import unit_sequences
 from rl_lightning.errors import ConfigError, UserError
-from rl_lightning.models.memory_fit import Keys, largest_budget, refusal
-from rl_lightning.models.memory_phases import rss_mib
-from rl_lightning.models.memory_plan import MIB, SAFETY, EngineSetup, Layout, MemoryPlan, TrainSetup, plan_memory
-from rl_lightning.models.model_shape import ModelShape, load_model_shape
+from rl_lightning.memory.fit import Keys, largest_budget, refusal
+from rl_lightning.memory.model_shape import ModelShape, load_model_shape
+from rl_lightning.memory.phases import rss_mib
+from rl_lightning.memory.plan import MIB, SAFETY, EngineSetup, Layout, MemoryPlan, TrainSetup, plan_memory
 
 
 def host_memory_available() -> int:

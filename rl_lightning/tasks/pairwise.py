@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rl_lightning.models.memory_phases import phase
+from rl_lightning.memory.phases import phase
 from rl_lightning.models.optim import optimizer_step
 from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size
 

@@ -16,7 +16,8 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.algorithms import bradley_terry_loss
-from rl_lightning.models.loading import load_reward_model, model_inputs
+from rl_lightning.models.loading import load_reward_model
+from rl_lightning.models.logprobs import model_inputs
 from rl_lightning.models.lora import LoRAConfig, apply_lora, base_model, lora_config
 from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for

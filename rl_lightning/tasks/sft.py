@@ -18,9 +18,10 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.algorithms import sft_loss
-from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, target_logprobs
+from rl_lightning.memory.phases import phase
+from rl_lightning.models.loading import load_causal_lm
+from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
 from rl_lightning.models.lora import LoRAConfig, apply_lora, lora_config
-from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, optimizer_step, run_length, typed
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (

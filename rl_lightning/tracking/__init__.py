@@ -5,5 +5,7 @@ metrics (`mlflow_run`), its lineage and logged/registered model (`lineage`), its
 (`plots`, from the metric history: `history`), and the Hugging Face export (`export`) with its model card
 (`model_card`).
 
-Callbacks a recipe or the CLI adds. May import models, parallel, rollout and below; never tasks or cli.
+Callbacks a recipe or the CLI adds.
+
+May import: engines, parallel, models, memory, assets.
 """

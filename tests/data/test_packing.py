@@ -92,7 +92,7 @@ def test_pack_and_pad_layouts():
 def test_packed_forward_equals_sequences_one_by_one():
     from transformers import AutoModelForCausalLM
 
-    from rl_lightning.models.loading import model_inputs
+    from rl_lightning.models.logprobs import model_inputs
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL)
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rl_lightning.data.steps import pack, pad
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import check_lm_head_chunk, load_causal_lm, output_head, target_logprobs
+from rl_lightning.models.loading import load_causal_lm
+from rl_lightning.models.logprobs import check_lm_head_chunk, output_head, target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora
 
 VOCAB, HIDDEN = 320, 128

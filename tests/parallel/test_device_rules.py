@@ -303,9 +303,9 @@ def test_hf_engine_samples_on_the_device_it_is_given(tokenizer):
     behaviour) builds the prompts and generators on the wrong device and fails."""
     from conftest import TINY_MODEL
 
+    from rl_lightning.engines.hf import HFEngine
+    from rl_lightning.engines.protocol import SamplingParams
     from rl_lightning.models.loading import load_causal_lm
-    from rl_lightning.rollout.engine import SamplingParams
-    from rl_lightning.rollout.hf import HFEngine
 
     model = load_causal_lm(str(TINY_MODEL))
     prompts = [tokenizer("1 + 2 =")["input_ids"], tokenizer("3 + 4 = ")["input_ids"]]

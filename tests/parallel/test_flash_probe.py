@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from conftest import assert_close
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import rl_lightning.models.kernels as kernels
-import rl_lightning.parallel.ring_attention as ring
-from rl_lightning.parallel.zigzag import shard_tokens, zigzag_layout
+import rl_lightning.attention.kernels as kernels
+import rl_lightning.attention.ring as ring
+from rl_lightning.attention.zigzag import shard_tokens, zigzag_layout
 
 UNDEFINED = "/site-packages/flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
 BROKEN = {

@@ -11,7 +11,7 @@ from conftest import DEMO_DATA, TINY_MODEL
 from helpers import Metrics, fit, run_on_cpu_ranks
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
-from rl_lightning.models.loading import ChunkedHead
+from rl_lightning.models.logprobs import ChunkedHead
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.tasks import DPO, SFT
@@ -79,7 +79,8 @@ def _sharded_head_worker(rank, out_path):
 
     from rl_lightning.data.steps import pack
     from rl_lightning.data.tokenization import TokenizedExample
-    from rl_lightning.models.loading import load_causal_lm, target_logprobs
+    from rl_lightning.models.loading import load_causal_lm
+    from rl_lightning.models.logprobs import target_logprobs
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -135,7 +136,8 @@ def _own_unit_worker(rank, out_path):
 
     from rl_lightning.data.steps import pack
     from rl_lightning.data.tokenization import TokenizedExample
-    from rl_lightning.models.loading import load_causal_lm, target_logprobs
+    from rl_lightning.models.loading import load_causal_lm
+    from rl_lightning.models.logprobs import target_logprobs
 
     dist.init_process_group("gloo")
     model = load_causal_lm(str(TINY_MODEL))

@@ -24,7 +24,7 @@ def test_the_engine_process_child_imports_no_lightning():
     import subprocess
     import sys
 
-    code = ("import sys, rl_lightning.parallel.local_group, rl_lightning.rollout.local_channels; "
+    code = ("import sys, rl_lightning.parallel.local_group, rl_lightning.engines.local_channels; "
             "print(sorted(m for m in ('lightning', 'pytorch_lightning') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

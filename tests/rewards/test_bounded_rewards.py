@@ -7,12 +7,12 @@ import time
 import pytest
 from conftest import REPO
 
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.rewards import isolation
 from rl_lightning.rewards.code import TOTAL_TIMEOUT_S, code_reward
 from rl_lightning.rewards.math import answers_match, math_reward
 from rl_lightning.rewards.tags import think_answer_reward
 from rl_lightning.rollout.config import RolloutConfig
-from rl_lightning.rollout.env import load_environment
 
 needs_bwrap = pytest.mark.skipif(isolation.isolation_level() != "bwrap",
                                  reason=f"no bubblewrap isolation on this machine; {isolation.INSTALL_HINT}")

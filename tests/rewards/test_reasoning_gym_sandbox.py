@@ -112,8 +112,8 @@ def test_evaluating_tasks_are_refused_at_start_up_without_isolation(monkeypatch,
 
     from rl_lightning.data.loading import load_rows
     from rl_lightning.data.reasoning_gym import load_spec_rows, main
+    from rl_lightning.envs.environment import load_environment
     from rl_lightning.rewards import reasoning_gym
-    from rl_lightning.rollout.env import load_environment
 
     env = load_environment(str(reasoning_gym.__file__))  # what the example env file re-exports
     monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap on PATH

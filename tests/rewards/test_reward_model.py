@@ -14,6 +14,7 @@ import pytest
 from conftest import DEMO_DATA, REPO, TINY_MODEL
 from helpers import Metrics, fit, free_port, ppo_task, prompts, start_vllm_serve, stop_vllm_serve
 
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.errors import ConfigError
 from rl_lightning.rewards.reward_model import (
     LocalRewardModel,
@@ -22,7 +23,6 @@ from rl_lightning.rewards.reward_model import (
     RewardModelError,
     conversation_tokens,
 )
-from rl_lightning.rollout.env import load_environment
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": answer}]

@@ -207,7 +207,7 @@ def test_code_rewards_refuse_without_isolation(monkeypatch):
 
 
 def test_an_environment_using_code_rewards_is_refused_at_start_up(tmp_path, monkeypatch):
-    from rl_lightning.rollout.env import load_environment
+    from rl_lightning.envs.environment import load_environment
 
     env = tmp_path / "code_env.py"
     env.write_text("from rl_lightning.rewards.code import code_reward\n\n"

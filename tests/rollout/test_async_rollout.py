@@ -222,10 +222,10 @@ def test_engine_process_samples_with_the_weights_broadcast_to_it():
     trainer kernels: ~1e-6 here)."""
     from conftest import TINY_MODEL
 
+    from rl_lightning.engines.process import EngineProcess
+    from rl_lightning.engines.protocol import SamplingParams
+    from rl_lightning.engines.weights import WeightSync
     from rl_lightning.models.loading import load_causal_lm
-    from rl_lightning.rollout.engine import SamplingParams
-    from rl_lightning.rollout.engine_process import EngineProcess
-    from rl_lightning.rollout.weights import WeightSync
 
     model = load_causal_lm(str(TINY_MODEL))
     with torch.no_grad():  # weights no checkpoint holds: only the broadcast can give them to the engine

@@ -17,10 +17,10 @@ from helpers import fit, ppo_task, prompts, run_on_cpu_ranks
 
 from rl_lightning.algorithms.staleness import versioned_mismatch_weights
 from rl_lightning.data.prompts import Prompt
+from rl_lightning.engines.protocol import Completion, SamplingParams
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, restore_pending
 from rl_lightning.rollout.callback import RolloutConfig
-from rl_lightning.rollout.engine import Completion, SamplingParams
 from rl_lightning.rollout.trajectory import Trajectory, _start
 
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
@@ -86,9 +86,9 @@ def test_generator_keeps_two_rollouts_in_submission_order():
 def _boundary(rank, out):
     """Version 0 samples the first segment; version 1 (two optimizer steps later) is loaded at its end, while the
     completions are unfinished; the rest is version 1's."""
-    from rl_lightning.rollout.inflight import SegmentedEngine
-    from rl_lightning.rollout.vllm import VLLMEngine
-    from rl_lightning.rollout.weights import named_weights
+    from rl_lightning.engines.segmented import SegmentedEngine
+    from rl_lightning.engines.vllm import VLLMEngine
+    from rl_lightning.engines.weights import named_weights
 
     model = load_model()
     engine = VLLMEngine(str(TINY_MODEL), max_model_len=256, kv_cache_memory_bytes=KV_CACHE)

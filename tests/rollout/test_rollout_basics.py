@@ -12,12 +12,12 @@ from helpers import run_on_cpu_ranks
 
 from rl_lightning.algorithms import token_logprobs
 from rl_lightning.data.prompts import Prompt
+from rl_lightning.engines.hf import HFEngine
+from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.models.loading import load_causal_lm
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
-from rl_lightning.rollout.engine import SamplingParams
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.hf import HFEngine
 
 PROMPT = [258, 84, 82, 68, 81, 198, 54, 71, 64, 83, 256, 198, 258, 64]
 

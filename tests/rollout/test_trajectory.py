@@ -5,10 +5,10 @@ import pytest
 from conftest import DEMO_DATA, TINY_MODEL
 
 from rl_lightning.data.prompts import PromptDataModule
+from rl_lightning.engines.hf import HFEngine
+from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.models.loading import load_causal_lm
-from rl_lightning.rollout.engine import SamplingParams
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.hf import HFEngine
 from rl_lightning.rollout.trajectory import rollout
 
 ENV = '''

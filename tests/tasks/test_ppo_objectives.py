@@ -10,10 +10,10 @@ from helpers import Metrics, fit, ppo_task, prompts
 from lightning.pytorch.loggers import Logger
 
 from rl_lightning.algorithms import KL_ESTIMATORS, group_advantages
+from rl_lightning.engines.hf import HFEngine
+from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.envs.environment import load_environment
 from rl_lightning.models.loading import load_causal_lm
-from rl_lightning.rollout.engine import SamplingParams
-from rl_lightning.rollout.env import load_environment
-from rl_lightning.rollout.hf import HFEngine
 from rl_lightning.rollout.trajectory import rollout
 from rl_lightning.tasks import PPO
 

@@ -17,7 +17,7 @@ from rl_lightning.tasks import SFT
 def _gather_worker(rank, out_dir):
     from torch.distributed.tensor import DTensor
 
-    import rl_lightning.rollout.weights as weights
+    import rl_lightning.engines.weights as weights
     from rl_lightning.tracking.export import full_state_dict
 
     L.seed_everything(0)

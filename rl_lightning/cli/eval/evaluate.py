@@ -14,9 +14,9 @@ of components combines by ``reward_weights``, each component weighted 1 when non
 each component's mean; ``completion_length`` the mean of generated tokens, ``truncated`` the share cut at
 ``max_new_tokens``.
 
-The engine: ``vllm`` (`rl_lightning.rollout.vllm.VLLMEngine`, loading the folder's weights itself; on CPU its KV cache
+The engine: ``vllm`` (`rl_lightning.engines.vllm.VLLMEngine`, loading the folder's weights itself; on CPU its KV cache
 is ``kv_cache_bytes``, and the model's head size must be one vLLM's CPU attention supports) or ``hf``
-(`rl_lightning.rollout.hf.HFEngine`, transformers on the model itself); ``auto`` picks vLLM when it is installed and
+(`rl_lightning.engines.hf.HFEngine`, transformers on the model itself); ``auto`` picks vLLM when it is installed and
 supports the model here.
 """
 
@@ -40,9 +40,9 @@ from rl_lightning.cli.eval.inputs import (
     source_run_id,
 )
 from rl_lightning.data.prompts import Prompt
+from rl_lightning.engines.protocol import RolloutEngine, SamplingParams
+from rl_lightning.envs.environment import Environment
 from rl_lightning.errors import ConfigError
-from rl_lightning.rollout.engine import RolloutEngine, SamplingParams
-from rl_lightning.rollout.env import Environment
 from rl_lightning.rollout.trajectory import Trajectory, rollout
 
 ENGINES = ("auto", "vllm", "hf")
@@ -140,7 +140,7 @@ def build_engine(kind: str, folder: str, tokenizer: Any, max_model_len: int, kv_
     """The engine `kind` (``auto`` resolved), its name and how to shut it down."""
     from transformers import AutoConfig
 
-    from rl_lightning.rollout.vllm import CPU_HEAD_DIMS, head_dim, vllm_available
+    from rl_lightning.engines.vllm import CPU_HEAD_DIMS, head_dim, vllm_available
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = head_dim(AutoConfig.from_pretrained(folder))
@@ -151,15 +151,15 @@ def build_engine(kind: str, folder: str, tokenizer: Any, max_model_len: int, kv_
         if unsupported:
             raise ConfigError(f"--engine vllm: the model's head_dim={size} is not supported by vLLM's CPU attention "
                               f"(supported: {', '.join(map(str, CPU_HEAD_DIMS))}); use --engine hf")
-        from rl_lightning.rollout.vllm import VLLMEngine
+        from rl_lightning.engines.vllm import VLLMEngine
 
         # the folder's own weights (the training engine starts from dummy ones and is fed the trainer's)
         engine = VLLMEngine(folder, max_model_len=max_model_len, device_type=device, sleep_mode=False,
                             kv_cache_memory_bytes=kv_cache_bytes if device == "cpu" else None,
                             gpu_memory_utilization=0.85, load_format="auto")
         return engine, "vllm", engine.shutdown
+    from rl_lightning.engines.hf import HFEngine
     from rl_lightning.models.loading import load_causal_lm
-    from rl_lightning.rollout.hf import HFEngine
 
     model = load_causal_lm(folder).to(device).eval()
     return HFEngine(model, tokenizer.pad_token_id), "hf", lambda: None

@@ -3,7 +3,7 @@
 - the model: a Hugging Face folder, a run's folder or its ``export/`` (``outputs/<run>/<time>[/export]``), an
   ``asset:<name>`` (`rl_lightning.assets.real.resolve_model`), a ``.gguf`` file or a hub id;
 - the data: any path ``fit`` accepts (`rl_lightning.data.loading.load_rows`), rows ``{"messages", "answer"}``;
-- the environment: a file defining ``reward_fn(messages, answer)`` (`rl_lightning.rollout.env.load_environment`), or,
+- the environment: a file defining ``reward_fn(messages, answer)`` (`rl_lightning.envs.environment.load_environment`), or,
   without one, the rows' built-in reward: reasoning-gym rows (``answer: {"task", "answer", "metadata"}``) score with
   `rl_lightning.rewards.reasoning_gym`.
 """
@@ -18,8 +18,8 @@ from rl_lightning.assets.real import resolve_model
 from rl_lightning.data.loading import load_rows
 from rl_lightning.data.prompts import Prompt, encode_prompt
 from rl_lightning.data.rows import check_prompt_rows
+from rl_lightning.envs.environment import Environment, load_environment
 from rl_lightning.errors import ConfigError, DataError
-from rl_lightning.rollout.env import Environment, load_environment
 
 MODEL_FIX = "give a Hugging Face model folder (with config.json), a run's folder or its export/, or asset:<name>"
 BUILTIN_REWARDS = {"reasoning_gym": "rl_lightning.rewards.reasoning_gym"}

@@ -1,10 +1,10 @@
 """A small OpenEnv (``openenv-core`` 0.3) environment, run in-process, for
-``model.rollout.env_path: openenv:rl_lightning/recipes/envs/openenv_arithmetic.py`` (`rl_lightning.rollout.env_adapters`).
+``model.rollout.env_path: openenv:rl_lightning/recipes/envs/openenv_arithmetic.py`` (`rl_lightning.envs.adapters`).
 
 An addition quiz: ``reset(a=1, b=9)`` asks "What is 1 + 9?"; each step reads the completion's last number, and a
 wrong one gets feedback and another try (up to `MAX_TRIES`; with ``model.rollout.max_turns`` > 1 the feedback comes
 back as a user turn). Its rubric is a weighted sum of two rubrics, logged as ``train/reward/correct`` and
-``train/reward/bare_number``. Rows: ``python -m rl_lightning.rollout.env_adapters
+``train/reward/bare_number``. Rows: ``python -m rl_lightning.envs.adapters
 openenv:rl_lightning/recipes/envs/openenv_arithmetic.py rows.jsonl --resets '[{"a": 1, "b": 9}, {"a": 2, "b": 5}]'``.
 """
 

@@ -1,5 +1,5 @@
 """A small verifiers (0.4, ``verifiers.v1``) environment over the demo's local arithmetic rows, for
-``model.rollout.env_path: verifiers:rl_lightning/recipes/envs/verifiers_arithmetic.py`` (`rl_lightning.rollout.env_adapters`).
+``model.rollout.env_path: verifiers:rl_lightning/recipes/envs/verifiers_arithmetic.py`` (`rl_lightning.envs.adapters`).
 
 - the taskset reads ``rl_lightning/assets/data/easy.jsonl`` (no network);
 - two weighted rewards, logged as ``train/reward/correct`` and ``train/reward/bare_number``;

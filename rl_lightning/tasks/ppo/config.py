@@ -15,7 +15,7 @@ from rl_lightning.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MOD
 from rl_lightning.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from rl_lightning.algorithms.policy import AGGREGATIONS
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.memory import budget_errors, oom_backoff_supported
+from rl_lightning.memory.backoff import budget_errors, oom_backoff_supported
 from rl_lightning.rollout.callback import RolloutConfig
 
 KL_TYPES = ("loss", "reward")

@@ -41,7 +41,8 @@ from rl_lightning.algorithms.distill import generalized_jsd, on_policy_draw
 from rl_lightning.algorithms.policy import token_mean
 from rl_lightning.assets.real import resolve_model
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import load_causal_lm, load_tokenizer, model_inputs
+from rl_lightning.models.loading import load_causal_lm, load_tokenizer
+from rl_lightning.models.logprobs import model_inputs
 from rl_lightning.models.lora import AdaptersDisabled
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.rollout.config import RolloutConfig

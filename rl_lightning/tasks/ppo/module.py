@@ -18,10 +18,11 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS
 from rl_lightning.errors import ConfigError
-from rl_lightning.models.loading import check_lm_head_chunk, load_tokenizer, target_logprobs
+from rl_lightning.memory.backoff import initial_budget
+from rl_lightning.memory.phases import phase
+from rl_lightning.models.loading import load_tokenizer
+from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
 from rl_lightning.models.lora import LoRAConfig
-from rl_lightning.models.memory import initial_budget
-from rl_lightning.models.memory_phases import phase
 from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, typed
 from rl_lightning.rollout.inflight import RolloutConfig, rollout_callback
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
@@ -90,7 +91,7 @@ class PPO(SkippedStepsState, L.LightningModule):
             tokens, at most 65536, whose predicted peak fits in 85% of the device's memory: the memory plan, see
             `rl_lightning.tasks.memory_check`; single process only). In a single process a micro-batch that runs out
             of memory halves the budget, is re-packed and redone (``train/oom_retries``,
-            ``train/max_length_per_device``); see `rl_lightning.models.memory`.
+            ``train/max_length_per_device``); see `rl_lightning.memory.backoff`.
         optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
         gradient_checkpointing: recompute activations in the backward pass.
         lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third

@@ -15,7 +15,7 @@ import torch
 from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS, estimate_advantages
 from rl_lightning.algorithms.distill import distillation_advantages
 from rl_lightning.algorithms.kl import KL_ESTIMATORS, kl_reward_penalty
-from rl_lightning.models.loading import model_inputs, target_logprobs
+from rl_lightning.models.logprobs import model_inputs, target_logprobs
 from rl_lightning.parallel.reductions import data_parallel_sum
 from rl_lightning.rollout.trajectory import Rollout
 from rl_lightning.tasks.ppo.minibatches import MicroBatch, Minibatch, completion_grid, gather, scatter

@@ -3,7 +3,7 @@
 Each minibatch's micro-batches run forward and backward (gradients accumulate) against global normalisers
 (`loss_counts`), then the optimizers step. In a single process a micro-batch that runs out of memory drops the
 failed attempt's gradients (the optimizer has not stepped on it), halves the token budget for the rest of the run
-(down to the minibatch's longest trajectory), re-packs the minibatch and redoes it (`rl_lightning.models.memory`).
+(down to the minibatch's longest trajectory), re-packs the minibatch and redoes it (`rl_lightning.memory.backoff`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from rl_lightning.algorithms.policy import policy_loss_normaliser
-from rl_lightning.models.memory import free_after_oom, oom_backoff_supported, smaller_budget
-from rl_lightning.models.memory_phases import phase
+from rl_lightning.memory.backoff import free_after_oom, oom_backoff_supported, smaller_budget
+from rl_lightning.memory.phases import phase
 from rl_lightning.models.optim import optimizer_step
 from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size, root_device
 from rl_lightning.rollout.trajectory import Rollout, Trajectory

