@@ -316,6 +316,7 @@ def _offload_errors(cpu_offload: bool, checkpointing: bool, activation_offload: 
 
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # refused under FSDP2 until measured (issue 39.6)
 
 
 def _compile_errors(compile: Any, mode: Any, sizes: dict[str, Any]) -> list[str]:
@@ -329,6 +330,10 @@ def _compile_errors(compile: Any, mode: Any, sizes: dict[str, Any]) -> list[str]
                                         "compile_mode"]
     tp = sizes["tensor_parallel_size"]
     errors = []
+    if mode in CUDA_GRAPH_MODES:
+        errors.append(f"strategy.compile_mode={mode!r} records CUDA graphs, which FSDP2's parameter re-gathers and "
+                      "packed micro-batches of varying length re-record at every step (not measured to pay off); use "
+                      "compile_mode: max-autotune-no-cudagraphs or default")
     if isinstance(tp, int) and tp > 1:  # context parallelism, LoRA and both offloads train as eager does
         errors.append(f"strategy.compile=true with strategy.tensor_parallel_size={tp}: inductor fails to compile "
                       "the backward of the tensor-parallel (DTensor) projections; set compile: false or "

@@ -184,7 +184,11 @@ def test_step_profile_compile_arm_records_compiled_rows(tmp_path):
     ({"compile_mode": "max-autotune"},
      "strategy.compile_mode='max-autotune' needs strategy.compile=true; set it or drop compile_mode"),
     ({"compile": "yes"}, "strategy.compile must be true or false, got 'yes'"),
-], ids=["tp", "bad-mode", "mode-without-compile", "not-bool"])
+    ({"compile": True, "compile_mode": "reduce-overhead"},
+     "strategy.compile_mode='reduce-overhead' records CUDA graphs, which FSDP2's parameter re-gathers and packed "),
+    ({"compile": True, "compile_mode": "max-autotune"}, "strategy.compile_mode='max-autotune' records CUDA graphs"),
+], ids=["tp", "bad-mode", "mode-without-compile", "not-bool", "cuda-graphs-reduce-overhead",
+        "cuda-graphs-max-autotune"])
 def test_unsupported_combinations_fail_at_construction(kwargs, expected):
     with pytest.raises(ConfigError) as error:
         ParallelStrategy(**kwargs)
