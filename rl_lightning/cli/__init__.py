@@ -1,8 +1,9 @@
 """The command line: what a user runs and sees.
 
 - `main`: ``python -m rl_lightning fit|validate|test --config ...``, the LightningCLI subclass and its defaults;
-- `config_check`, `config_errors`, `moved_paths`: a bad config as one line naming the key, the value and the fix,
-  found from the parser's structure (message text only as the fallback); old dotted paths name their new home;
+- `config_check`, `config_errors`, `moved_paths`, `renamed_keys`: a bad config as one line naming the key, the value
+  and the fix, found from the parser's structure (message text only as the fallback); old dotted paths and renamed
+  keys name their new home;
 - `device_check`: the devices a config asks for against the machine's CUDA devices, before any model loads;
 - `resume_check`: ``--ckpt_path`` of another run (task, model, rollout mode) refused in one line before anything
   loads; ``--load_weights_only`` takes a checkpoint's weights alone;

@@ -25,6 +25,7 @@ from rl_lightning.cli.config_errors import first_line, jsonargparse_debug, one_l
 from rl_lightning.cli.config_logger import ConfigLogger, flatten_config  # noqa: F401 - flatten_config: for callers
 from rl_lightning.cli.device_check import check_trainer_devices
 from rl_lightning.cli.recipes import resolve_config_args, resolve_references
+from rl_lightning.cli.renamed_keys import renamed_error
 from rl_lightning.cli.run_names import configs_name, run_name
 from rl_lightning.errors import UserError
 from rl_lightning.redaction import redact_text, redact_yaml, remember_env
@@ -136,6 +137,8 @@ class RLLightningCLI(LightningCLI):
         remember_env([*raw, *self.config_texts])  # values read with ${oc.env:NAME} are shown as that reference
         for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
             each.argv = raw
+        if renamed := renamed_error(raw):  # a key that moved: one line naming the new key, before jsonargparse
+            parser.exit(2, f"rl_lightning: error: {redact_text(renamed)}\n")
         if not any(arg.startswith("--print_config") for arg in raw):
             super().parse_arguments(parser, args)
             return

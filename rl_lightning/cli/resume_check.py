@@ -33,6 +33,7 @@ import lightning as L
 from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS  # PPO's estimators that train a critic
+from rl_lightning.cli.renamed_keys import rename_hparams
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_trust import load_file, read_dcp_metadata, refuse_damaged, refuse_untrusted
 
@@ -77,6 +78,7 @@ def check_resume(fit_config: Any, model: L.LightningModule, trainer: L.Trainer) 
         trainer.callbacks.append(WeightsFromCheckpoint(str(path), trust))
         return
     stored, shapes = read_checkpoint(str(path), trust)
+    stored = rename_hparams(stored)  # a checkpoint saved before a key moved: its keys under their new names
     differences = compare(stored, dict(model.hparams), type(model).__name__)
     differences += architecture_differences(shapes, dict(model.hparams).get("model_name"))
     if differences:
