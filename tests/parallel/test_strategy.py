@@ -69,6 +69,74 @@ def _sft_worker(rank, sizes, out_path, strategy_kwargs=None):
                     "optimizer": [s.stats for s in states if s is not None]}, out_path)
 
 
+SFT_SIZES = {"dp2": (2, 1, 1), "cp2": (1, 2, 1), "tp2": (1, 1, 2), "dp2-cp2": (2, 2, 1), "cp2-tp2": (1, 2, 2)}
+STRATEGY_OPTIONS = {
+    "hsdp-replicate2": {"replicate_size": 2}, "cpu-offload": {"cpu_offload": True},
+    "checkpointing-zero2": {"activation_checkpointing": True, "reshard_after_forward": False},
+    "activation-and-optimizer-offload": {"activation_offload": True, "optimizer_offload": True,
+                                         "offload_bucket_mb": 1},
+}
+PAIRS = {"dpo-dp2": ("dpo", (2, 1, 1)), "dpo-cp2": ("dpo", (1, 2, 1)), "rm-cp2": ("rm", (1, 2, 1)),
+         "rm-tp2": ("rm", (1, 1, 2))}
+MISCONFIGURED = {
+    "sizes-vs-world": ({"data_parallel_size": 2, "tensor_parallel_size": 2}, {},
+                       "strategy sizes data_parallel_size=2 x context_parallel_size=1 x tensor_parallel_size=2 = 4, "
+                       "but the job has 2 processes (trainer.devices x trainer.num_nodes); make the product equal "
+                       "the world size"),
+    "cp-needs-rl_varlen": ({"context_parallel_size": 2}, {"attn_implementation": "sdpa"},
+                           "strategy.context_parallel_size=2 needs model.attn_implementation: rl_varlen (ring "
+                           "attention over packed sequences), got 'sdpa'"),
+}
+
+
+def _spawned_jobs(root):
+    """Every fit of this module that needs its own ranks (except the resume test's): {world size: [(id, worker,
+    args)]}; each job writes into ``root/<id>/``."""
+    jobs = {2: [], 4: []}
+    for name, sizes in SFT_SIZES.items():
+        jobs[sizes[0] * sizes[1] * sizes[2]].append((name, _sft_worker, (sizes, root / name / "losses.pt")))
+    for name, kwargs in STRATEGY_OPTIONS.items():
+        jobs[2].append((name, _sft_worker, ((2, 1, 1), root / name / "losses.pt", kwargs)))
+    for name, (task, sizes) in PAIRS.items():
+        jobs[2].append((name, _pairs_worker, (task, sizes, root / name / "losses.pt")))
+    jobs[2].append(("export-tp2", _export_worker, (root / "export-tp2" / "model",)))
+    for name, (kwargs, model_kwargs, _) in MISCONFIGURED.items():  # last: they stop at start-up
+        jobs[2].append((name, _misconfig_worker, (kwargs, model_kwargs, root / name / "error.txt")))
+    return jobs
+
+
+def _jobs_worker(rank, jobs):
+    for name, worker, args in jobs:
+        print(f"rank {rank}: {name}", flush=True)  # in the group's failure output: which fit it was on
+        worker(rank, *args)
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """Run `_spawned_jobs` in one group of processes per world size instead of one group per test: each rank imports
+    torch and Lightning once (~10 s a rank on 2 cores) and runs the fits in turn on the same default process group
+    (each fit builds its own device mesh). Returns ``(root, errors)``; a group that fails records its error (its
+    ranks printed the job they were on), and every test whose output is missing fails with it."""
+    root = tmp_path_factory.mktemp("spawned")
+    errors = {}
+    for world, jobs in _spawned_jobs(root).items():
+        for name, _, _ in jobs:
+            (root / name).mkdir()
+        try:
+            run_on_cpu_ranks(_jobs_worker, world, jobs)
+        except Exception as e:  # noqa: BLE001 - kept for the tests of this group, each fails naming it
+            errors[world] = f"{type(e).__name__}: {e}"
+    return root, errors
+
+
+def _output(spawned, name, file):
+    root, errors = spawned
+    path = root / name / file
+    if not path.exists():
+        pytest.fail(f"{name}: no {file}; its group of spawned ranks failed: {errors}")
+    return path
+
+
 @pytest.fixture(scope="module")
 def single_process_losses():
     recorder = LossRecorder()
@@ -77,35 +145,29 @@ def single_process_losses():
     return recorder.losses
 
 
-@pytest.mark.parametrize("sizes", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2)],
-                         ids=["dp2", "cp2", "tp2", "dp2-cp2", "cp2-tp2"])
-def test_sft_parallel_losses_equal_single_process(sizes, single_process_losses, tmp_path):
-    run_on_cpu_ranks(_sft_worker, sizes[0] * sizes[1] * sizes[2], sizes, tmp_path / "losses.pt")
-    losses = torch.load(tmp_path / "losses.pt", weights_only=False)["losses"]
+@pytest.mark.parametrize("name", list(SFT_SIZES))
+def test_sft_parallel_losses_equal_single_process(name, single_process_losses, spawned):
+    out = _output(spawned, name, "losses.pt")
+    losses = torch.load(out, weights_only=False)["losses"]
     assert len(losses) == 3
     for step, (parallel, single) in enumerate(zip(losses, single_process_losses, strict=True)):
         assert abs(parallel - single) < 1e-5, (step, losses, single_process_losses)
     # Issue 36.5: the group's store (rank 0, on MASTER_PORT) and gloo listen on 127.0.0.0/8 only (torch's env://
     # store listened on '::'); gloo's interface is the loopback one (this host's name may resolve to loopback too)
+    sizes = SFT_SIZES[name]
     world = sizes[0] * sizes[1] * sizes[2]
-    ranks = [json.loads((tmp_path / f"listening{rank}.json").read_text()) for rank in range(world)]
+    ranks = [json.loads((out.parent / f"listening{rank}.json").read_text()) for rank in range(world)]
     sockets = [(ip, port) for seen in ranks for ip, port in seen["sockets"]]
     assert [s for s in sockets if not ipaddress.ip_address(s[0]).is_loopback] == []
     assert ["127.0.0.1", ranks[0]["port"]] in ranks[0]["sockets"]
     assert {seen["gloo"] for seen in ranks} == {loopback_interface()}
 
 
-@pytest.mark.parametrize(
-    "strategy_kwargs",
-    [{"replicate_size": 2}, {"cpu_offload": True}, {"activation_checkpointing": True, "reshard_after_forward": False},
-     {"activation_offload": True, "optimizer_offload": True, "offload_bucket_mb": 1}],
-    ids=["hsdp-replicate2", "cpu-offload", "checkpointing-zero2", "activation-and-optimizer-offload"],
-)
-def test_sft_strategy_options_keep_single_process_losses(strategy_kwargs, single_process_losses, tmp_path):
-    run_on_cpu_ranks(_sft_worker, 2, (2, 1, 1), tmp_path / "losses.pt", strategy_kwargs)
-    result = torch.load(tmp_path / "losses.pt", weights_only=False)
+@pytest.mark.parametrize("name", list(STRATEGY_OPTIONS))
+def test_sft_strategy_options_keep_single_process_losses(name, single_process_losses, spawned):
+    result = torch.load(_output(spawned, name, "losses.pt"), weights_only=False)
     losses = result["losses"]
-    if strategy_kwargs.get("activation_offload"):
+    if STRATEGY_OPTIONS[name].get("activation_offload"):
         assert result["activations"].tensors > 0 and result["activations"].kept_on_device > 0  # params stay
         (optimizer,) = result["optimizer"]
         assert optimizer.buckets > 1 and optimizer.largest_bucket_bytes > 0  # streamed in several 1 MiB buckets
@@ -134,16 +196,14 @@ def _pairs_worker(rank, task, sizes, out_path):
         torch.save(recorder.losses, out_path)
 
 
-@pytest.mark.parametrize(("task", "sizes"), [("dpo", (2, 1, 1)), ("dpo", (1, 2, 1)), ("rm", (1, 2, 1)),
-                                             ("rm", (1, 1, 2))],
-                         ids=["dpo-dp2", "dpo-cp2", "rm-cp2", "rm-tp2"])
-def test_preference_tasks_parallel_losses_equal_single_process(task, sizes, tmp_path):
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_preference_tasks_parallel_losses_equal_single_process(name, spawned):
     """Per-sequence sums (DPO log-probabilities, RM last-token rewards) are completed across context-parallel ranks;
     their gradient must still count each token once."""
-    run_on_cpu_ranks(_pairs_worker, sizes[0] * sizes[1] * sizes[2], task, sizes, tmp_path / "losses.pt")
+    task, _ = PAIRS[name]
     single = LossRecorder()
     _pairs(task, callbacks=[single])
-    parallel = torch.load(tmp_path / "losses.pt")
+    parallel = torch.load(_output(spawned, name, "losses.pt"))
     assert len(parallel) == len(single.losses) == 3
     for a, b in zip(parallel, single.losses, strict=True):
         assert abs(a - b) < 1e-5, (parallel, single.losses)
@@ -205,16 +265,16 @@ def _export_worker(rank, out_dir):
     export_hf(model.model, str(TINY_MODEL), out_dir, trainer.is_global_zero)
 
 
-def test_hf_export_gathers_full_weights_from_shards(tmp_path):
+def test_hf_export_gathers_full_weights_from_shards(spawned):
     from transformers import AutoModelForCausalLM
 
-    run_on_cpu_ranks(_export_worker, 2, tmp_path / "tp2")
+    exported_dir = _output(spawned, "export-tp2", "model/config.json").parent
     single = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
     fit(single, data, 2)
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2").state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(exported_dir).state_dict()
     reference = single.model.state_dict()
     assert exported.keys() == reference.keys()
     for name, tensor in reference.items():
@@ -235,21 +295,9 @@ def _sft_with(strategy_kwargs, model_kwargs):
     fit(model, data, 1, devices=2, strategy=ParallelStrategy(**strategy_kwargs))
 
 
-@pytest.mark.parametrize(
-    ("strategy_kwargs", "model_kwargs", "expected"),
-    [
-        ({"data_parallel_size": 2, "tensor_parallel_size": 2}, {},
-         "strategy sizes data_parallel_size=2 x context_parallel_size=1 x tensor_parallel_size=2 = 4, but the job "
-         "has 2 processes (trainer.devices x trainer.num_nodes); make the product equal the world size"),
-        ({"context_parallel_size": 2}, {"attn_implementation": "sdpa"},
-         "strategy.context_parallel_size=2 needs model.attn_implementation: rl_varlen (ring attention over packed "
-         "sequences), got 'sdpa'"),
-    ],
-    ids=["sizes-vs-world", "cp-needs-rl_varlen"],
-)
-def test_misconfiguration_fails_at_start_up(strategy_kwargs, model_kwargs, expected, tmp_path):
-    run_on_cpu_ranks(_misconfig_worker, 2, strategy_kwargs, model_kwargs, tmp_path / "error.txt")
-    assert (tmp_path / "error.txt").read_text() == expected
+@pytest.mark.parametrize("name", list(MISCONFIGURED))
+def test_misconfiguration_fails_at_start_up(name, spawned):
+    assert _output(spawned, name, "error.txt").read_text() == MISCONFIGURED[name][2]
 
 
 def test_unsupported_strategies_are_rejected():
