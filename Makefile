@@ -70,9 +70,10 @@ real-model: runtime
 
 # The CI command: lint (Ruff + pydocstyle, mypy), the docs site built strictly, then the whole suite (slow tests too)
 # in two pytest-xdist workers, a test file per worker at a time (module fixtures stay shared; most tests wait on
-# the processes they start, so two files at once keep both cores busy).
+# the processes they start, so two files at once keep both cores busy). Files go out in collection order, the long
+# ones first (LONG_FILES in tests/conftest.py); --durations=40 ends the log with the slowest tests.
 test: setup real-model lint docs-build
-	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
+	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
 lint: setup
 	$(BIN)/ruff check rl_lightning tests benchmarks examples

@@ -74,6 +74,23 @@ def _sft_on_two_processes(tmp_path_factory) -> Path:
     return export
 
 
+# The files that take minutes in `make test` (its `--durations=40` and per-file totals, tracked in CI logs), longest
+# first. They are collected first, and `make test` hands files to its two pytest-xdist workers in collection order
+# (`--no-loadscope-reorder`; xdist's default orders files by their number of tests): the workers start on the long
+# files and end on short ones, where one of these picked up last would run on alone at the end.
+LONG_FILES = (
+    "tests/memory/test_plan.py", "tests/parallel/test_strategy.py", "tests/assets/test_real_model.py",
+    "tests/cli/test_cli.py", "tests/models/test_lora.py", "tests/tasks/test_preference_tasks.py",
+    "tests/parallel/test_compile.py", "tests/tasks/test_ppo_variants.py", "tests/cli/test_eval.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`LONG_FILES` first, in that order; every other file after them, in collection order."""
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from rl_lightning.models.loading import load_tokenizer
