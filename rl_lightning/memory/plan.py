@@ -42,6 +42,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from rl_lightning.memory import extras
+from rl_lightning.memory.extras import DistillSetup
 from rl_lightning.memory.model_shape import ModelShape, lora_parameters
 
 MIB = 1 << 20
@@ -141,6 +143,7 @@ class TrainSetup:
         host_trim: freed heap memory is given back after every update (PPO's ``malloc_trim``; CPU only).
         layout: the parallel layout.
         engine: the rollout engine (PPO), or None.
+        distill: PPO's distillation (teacher, GKD's JSD), or None; mesh_groups: NCCL communicators (CUDA margins).
     """
 
     model: ModelShape
@@ -167,6 +170,8 @@ class TrainSetup:
     host_trim: bool = False
     layout: Layout = field(default_factory=Layout)
     engine: EngineSetup | None = None
+    distill: DistillSetup | None = None
+    mesh_groups: int = 0
 
 
 @dataclass(frozen=True)
@@ -357,28 +362,36 @@ def plan_memory(s: TrainSetup) -> MemoryPlan:
     acts = host_activation_bytes if s.device == "cpu" else activation_bytes
     state, extra = _state(s), _transients(s)
     engine, engine_training, engine_awake = _engine(s)
+    param, _, _ = precision_bytes(s)
+    kind = None if s.engine is None else s.engine.kind
+    teacher = extras.teacher_bytes(s.distill, param, s.layout.tp, s.layout.shards)
+    margins = extras.non_torch_bytes(s.device, s.mesh_groups)
+    asleep = 0.0 if s.engine is None else extras.asleep_bytes(s.device, kind, s.engine.awake_while_training)
+    engine_training += asleep  # CUDA: a sleeping vLLM engine's pools while the trainer trains
     policy = acts(s, tokens)
     head = head_bytes(s, tokens)
+    jsd = extras.jsd_bytes(s.distill, math.ceil(tokens * s.target_fraction), s.model.vocab, s.layout.cp)
+    second_forward = policy if jsd else 0.0  # GKD: the policy's second forward (full logits) is alive too
     critic = acts(replace(s, lm_head=False, lora_rank=None), tokens) if s.critic else 0.0
-    activations = max(policy + head, critic)
+    activations = max(policy + head + second_forward + jsd, critic)
     grads = state["gradients"] + state["critic gradients"]
-    param, _, _ = precision_bytes(s)
     head_grad = param * (s.model.untied_head or s.model.embedding) / s.layout.shards if s.head_trainable else 0.0
     resident = (s.baseline + sum(v for k, v in state.items() if "gradients" not in k and k != "trainable")
-                + sum(extra.values()))
+                + sum(extra.values()) + teacher + sum(margins.values()))
     components = {"process baseline": s.baseline, **{k: v for k, v in state.items() if k != "trainable"}, **extra,
-                  f"activations ({tokens} tokens)": policy, "output head": head}
+                  "teacher weights": teacher, **margins, f"activations ({tokens} tokens)": policy, "output head": head,
+                  "JSD (GKD: second forward and logits)": second_forward + jsd}
     if s.critic:
         components["critic activations"] = critic
-    components.update(engine)
+    components.update({**engine, "engine asleep (vllm)": asleep})
     step_extra = ADAMW_TEMPORARIES * state["trainable"] * param / s.layout.shards
     if s.layout.optimizer_offload and s.device == "cuda":  # one bucket of moments streamed in, its temporaries
         moments = 2 * state["trainable"] * param / s.layout.shards
         step_extra = min(float(s.layout.offload_bucket_bytes), moments) * (1 + ADAMW_TEMPORARIES / 2)
     phases = {"train": resident + engine_training + (grads if s.accumulates else head_grad) + activations,
               "optimizer step": resident + engine_training + grads + step_extra}
-    if s.engine is not None:  # vLLM: plus one bucket of the weight sync
-        bucket = min(s.engine.weight_bucket_bytes, state["weights"]) if s.engine.kind == "vllm" else 0.0
+    if s.engine is not None:  # vLLM: plus one bucket of the weight sync (a vllm_process: of the gathered weights)
+        bucket = min(s.engine.weight_bucket_bytes, state["weights"]) if kind == "vllm" else 0.0
+        bucket += extras.gather_bucket_bytes(kind, s.engine.weight_bucket_bytes, s.model.params * param)
         phases["rollout"] = resident - extra["autocast weight copies"] + engine_awake + bucket
     return MemoryPlan(s, {k: int(v) for k, v in components.items()}, {k: int(v) for k, v in phases.items()})
-

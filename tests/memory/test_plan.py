@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO, TINY_MODEL
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.memory.extras import CUDA_WORKSPACES, JSD_COPIES, NCCL_PER_GROUP, VLLM_ASLEEP, DistillSetup
 from rl_lightning.memory.fit import Keys, fit_suggestions, largest_budget, refusal
 from rl_lightning.memory.model_shape import ModelShape, lora_parameters, model_shape
 from rl_lightning.memory.plan import (
@@ -134,11 +135,49 @@ def test_engines():
     assert vllm.phases["train"] - plan_memory(setup(device="cpu")).phases["train"] == pytest.approx(
         4 * (P + LINEAR) + 256 * MIB + VLLM_CPU_RUNTIME, abs=4)  # resident all run on CPU
     asleep = plan_memory(setup(engine=EngineSetup(kind="vllm", gpu_memory_utilization=0.5)))
-    assert asleep.phases["train"] == plan_memory(setup()).phases["train"]  # CUDA: asleep while training
-    # weights, AdamW, the awake engine and one bucket of the weight sync (here all the weights)
-    assert asleep.phases["rollout"] == pytest.approx(12 * P + GIB / 2 + 4 * P, abs=4)
+    # CUDA: asleep while training, keeping its CUDA-graph pool and runtime (a margin the allocator does not see)
+    assert asleep.phases["train"] == plan_memory(setup()).phases["train"] + VLLM_ASLEEP
+    # weights, AdamW, the awake engine, one bucket of the weight sync (here all the weights) and CUDA's workspaces
+    assert asleep.phases["rollout"] == pytest.approx(12 * P + GIB / 2 + 4 * P + CUDA_WORKSPACES, abs=4)
     hf = plan_memory(setup(engine=EngineSetup(kind="hf", rows=8, sequence=100)))
     assert hf.components["engine KV cache (hf)"] == 2 * 8 * 100 * LAYERS * 2 * KV * 4  # grown by concatenation
+
+
+def test_the_teacher_counts_in_the_training_dtype_and_is_sharded_like_the_reference():
+    base = plan_memory(setup(precision="bf16-true", layout=Layout(shards=2)))
+    gkd = plan_memory(setup(precision="bf16-true", layout=Layout(shards=2), distill=DistillSetup(teacher=SHAPE)))
+    assert gkd.components["teacher weights"] == 2 * P // 2  # bf16, half of it on this device
+    for phase in base.phases:
+        assert gkd.phases[phase] - base.phases[phase] == pytest.approx(P, abs=4)
+    base_lora = plan_memory(setup(distill=DistillSetup(teacher=None)))  # the policy's base under LoRA: no copy
+    assert base_lora.components["teacher weights"] == 0
+
+
+def test_the_jsd_counts_a_second_forward_and_its_logits_full_or_in_chunks():
+    s = setup(target_fraction=0.5)
+    base = plan_memory(s)
+    full = plan_memory(replace(s, distill=DistillSetup(jsd=True)))
+    chunked = plan_memory(replace(s, distill=DistillSetup(jsd=True, jsd_chunk=100)))
+    second_forward = activation_bytes(s, 1000)
+    assert full.phases["train"] - base.phases["train"] == pytest.approx(second_forward + JSD_COPIES * 500 * V * 4, abs=4)
+    assert chunked.phases["train"] - base.phases["train"] == pytest.approx(
+        second_forward + JSD_COPIES * 100 * V * 4, abs=4)
+    assert full.phases["optimizer step"] == base.phases["optimizer step"]  # freed before the step
+
+
+def test_cuda_margins_count_nccl_per_mesh_group_and_workspaces_and_cpu_has_none():
+    cuda = plan_memory(setup(mesh_groups=3))
+    assert cuda.components["NCCL buffers"] == 3 * NCCL_PER_GROUP
+    assert cuda.components["CUDA workspaces"] == CUDA_WORKSPACES
+    cpu = plan_memory(setup(device="cpu", mesh_groups=3))
+    assert "NCCL buffers" not in cpu.components and "CUDA workspaces" not in cpu.components
+
+
+def test_an_engine_process_counts_one_bucket_of_gathered_weights_on_the_trainer():
+    process = plan_memory(setup(engine=EngineSetup(kind="vllm_process", weight_bucket_bytes=4 * P // 2)))
+    alone = plan_memory(setup())
+    assert process.phases["rollout"] - (alone.phases["optimizer step"] - alone.components["gradients"] - 4 * P) == \
+        pytest.approx(4 * P // 2, abs=4)  # the resident state plus one bucket (half the fp32 weights)
 
 
 def test_largest_budget_is_the_largest_multiple_of_256_that_fits():
