@@ -33,7 +33,8 @@ dtype), a reference (DPO unless reference-free, PPO with a KL term; none under L
 (weights, gradients, AdamW). FSDP2 divides weights, gradients and optimizer state by the shard group
 (data x context parallel / replicas) and gathers two blocks and the root in the compute dtype; TP divides the block
 weights; ``cpu_offload`` moves the sharded state to the host. On CUDA, ``activation_offload`` leaves one block's
-activations on the device and ``optimizer_offload`` one bucket of AdamW's moments during the step.
+activations on the device (and the prefetched one before it) and ``optimizer_offload`` two buckets of AdamW's moments
+during the step (one steps while the next streams in).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class Layout:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     ddp: bool = False  # DDP: full replicas, gradients twice (the buckets)
-    activation_offload: bool = False  # CUDA: saved activations on the host, one block's on the device
+    activation_offload: bool = False  # CUDA: saved activations on the host, two blocks' on the device
     optimizer_offload: bool = False  # CUDA: AdamW's moments on the host, one bucket on the device during the step
     offload_bucket_bytes: int = 256 << 20
 
@@ -262,8 +263,8 @@ def activation_bytes(s: TrainSetup, tokens: int) -> float:
     outside = 4 * 4 * m.hidden
     if s.gradient_checkpointing:
         return local * (m.layers * m.hidden * min(param, 4) + 2 * per_layer + outside)
-    if s.layout.activation_offload and s.device == "cuda":  # the block being computed; the rest sits on the host
-        return local * (2 * per_layer + outside)
+    if s.layout.activation_offload and s.device == "cuda":  # the block computed and the one prefetched stay
+        return local * (3 * per_layer + outside)
     return local * ((m.layers + 1) * per_layer + outside)
 
 
@@ -385,9 +386,9 @@ def plan_memory(s: TrainSetup) -> MemoryPlan:
         components["critic activations"] = critic
     components.update({**engine, "engine asleep (vllm)": asleep})
     step_extra = ADAMW_TEMPORARIES * state["trainable"] * param / s.layout.shards
-    if s.layout.optimizer_offload and s.device == "cuda":  # one bucket of moments streamed in, its temporaries
-        moments = 2 * state["trainable"] * param / s.layout.shards
-        step_extra = min(float(s.layout.offload_bucket_bytes), moments) * (1 + ADAMW_TEMPORARIES / 2)
+    if s.layout.optimizer_offload and s.device == "cuda":  # a bucket of moments steps while the next streams in
+        moments, bucket = 2 * state["trainable"] * param / s.layout.shards, float(s.layout.offload_bucket_bytes)
+        step_extra = min(2 * bucket, moments) + min(bucket, moments) * ADAMW_TEMPORARIES / 2
     phases = {"train": resident + engine_training + (grads if s.accumulates else head_grad) + activations,
               "optimizer step": resident + engine_training + grads + step_extra}
     if s.engine is not None:  # vLLM: plus one bucket of the weight sync (a vllm_process: of the gathered weights)

@@ -17,6 +17,7 @@ on a GPU (tests marked ``gpu``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class OffloadStats:
     kept_on_device: int = 0
     buckets: int = 0
     largest_bucket_bytes: int = 0
+    resumed_bytes: int = 0
 
 
 def _pinned(reference: torch.Tensor) -> bool:
@@ -52,16 +54,100 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+class SideStreamCopies:
+    """Copies between a CUDA device and pinned host memory on a side stream, ordered by events (one per device).
+
+    The device-to-host copy of an activation waits for the compute stream's work so far and runs beside the next
+    kernels; the device tensor is kept from reuse until it is done (``record_stream``). A prefetch copies host to
+    device on the side stream and returns an event the compute stream waits for before the tensor is read.
+    """
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, Any] = {}
+
+    def _side(self, device: torch.device) -> Any:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start `tensor`'s copy to pinned host memory; the host tensor is complete once the side stream gets there."""
+        side = self._side(tensor.device)
+        side.wait_stream(torch.cuda.current_stream(tensor.device))
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+        with torch.cuda.stream(side):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(side)
+        return host
+
+    def prefetch(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """Start `host`'s copy back to `device` on the side stream: the tensor and the event that marks it done."""
+        side = self._side(device)
+        with torch.cuda.stream(side):
+            tensor = torch.empty(host.size(), dtype=host.dtype, device=device)
+            tensor.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return tensor, event
+
+    def ready(self, tensor: torch.Tensor, event: Any) -> torch.Tensor:
+        """`tensor` for the compute stream: wait for its copy, and keep it from reuse until the compute is done."""
+        current = torch.cuda.current_stream(tensor.device)
+        current.wait_event(event)
+        tensor.record_stream(current)
+        return tensor
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`host` on `device` now (not prefetched): on the compute stream, after the side stream's copies."""
+        torch.cuda.current_stream(device).wait_stream(self._side(device))
+        return host.to(device, non_blocking=True)
+
+
+class _Group:
+    """What one forward of an attached module (a decoder block) saved, and the block that ran before it."""
+
+    __slots__ = ("__weakref__", "entries", "previous", "prefetched")
+
+    def __init__(self, previous: _Group | None) -> None:
+        self.entries: list[_Saved] = []
+        self.previous = None if previous is None else weakref.ref(previous)
+        self.prefetched = False
+
+
+class _Saved:
+    """One offloaded activation: its device, its host copy, a prefetched device copy (and its event) if any."""
+
+    __slots__ = ("device", "event", "group", "host", "tensor")
+
+    def __init__(self, device: torch.device, host: torch.Tensor, group: _Group | None) -> None:
+        self.device, self.host, self.group = device, host, group
+        self.tensor: torch.Tensor | None = None
+        self.event: Any = None
+
+
 class ActivationOffload:
     """Saved-tensor hooks that keep a module's saved activations in host memory; ``stats`` counts what moved.
 
+    On CUDA the copies run on a side stream (`SideStreamCopies`): out beside the forward's next kernels, and in
+    the backward, when a block's first activation is needed, the block before it is prefetched, so its copies run
+    beside this block's backward. On the CPU the host is the device: the tensors stay, the numbers are unchanged.
+
     Args:
         min_bytes: tensors smaller than this stay on the device.
+        copies: how tensors move (default: `SideStreamCopies`; tests pass a CPU stand-in).
     """
 
-    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES, copies: Any = None) -> None:
         self.min_bytes = min_bytes
+        self.copies = copies
         self.stats = OffloadStats()
+        self.group: _Group | None = None  # the attached module whose forward runs now
+        self.last: _Group | None = None  # the last group a forward started (the next one's `previous`)
+
+    def _mover(self, tensor: torch.Tensor) -> Any:
+        if self.copies is None and tensor.device.type == "cuda":
+            self.copies = SideStreamCopies()
+        return self.copies
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Forward: a host copy of an activation, or the tensor itself (parameters, small tensors)."""
@@ -72,15 +158,31 @@ class ActivationOffload:
             return tensor
         self.stats.tensors += 1
         self.stats.bytes += size
-        return (tensor.device, to_host(tensor))
+        mover = self._mover(tensor)
+        if mover is None:  # the CPU: the host is the device
+            return _Saved(tensor.device, tensor, None)
+        saved = _Saved(tensor.device, mover.to_host(tensor), self.group)
+        if self.group is not None:
+            self.group.entries.append(saved)
+        return saved
 
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        """Backward: the activation back on its device."""
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """Backward: the activation back on its device (prefetched, or copied now); prefetch the block before."""
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
-        return host.to(device, non_blocking=host.is_pinned())
+        if self.copies is None:
+            return packed.host
+        group = packed.group
+        if group is not None and not group.prefetched:  # this block's backward starts: fetch the one before it
+            group.prefetched = True
+            before = group.previous() if group.previous is not None else None
+            if before is not None and not before.prefetched:
+                for entry in before.entries:
+                    entry.tensor, entry.event = self.copies.prefetch(entry.host, entry.device)
+        if packed.tensor is not None:
+            tensor, packed.tensor = self.copies.ready(packed.tensor, packed.event), None
+            return tensor
+        return self.copies.to_device(packed.host, packed.device)
 
     @contextmanager
     def saving(self) -> Iterator[None]:
@@ -93,12 +195,15 @@ class ActivationOffload:
         contexts: list[Any] = []
 
         def enter(*_: Any) -> None:
+            if torch.is_grad_enabled():  # one group per forward that saves anything (not scoring forwards)
+                self.group = self.last = _Group(self.last)
             context = self.saving()
             context.__enter__()
             contexts.append(context)
 
         def leave(*_: Any) -> None:
             contexts.pop().__exit__(None, None, None)
+            self.group = None
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave, always_call=True)
@@ -146,6 +251,21 @@ class OptimizerStateOffload:
         step._wrapped_by_lr_sched = getattr(self._step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
         optimizer.step = step  # type: ignore[method-assign]
         optimizer.rl_lightning_state_offload = self  # type: ignore[attr-defined]
+        self.copies: SideStreamCopies | None = None
+        # Optimizer.load_state_dict puts the moments on the parameters' device: back to the host at once (a resume)
+        optimizer.register_load_state_dict_post_hook(lambda _: self.to_host_now())
+
+    def to_host_now(self) -> int:
+        """Move every parameter's optimizer state to the host now (after a resume); the bytes moved."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p in self.optimizer.state]
+        moved = self._move_state(params, to_device=False)
+        self.stats.resumed_bytes = moved
+        self._synchronize()
+        return moved
+
+    def _synchronize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host copies are complete before anything reads or frees them
 
     def _state_bytes(self, param: torch.Tensor) -> int:
         state = self.optimizer.state.get(param, {})
@@ -181,23 +301,53 @@ class OptimizerStateOffload:
                 moved += local.numel() * local.element_size()
                 if to_device:
                     state[key] = _rewrap(value, local.to(device, non_blocking=local.is_pinned()))
+                elif local.device.type == "cuda":  # on the side stream, after the step's kernels
+                    self.copies = self.copies or SideStreamCopies()
+                    state[key] = _rewrap(value, self.copies.to_host(local))
                 else:
                     state[key] = _rewrap(value, to_host(local))
         return moved
 
+    def _prefetch(self, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        """CUDA: start copying `params`' state to their device on the side stream; what to wait for before use."""
+        pending = []
+        for param in params:
+            state, device = self.optimizer.state.get(param, {}), _local(param).device
+            if device.type != "cuda":
+                continue
+            self.copies = self.copies or SideStreamCopies()
+            for key, value in list(state.items()):
+                local = _local(value) if isinstance(value, torch.Tensor) else None
+                if local is None or key == "step" or local.device == device:
+                    continue
+                tensor, event = self.copies.prefetch(local, device)
+                state[key] = _rewrap(value, tensor)
+                pending.append((tensor, event))
+        return pending
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run `closure` (forward and backward, state on the host), then the optimizer's step bucket by bucket."""
+        """Run `closure` (forward and backward, state on the host), then the optimizer's step bucket by bucket.
+
+        On CUDA bucket k+1's state is copied in on a side stream while bucket k steps, and bucket k's goes back out
+        on it while bucket k+1 steps (two buckets on the device at most).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         groups = [group["params"] for group in self.optimizer.param_groups]
         self.stats = OffloadStats()
+        buckets = self.buckets()
+        pending = self._prefetch([p for _, p in buckets[0]]) if buckets else []
         try:
-            for bucket in self.buckets():
+            for k, bucket in enumerate(buckets):
                 params = [p for _, p in bucket]
-                self._move_state(params, to_device=True)
+                for tensor, event in pending:  # bucket k's state is on the device before its step reads it
+                    assert self.copies is not None  # set by `_prefetch` whenever it returns copies
+                    self.copies.ready(tensor, event)
+                self._move_state(params, to_device=True)  # what was not prefetched (the CPU: nothing moves)
+                pending = self._prefetch([p for _, p in buckets[k + 1]]) if k + 1 < len(buckets) else []
                 for index, group in enumerate(self.optimizer.param_groups):
                     group["params"] = [p for i, p in bucket if i == index]
                 self._step()
@@ -208,6 +358,5 @@ class OptimizerStateOffload:
         finally:
             for group, params in zip(self.optimizer.param_groups, groups, strict=True):
                 group["params"] = params
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the host copies are complete before anything reads or frees them
+        self._synchronize()
         return loss

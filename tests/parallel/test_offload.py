@@ -178,3 +178,91 @@ def test_offloaded_state_leaves_the_device_between_steps(shard, tmp_path):
     assert devices_plain == ["cuda"] * 4 and pinned == [True] * 4
     moments = 2 * (4096 * 4096 + 4096) * 4  # exp_avg and exp_avg_sq of the weight and the bias, fp32
     assert held_plain - held_offload == moments
+
+
+class _LoggingCopies:
+    """A CPU stand-in for `SideStreamCopies` that really copies (clones) and logs each move with its block."""
+
+    def __init__(self):
+        self.offload, self.blocks, self.order, self.log = None, {}, {}, []
+
+    def _block(self, host):
+        return self.blocks[id(host)]
+
+    def to_host(self, tensor):
+        host = tensor.detach().clone()
+        self.blocks[id(host)] = self.order.setdefault(id(self.offload.group), len(self.order))  # forward order
+        self.log.append(("out", self.blocks[id(host)]))
+        return host
+
+    def prefetch(self, host, device):
+        self.log.append(("prefetch", self._block(host)))
+        return host.clone(), self._block(host)
+
+    def ready(self, tensor, event):
+        self.log.append(("ready", event))
+        return tensor
+
+    def to_device(self, host, device):
+        self.log.append(("now", self._block(host)))
+        return host.clone()
+
+
+def test_the_backward_prefetches_the_block_before_and_the_gradients_do_not_change():
+    """Four blocks: the last block's activations are fetched when its backward starts, and each earlier block's
+    were prefetched when the block after it started its backward, before any of them was read."""
+    def blocks(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4)))
+
+    plain, offloaded = blocks(0), blocks(0)
+    copies = _LoggingCopies()
+    offload = ActivationOffload(min_bytes=0, copies=copies)
+    copies.offload = offload
+    for block in offloaded:
+        offload.attach(block)
+    x = torch.randn(8, 16, requires_grad=True)
+    for model in (plain, offloaded):
+        model.zero_grad()
+        model(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    backward = [entry for entry in copies.log if entry[0] != "out"]
+    assert [e for e in copies.log if e[0] == "out"] == [("out", b) for b in range(4) for _ in range(2)]
+    assert backward[:2] == [("prefetch", 2), ("prefetch", 2)]  # block 3's backward starts: block 2 is fetched
+    assert set(e for e in backward if e[0] == "now") == {("now", 3)}  # only the last block is fetched on demand
+    for block in range(3):  # every earlier block was prefetched before any of its activations was read
+        first_read = backward.index(("ready", block))
+        assert backward.index(("prefetch", block)) < first_read
+        assert backward.count(("ready", block)) == 2
+
+
+def test_a_resume_puts_the_optimizer_state_back_on_the_host_at_once():
+    """Optimizer.load_state_dict puts the moments on the parameters' device; the offload's post-hook moves every
+    byte of them out again right away (on the CPU the host is the device: the bytes are counted, nothing moves)."""
+    model = _model()
+    optimizer, scheduler = _adamw(model)
+    _steps(model, optimizer, scheduler, _batches(1))
+    saved = copy.deepcopy(optimizer.state_dict())
+    resumed = _model()
+    opt_r, _ = _adamw(resumed)
+    offload = OptimizerStateOffload(opt_r, 1)
+    opt_r.load_state_dict(saved)
+    moments = 2 * 4 * sum(p.numel() for p in resumed.parameters())
+    assert offload.stats.resumed_bytes == moments
+    state = [v for s in opt_r.state.values() for k, v in s.items() if k != "step"]
+    assert all(v.device.type == "cpu" for v in state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_resumed_state_is_in_pinned_host_memory_before_the_first_step():
+    model = torch.nn.Linear(256, 256, device="cuda")
+    optimizer, scheduler = _adamw(model)
+    _steps(model, optimizer, scheduler, [torch.randn(8, 256, device="cuda")])
+    saved = copy.deepcopy(optimizer.state_dict())
+    opt_r, _ = _adamw(torch.nn.Linear(256, 256, device="cuda"))
+    OptimizerStateOffload(opt_r, 1 << 20)
+    opt_r.load_state_dict(saved)
+    state = [v for s in opt_r.state.values() for k, v in s.items() if k != "step"]
+    assert [(v.device.type, v.is_pinned()) for v in state] == [("cpu", True)] * 4
