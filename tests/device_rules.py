@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -226,3 +227,122 @@ def device_rules(root: torch.device | str = "cpu", guards: tuple[tuple[Any, str]
         for owner, name in guards:
             rules.guard(owner, name)
         yield rules
+
+
+# ------------------------------------------------------------------------------- per-thread device selection
+
+ENGINE_CALLS = ("generate", "update_weights", "update_adapter", "wake", "sleep")
+
+
+class ThreadDeviceRules:
+    """Fail where a GPU run would compute on the wrong device: a thread that drives the engine without selecting one.
+
+    A CUDA host thread starts on device 0: one that calls the engine (or computes with tensors in our code or inside
+    an engine call) before ``torch.cuda.set_device`` runs its kernels on GPU 0, whatever rank it serves; vLLM 0.32's
+    V2 runner also caches the stream of the first thread that steps it. On CPU nothing shows. This records, per
+    thread, the device it selected (`rl_lightning.rollout.engine_thread.selected_device`) before each call of a
+    watched engine's methods and each tensor call inside one (or from our code) on threads started while it is
+    active, and `check` raises `DeviceRuleError` for a thread that never selected one (or selected another).
+
+    Args:
+        device: the device every engine thread must select.
+        main_thread_engine_calls: whether the training thread may call the engine (the synchronous mode: its device
+            is Lightning's); False where every engine call must run on the engine thread (one-step-off, in-flight).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", main_thread_engine_calls: bool = False) -> None:
+        self.device = torch.device(device)
+        self.main_thread_engine_calls = main_thread_engine_calls
+        self.engine_calls: list[tuple[str, str, torch.device | None]] = []  # (thread, method, selected device)
+        self.tensor_calls: dict[str, int] = {}  # thread -> tensor calls seen with the right device selected
+        self.violations: list[str] = []
+        self._local = threading.local()
+        self._patches: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> ThreadDeviceRules:
+        original_run = threading.Thread.run
+        rules = self
+
+        def run(thread: threading.Thread) -> None:  # every thread started meanwhile records its tensor calls
+            with _ThreadTensorCalls(rules):
+                original_run(thread)
+
+        self._patches.append((threading.Thread, "run", original_run))
+        threading.Thread.run = run  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._patches):
+            if name in vars(owner) and owner is not threading.Thread:
+                delattr(owner, name)  # an engine instance: its class's method again
+            else:
+                setattr(owner, name, original)
+        self._patches.clear()
+
+    def watch(self, engine: Any, methods: tuple[str, ...] = ENGINE_CALLS) -> None:
+        """Record every call of `engine`'s `methods` (those it has) with the calling thread's selected device."""
+        for name in methods:
+            if not hasattr(engine, name):
+                continue
+            original = getattr(engine, name)
+
+            @functools.wraps(original)
+            def recorded(*args: Any, name_: str = name, original_: Any = original, **kwargs: Any) -> Any:
+                self._engine_call(name_)
+                depth = getattr(self._local, "depth", 0)
+                self._local.depth = depth + 1
+                try:
+                    return original_(*args, **kwargs)
+                finally:
+                    self._local.depth = depth
+
+            self._patches.append((engine, name, original))
+            setattr(engine, name, recorded)
+
+    def _engine_call(self, method: str) -> None:
+        thread = threading.current_thread()
+        selected = _selected()
+        self.engine_calls.append((thread.name, method, selected))
+        if thread is threading.main_thread():
+            if not self.main_thread_engine_calls:
+                self.violations.append(f"the training thread called engine.{method}: in this mode every engine call "
+                                       "runs on the engine thread (its device and stream)")
+        elif selected != self.device:
+            self.violations.append(f"thread {thread.name} called engine.{method} with device {selected} selected, "
+                                   f"not {self.device}: on CUDA its kernels would run on device 0")
+
+    def _tensor_call(self) -> None:
+        thread = threading.current_thread()
+        if getattr(self._local, "depth", 0) == 0 and not _ours():
+            return  # third-party threads and code outside an engine call choose their own devices
+        selected = _selected()
+        if selected != self.device:
+            message = (f"thread {thread.name} made a tensor call with device {selected} selected, not {self.device}: "
+                       "on CUDA it would run on device 0")
+            if message not in self.violations:
+                self.violations.append(message)
+        else:
+            self.tensor_calls[thread.name] = self.tensor_calls.get(thread.name, 0) + 1
+
+    def check(self) -> None:
+        """Raise `DeviceRuleError` with the first violation recorded (if any)."""
+        if self.violations:
+            raise DeviceRuleError(f"{self.violations[0]} ({len(self.violations)} violation(s))")
+
+
+def _selected() -> torch.device | None:
+    from rl_lightning.rollout.engine_thread import selected_device
+
+    return selected_device()
+
+
+class _ThreadTensorCalls(TorchFunctionMode):
+    """One thread's recorder of tensor calls for `ThreadDeviceRules` (torch function modes are per thread)."""
+
+    def __init__(self, rules: ThreadDeviceRules) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.rules._tensor_call()
+        return func(*args, **(kwargs or {}))

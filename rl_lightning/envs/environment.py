@@ -22,9 +22,10 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ class Environment:
     answer_check: Callable[[Any, str], None] | None = None  # ``reward_fn.check_answer(answer, where)``, if declared
     tool_truncations: int = 0
     overlong_conversations: int = 0
+    # whole score_all / interact_all calls take turns on it (in-flight rollouts score from two threads)
+    turns: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def component_names(self) -> list[str]:
@@ -126,16 +129,17 @@ class Environment:
         Scored in the `scorer` pool when there is one (parallel, each call cut at its time limit), else here. The time
         taken is added to `reward_seconds`.
         """
-        start = time.perf_counter()
-        if self.scorer is None:
-            scores = [self.score(*call) for call in calls]
-        else:
-            values = self.scorer.map([(messages, answer) for messages, answer, _ in calls])
-            scores = [self.judge(value, where) for value, (_, _, where) in zip(values, calls, strict=True)]
-        if self.reward_model is not None:
-            scores = self._add_reward_model(calls, scores)
-        self.reward_seconds += time.perf_counter() - start
-        return scores
+        with self.turns:
+            start = time.perf_counter()
+            if self.scorer is None:
+                scores = [self.score(*call) for call in calls]
+            else:
+                values = self.scorer.map([(messages, answer) for messages, answer, _ in calls])
+                scores = [self.judge(value, where) for value, (_, _, where) in zip(values, calls, strict=True)]
+            if self.reward_model is not None:
+                scores = self._add_reward_model(calls, scores)
+            self.reward_seconds += time.perf_counter() - start
+            return scores
 
     def interact_all(self, calls: list[tuple[list[dict], str]]) -> list[list[dict]]:
         """``interact(messages)`` for each ``(messages, where)``, in order: the tool messages to append.
@@ -147,11 +151,12 @@ class Environment:
         """
         if self.interact is None:
             return [[] for _ in calls]
-        if self.scorer is None:
-            values = [_interact_here(self.interact, messages) for messages, _ in calls]
-        else:
-            values = self.scorer.map([(messages,) for messages, _ in calls], function="interact")
-        return [self._judge_tools(value, where) for value, (_, where) in zip(values, calls, strict=True)]
+        with self.turns:
+            if self.scorer is None:
+                values = [_interact_here(self.interact, messages) for messages, _ in calls]
+            else:
+                values = self.scorer.map([(messages,) for messages, _ in calls], function="interact")
+            return [self._judge_tools(value, where) for value, (_, where) in zip(values, calls, strict=True)]
 
     def _judge_tools(self, value: Any, where: str) -> list[dict]:
         if not isinstance(value, RewardFailure) and not (
@@ -170,8 +175,7 @@ class Environment:
                             f"{'make it faster or raise interact_timeout_s' if value.timed_out else 'fix it'}, "
                             "or set model.rollout.on_error: zero to end such conversations there")
         self.interact_failures += 1
-        log.warning("%s: interact from %s %s; the conversation ends at this turn (on_error: zero)", where, self.path,
-                    what)
+        log.warning("%s: interact from %s %s; the conversation ends at this turn (on_error: zero)", where, self.path, what)
         return []
 
     def judge(self, value: Any, where: str) -> tuple[float, dict[str, float]]:
@@ -201,11 +205,7 @@ class Environment:
 
     def _add_reward_model(self, calls: list[tuple[list[dict], Any, str]], scores: list[tuple[float, dict[str, float]]]
                           ) -> list[tuple[float, dict[str, float]]]:
-        """Score every conversation with the reward model (one batched call) and fold its score into each reward.
-
-        The score is one more component of the weighted combination, or added times its weight to a scalar
-        ``reward_fn``.
-        """
+        """Score every conversation with the reward model (one batched call) and fold its score into each reward."""
         from rl_lightning.rewards.reward_model import RewardModelError
 
         config = self.reward_model_config
@@ -224,7 +224,7 @@ class Environment:
                     raise value
                 self.failures, value = self.failures + 1, 0.0
             components = {**components, config.name: float(value)}
-            if self._fn_names:
+            if self._fn_names:  # one more component of the combination; else its weight x score joins a scalar reward
                 reward = self._combine(components)
             else:
                 reward += config.weight * float(value)
@@ -362,8 +362,7 @@ def load_environment(env_path: str, on_error: str = "raise", key: str = "env_pat
         raise ConfigError(f"{key} '{env_path}': reward_fn.check_answer must be a function (answer, where), got "
                           f"{answer_check!r}")
     return Environment(reward_fn, interact, env_path if adapter else str(Path(env_path)), on_error, weights=weights,
-                       combination=combination, ideal=ideal,
-                       reward_model=None if reward_model is None else reward_model.build(),
+                       combination=combination, ideal=ideal, reward_model=reward_model and reward_model.build(),
                        reward_model_config=reward_model, max_tool_chars=max_tool_chars, answer_types=answer_types,
                        answer_check=answer_check)
 

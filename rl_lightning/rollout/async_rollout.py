@@ -20,8 +20,10 @@ trainer skipped) is discarded and the batch sampled synchronously. A checkpoint 
 (`pending_state`: the save waits for it to finish, and it stays pending): a run resumed from it takes that rollout,
 sampled by the policy that sampled it in the uninterrupted run, and goes on bit for bit (CPU; the timings excepted).
 
-Generators (the `Generator` protocol): `ThreadGenerator`, one thread in the training process that drives the engine
-and the reward workers. With the in-process vLLM engine this is the colocated mode: the engine's forward and the
+Generators (the `Generator` protocol): `ThreadGenerator`, the rank's engine thread in the training process that drives
+the engine and the reward workers; it selects the rank's device and its engine stream before its first call, and
+every engine call of the mode runs there, the fit's first (synchronous) rollout and the weight pushes included
+(`rl_lightning.rollout.engine_thread`). With the in-process vLLM engine this is the colocated mode: the engine's forward and the
 trainer's kernels share the process (both release the GIL in their kernels, not in their Python). With
 `rl_lightning.engines.process.EngineProcess` as the engine the same thread only waits on a pipe while a
 separate engine process generates (disaggregated; weights broadcast over a process group of its own); that engine is
@@ -40,6 +42,7 @@ from typing import Any, Protocol
 
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.errors import ConfigError
+from rl_lightning.rollout.engine_thread import handed_over, run_ordered, select_device, taken_back
 from rl_lightning.rollout.trajectory import Trajectory
 
 
@@ -66,6 +69,9 @@ class Generator(Protocol):
     def take(self, key: Hashable) -> Finished | None:
         """Wait for the pending rollout and return it if it was submitted under `key`, else drop it (None)."""
 
+    def run(self, work: Callable[[], Any]) -> Any:
+        """`work()` where the engine's calls run (its thread), waited for: a weight push, a synchronous rollout."""
+
     def idle(self) -> None:
         """Wait until no generation uses the engine (before a weight push or a validation rollout)."""
 
@@ -73,21 +79,33 @@ class Generator(Protocol):
         """Wait for and drop any pending rollout; release the generator's resources."""
 
 
-def _timed(work: Callable[[], Any]) -> tuple[Any, float]:
+def _timed(work: Callable[[], Any], ready: Any, device: Any) -> tuple[Any, float, Any]:
+    """On the engine thread: `work`'s result, its seconds, and the event the trainer's stream waits for."""
     start = time.perf_counter()
-    return work(), time.perf_counter() - start
+    value, done = run_ordered(work, ready, device)
+    return value, time.perf_counter() - start, done
+
+
+def _select(device: Any) -> None:
+    if device is not None:  # None: a generator no callback started (its threads use no device)
+        select_device(device)
 
 
 class ThreadGenerator:
-    """Colocated generation: rollouts on background threads of the training process, taken in submission order.
+    """Colocated generation: rollouts on the rank's engine thread(s), taken in submission order.
+
+    Each engine thread selects `device` (and the rank's engine stream) before running anything
+    (`rl_lightning.rollout.engine_thread.select_device`); set `device` before the first `submit` or `run`.
 
     Args:
-        max_pending: rollouts generating at once (1; 2 with in-flight weight updates, where rollout k+1 is submitted
-            while rollout k finishes, both on one engine: `rl_lightning.rollout.inflight`).
+        max_pending: rollouts generating at once (1: one engine thread; 2 with in-flight weight updates, where rollout
+            k+1 is submitted while rollout k finishes, both on one engine: `rl_lightning.rollout.inflight`).
+        device: the rank's device (``trainer.strategy.root_device``; None: the threads select none).
     """
 
-    def __init__(self, max_pending: int = 1) -> None:
+    def __init__(self, max_pending: int = 1, device: Any = None) -> None:
         self.max_pending = max_pending
+        self.device = device
         self._executor: ThreadPoolExecutor | None = None
         self._queue: list[tuple[Hashable, int, Future]] = []  # (key, version, future), oldest first
 
@@ -109,9 +127,23 @@ class ThreadGenerator:
         """Run `work` on a background thread for batch `key`, policy `version`; `max_pending` rollouts at most."""
         if len(self._queue) >= self.max_pending:
             raise RuntimeError(f"ThreadGenerator.submit: {len(self._queue)} rollout(s) still pending; take one first")
+        self._queue.append((key, version, self._start(work)))
+
+    def run(self, work: Callable[[], Any]) -> Any:
+        """`work()` on an engine thread, waited for.
+
+        An engine call of the training thread's (a weight push, a first rollout, a validation): every engine call of
+        the mode runs on the engine's device and stream.
+        """
+        value, _, done = self._start(work).result()
+        taken_back(done, self.device)
+        return value
+
+    def _start(self, work: Callable[[], Any]) -> Future:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.max_pending, thread_name_prefix="rl_lightning-rollout")
-        self._queue.append((key, version, self._executor.submit(_timed, work)))
+            self._executor = ThreadPoolExecutor(self.max_pending, thread_name_prefix="rl_lightning-engine",
+                                                initializer=_select, initargs=(self.device,))
+        return self._executor.submit(_timed, work, handed_over(self.device), self.device)
 
     def take(self, key: Hashable) -> Finished | None:
         """Wait for the oldest pending rollout; returns it if submitted under `key`, else drops it (None; also if none)."""
@@ -119,8 +151,9 @@ class ThreadGenerator:
             return None
         submitted, version, future = self._queue.pop(0)
         start = time.perf_counter()
-        value, seconds = future.result()  # a failed generation raises here, in the training thread
+        value, seconds, done = future.result()  # a failed generation raises here, in the training thread
         waited = time.perf_counter() - start
+        taken_back(done, self.device)
         return Finished(value, version, waited, seconds) if submitted == key else None
 
     def idle(self) -> None:
@@ -168,7 +201,7 @@ def pending_state(generator: ThreadGenerator) -> list[dict[str, Any] | None]:
     mine = None
     if pending is not None:
         key, version, future = pending
-        value, seconds = future.result()
+        value, seconds, _ = future.result()
         keys: tuple[int, ...] = key  # type: ignore[assignment]  # the callback keys by (rollout, *prompt rows)
         mine = {"key": list(keys), "version": version, "generate_s": seconds, **_encode(value)}
     _, world_size = _world()
@@ -188,7 +221,7 @@ def restore_pending(generator: ThreadGenerator, states: list[dict[str, Any] | No
     if state is None:
         return
     future: Future = Future()
-    future.set_result((_decode(state), state["generate_s"]))
+    future.set_result((_decode(state), state["generate_s"], None))
     generator._queue = [(tuple(state["key"]), state["version"], future)]
 
 

@@ -10,6 +10,10 @@ through ``configure_callbacks``, so ``--model.rollout.env_path my_env.py`` works
 sampling temperature the task recomputes log-probabilities at is the one the engine sampled at. The callback reads
 the task's policy interface only (`PolicyTask`): ``model``, ``tokenizer``, ``model_name``, ``rollouts`` (completed
 rollouts) and ``device``. `RolloutConfig` lives in `rl_lightning.rollout.config` and is importable from here too.
+
+When the engine samples relative to the updates is the scheduling policy's (`rl_lightning.rollout.schedule`:
+synchronous, one-step-off, in-flight), chosen from the config by `scheduling_policy`; the policy composes the
+callback's public steps (`prepare_engine`, `sample`, `finish`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from rl_lightning.envs.workers import start_pool
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.phases import release_host_memory
 from rl_lightning.parallel.reductions import data_parallel_sum, root_device
-from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
 from rl_lightning.rollout.config import RolloutConfig
 from rl_lightning.rollout.engine_setup import (
     build_vllm_engine,
@@ -38,12 +41,27 @@ from rl_lightning.rollout.engine_setup import (
     engine_process_placement,
     prepare_engine,
 )
+from rl_lightning.rollout.inflight import InFlight
 from rl_lightning.rollout.pareto_archive import ParetoArchive
 from rl_lightning.rollout.refill import data_parallel_ranks, refill
 from rl_lightning.rollout.replay import ReplayDump, run_manifest
+from rl_lightning.rollout.schedule import OneStepOff, SchedulingPolicy, Synchronous
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
 
-__all__ = ["PolicyTask", "RolloutCallback", "RolloutConfig"]
+__all__ = ["PolicyTask", "RolloutCallback", "RolloutConfig", "scheduling_policy"]
+
+
+def scheduling_policy(config: RolloutConfig) -> SchedulingPolicy:
+    """The scheduling policy `config` asks for.
+
+    In-flight with ``inflight_segment_tokens``, one-step-off with ``async_steps: 1`` (a replay samples nothing:
+    synchronous), else synchronous.
+    """
+    if not config.async_steps or config.replay is not None:
+        return Synchronous()
+    if config.inflight_segment_tokens is not None:
+        return InFlight(config.inflight_segment_tokens)
+    return OneStepOff()
 
 
 class PolicyTask(Protocol):
@@ -85,8 +103,7 @@ class RolloutCallback(L.Callback):
         self.engine_devices: list[int] | None = None  # engine: vllm_process on GPU (checked in `setup`)
         self.refills = 0
         self.max_model_len: int | None = None  # multi-turn: a conversation ends before it outgrows it
-        # one-step-off-policy rollouts
-        self.generator: ThreadGenerator | None = ThreadGenerator() if c.async_steps and not c.replay else None
+        self.schedule: SchedulingPolicy = scheduling_policy(c)  # when the engine samples (sync, one-step-off, ...)
         self.replay: ReplayDump | None = None  # model.rollout.replay: the dumped rollouts (read in `setup`)
         self.pareto: ParetoArchive | None = None if c.pareto_archive_size is None else ParetoArchive(
             self.env.component_names, c.pareto_archive_size, c.pareto_reference)
@@ -121,6 +138,7 @@ class RolloutCallback(L.Callback):
                                          c.interact_timeout_s, c.worker_env)
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
+        self.schedule.start(root_device(trainer))  # the device its engine thread selects (if it has one)
         if c.engine == "hf":
             from rl_lightning.engines.hf import HFEngine
 
@@ -130,7 +148,8 @@ class RolloutCallback(L.Callback):
             self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
-            self.engine = self._vllm_engine(trainer, task)
+            engine, self.adapter_sync = build_vllm_engine(c, trainer, task, self.engine_devices)
+            self.engine = self.schedule.wrap_engine(engine)
         if c.engine == "vllm_process" and trainer.world_size > 1:  # one shared engine: every rank generates as often
             self.lockstep = Lockstep(torch.device("cpu"), task.tokenizer.pad_token_id, group=self.engine.group)
         # a fresh fit always pushes its weights first (in adapter mode: the adapter; the engine keeps the base)
@@ -147,8 +166,7 @@ class RolloutCallback(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Drop any in-flight rollout and shut the reward workers down."""
-        if self.generator is not None:  # an in-flight rollout is dropped (it still uses the reward workers)
-            self.generator.close()
+        self.schedule.close()  # an in-flight rollout is dropped (it still uses the reward workers)
         if self.env.scorer is not None:  # the reward workers
             self.env.scorer.close()
             self.env.scorer = None
@@ -158,12 +176,8 @@ class RolloutCallback(L.Callback):
         """A failed fit tears down as a finished one does."""
         self.teardown(trainer, pl_module, "fit")
 
-    def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
-        """The vLLM engine (`build_vllm_engine`); a subclass may wrap it."""
-        engine, self.adapter_sync = build_vllm_engine(self.config, trainer, task, self.engine_devices)
-        return engine
-
-    def _prepare_engine(self, trainer: L.Trainer, task: PolicyTask) -> None:
+    def prepare_engine(self, trainer: L.Trainer, task: PolicyTask) -> None:
+        """Push the policy's weights into the engine (skipped without an optimizer step since the last push), wake it."""
         prepare_engine(self.engine, self.weight_sync, task.model, trainer.global_step)
 
     # --------------------------------------------------------------------------------------------- training
@@ -192,7 +206,7 @@ class RolloutCallback(L.Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
                              ) -> None:
-        """Sample and score the batch's rollout (read ahead in the background with ``async_steps: 1``).
+        """Sample and score the batch's rollout, when the scheduling policy says (read ahead with ``async_steps: 1``).
 
         A rollout an earlier callback attached (distillation's dataset completions) is kept: nothing is sampled.
         """
@@ -204,18 +218,17 @@ class RolloutCallback(L.Callback):
                 task.rollouts, None if self.config.filter_range is not None else batch["prompts"])
             self._observe(trainer, task, rollout.trajectories, rollout.metrics)
             return
-        if self.generator is not None:
-            self._async_rollout(self.generator, trainer, task, batch, batch_idx)
-            return
-        self._prepare_engine(trainer, task)
-        trajectories, metrics = self._sample(trainer, task, batch["prompts"], task.rollouts)
-        batch["rollout"] = self._finish(trainer, task, trajectories, metrics)
-        self.engine.sleep()
-        release_host_memory()  # what generation freed goes back to the system before the update
+        batch["rollout"] = self.schedule.rollout(self, trainer, task, batch, batch_idx)
 
-    def _sample(self, trainer: L.Trainer, task: PolicyTask, prompts: list, index: int
-                ) -> tuple[list[Trajectory], dict[str, float]]:
-        """Rollout `index` of `prompts`, scored (and refilled): no collective, so it may run in the background."""
+    def sample(self, trainer: L.Trainer, task: PolicyTask, prompts: list, index: int
+               ) -> tuple[list[Trajectory], dict[str, float]]:
+        """Rollout `index` of `prompts`, scored (and refilled).
+
+        No collective when the policy generates in the background, so it may run on the engine thread.
+
+        Returns:
+            The trajectories and the rollout's metrics (timings, the environment's counters).
+        """
         start, self.env.reward_seconds = time.perf_counter(), 0.0
         params = self.sampling_params(index, prompts, task.tokenizer.eos_token_id)
         trajectories = self._generate(prompts, task.tokenizer, params)
@@ -232,32 +245,9 @@ class RolloutCallback(L.Callback):
                               "rollout/reward_timeouts": float(env.timeouts),  # since the start
                               **{k: float(v) for k, v in tools.items() if v}}
 
-    def _async_rollout(self, generator: ThreadGenerator, trainer: L.Trainer, task: PolicyTask, batch: dict,
-                       batch_idx: int) -> None:
-        """Take rollout k (generated during step k-1), push the current weights, submit rollout k+1.
-
-        See `rl_lightning.rollout.async_rollout`. The engine stays awake: the background generation runs during
-        training.
-        """
-        index, prompts = task.rollouts, batch["prompts"]
-        finished = generator.take((index, *(p.index for p in prompts)))
-        self._prepare_engine(trainer, task)  # version `index`: no generation uses the engine now
-        if finished is None:  # nothing read ahead (a fit's or an epoch's first batch): sampled now, up to date
-            trajectories, metrics = self._sample(trainer, task, prompts, index)
-            version, waited = index, 0.0
-        else:
-            (trajectories, metrics), version, waited = finished.value, finished.version, finished.wait_s
-        metrics.update({"rollout/staleness": float(index - version),  # policy updates between sampling and training
-                        "rollout/wait_s": waited})  # the trainer's wait for the background rollout
-        # the counters in the Rollout are read before the next rollout's generation can move them
-        batch["rollout"] = self._finish(trainer, task, trajectories, metrics)
-        ahead = read_ahead(trainer, task, batch_idx)
-        if ahead is not None:
-            generator.submit((index + 1, *(p.index for p in ahead)), index,
-                             lambda: self._sample(trainer, task, ahead, index + 1))
-
-    def _finish(self, trainer: L.Trainer, task: PolicyTask, trajectories: list[Trajectory],
-                metrics: dict[str, float]) -> Rollout:
+    def finish(self, trainer: L.Trainer, task: PolicyTask, trajectories: list[Trajectory],
+               metrics: dict[str, float]) -> Rollout:
+        """The `Rollout` the trainer takes: `metrics` with the weight push's, the archive's and the curriculum's."""
         if self.weight_sync is not None:
             metrics["rollout/weight_sync_s"] = self.weight_sync.seconds  # 0: skipped (no optimizer step)
             metrics["rollout/weight_sync_mb"] = self.weight_sync.stats.bytes / 2**20  # adapter sync: the adapter's
@@ -305,38 +295,37 @@ class RolloutCallback(L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The Pareto archive, if one is kept; every rank's in-flight rollout (async_steps: 1) for an exact resume."""
+        """The Pareto archive, if one is kept; the scheduling policy's state (every rank's in-flight rollout)."""
         state: dict[str, Any] = {} if self.pareto is None else {"pareto": self.pareto.state_dict()}
-        if self.generator is not None:
-            state["pending"] = pending_state(self.generator)
-        return state
+        return {**state, **self.schedule.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore `state_dict`'s archive and this rank's in-flight rollout."""
         if self.pareto is not None and "pareto" in state_dict:
             self.pareto.load_state_dict(state_dict["pareto"])
-        if self.generator is not None and state_dict.get("pending"):
-            restore_pending(self.generator, state_dict["pending"])
+        self.schedule.load_state_dict(state_dict)
 
     @override
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         """Held-out prompts: `val_responses_per_prompt` completions each (multi-turn as in training), scored."""
         c, task = self.config, _task(pl_module)
-        if self.generator is not None:  # the background rollout (kept for the next training batch) uses the engine
-            self.generator.idle()
-        self._prepare_engine(trainer, task)
         sampled = c.val_temperature > 0
         params = SamplingParams(n=c.val_responses_per_prompt, temperature=c.val_temperature,
                                 top_p=c.top_p if sampled else 1.0, top_k=c.top_k if sampled else 0,
                                 max_new_tokens=c.max_new_tokens, stop_token_ids=[task.tokenizer.eos_token_id],
                                 seeds=[(c.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
-        trajectories = rollout(self.engine, batch["prompts"], self.env, task.tokenizer, params, c.max_turns,
-                               self.lockstep, self.max_model_len)
-        batch["rollout"] = Rollout(trajectories, c.val_responses_per_prompt, self.env.component_names,
+
+        def validate() -> list[Trajectory]:  # where the policy's engine calls run, once no rollout uses the engine
+            self.prepare_engine(trainer, task)
+            trajectories = rollout(self.engine, batch["prompts"], self.env, task.tokenizer, params, c.max_turns,
+                                   self.lockstep, self.max_model_len)
+            self.engine.sleep()
+            return trajectories
+
+        batch["rollout"] = Rollout(self.schedule.call(validate), c.val_responses_per_prompt, self.env.component_names,
                                    self.env.failures, self.refills)
-        self.engine.sleep()
 
     def _generate(self, prompts: list, tokenizer: Any, params: SamplingParams) -> list[Trajectory]:
         c = self.config
@@ -362,7 +351,7 @@ class RolloutCallback(L.Callback):
             params = self.sampling_params(index, extra, task.tokenizer.eos_token_id, refill_round)
             return self._generate(extra, task.tokenizer, params)
 
-        ranks = data_parallel_ranks(trainer, collectives=self.generator is None)
+        ranks = data_parallel_ranks(trainer, collectives=not self.schedule.background)
         kept, rounds = refill(generate, prompts, trajectories, _datamodule(trainer).prompts["train"],
                               c.responses_per_prompt, filter_range, c.max_refill_rounds, (c.seed or 0) + 104_729 * index,
                               ranks)

@@ -9,7 +9,7 @@ every token is sampled by exactly one policy version, whose log-probability the 
 ``LLM.sleep(level=0, mode="keep")`` would keep the old KV cache instead (tokens sampled by new weights attending to
 activations of old ones, a policy no trainer can score) and pauses an engine core driven by one thread only.
 
-At the start of training batch k the callback (`InflightRolloutCallback`):
+At the start of training batch k the scheduling policy (`InFlight`, which the callback holds):
 
 1. pushes the policy of version k into the engine at the next segment boundary, while rollout k (read ahead during
    step k-1 by version k-1) may still be generating its long completions: their remaining tokens are version k's;
@@ -26,54 +26,63 @@ segment a weight push lands between depends on timing (the trainer's step vs the
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-import lightning as L
+import torch
 
 from rl_lightning.engines.segmented import SegmentedEngine
-from rl_lightning.rollout.async_rollout import ThreadGenerator, read_ahead
-from rl_lightning.rollout.callback import PolicyTask, RolloutCallback
-from rl_lightning.rollout.config import RolloutConfig
+from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
+from rl_lightning.rollout.schedule import RolloutSteps, rollout_key, submit_ahead
+from rl_lightning.rollout.trajectory import Rollout
+
+T = TypeVar("T")
 
 
-class InflightRolloutCallback(RolloutCallback):
-    """`RolloutCallback` whose one-step-off rollouts take new weights in flight (see the module's docstring)."""
+class InFlight:
+    """One-step-off rollouts whose weights load in flight: a `rl_lightning.rollout.schedule.SchedulingPolicy`.
 
-    def __init__(self, config: RolloutConfig) -> None:
-        super().__init__(config)
-        if self.generator is not None:  # rollout k+1 starts while rollout k finishes
-            self.generator = ThreadGenerator(max_pending=2)
-        # two rollouts in flight score (and interact) from two threads: whole calls take turns, so the env's
-        # counters and its reward model see one caller at a time (the reward pool is itself safe across threads;
-        # ``rollout/reward_s`` counts the other rollout's scoring too)
-        lock = threading.Lock()
-        for name in ("score_all", "interact_all"):
-            setattr(self.env, name, _taking_turns(getattr(self.env, name), lock))
+    See the module's docstring.
 
-    def _vllm_engine(self, trainer: L.Trainer, task: PolicyTask) -> Any:
-        segment = self.config.inflight_segment_tokens
-        assert segment is not None  # built by `rollout_callback` only when set
-        return SegmentedEngine(super()._vllm_engine(trainer, task), segment)
+    Two rollouts in flight score (and interact) from two threads: the environment's whole calls take turns on its
+    own lock (`rl_lightning.envs.environment.Environment.turns`), so its counters and its reward model see one caller
+    at a time (``rollout/reward_s`` counts the other rollout's scoring too).
 
-    def _async_rollout(self, generator: ThreadGenerator, trainer: L.Trainer, task: PolicyTask, batch: dict,
-                       batch_idx: int) -> None:
+    Args:
+        segment_tokens: tokens per request per segment (``model.rollout.inflight_segment_tokens``).
+    """
+
+    background = True
+
+    def __init__(self, segment_tokens: int) -> None:
+        self.segment_tokens = segment_tokens
+        self.generator = ThreadGenerator(max_pending=2)  # rollout k+1 starts while rollout k finishes
+
+    def start(self, device: torch.device) -> None:
+        """The engine threads select `device` (and the rank's engine stream) before their first call."""
+        self.generator.device = device
+
+    def wrap_engine(self, engine: Any) -> SegmentedEngine:
+        """`engine` generating in segments that take new weights between them."""
+        return SegmentedEngine(engine, self.segment_tokens)
+
+    def rollout(self, steps: RolloutSteps, trainer: Any, task: Any, batch: dict, batch_idx: int) -> Rollout:
         """Push version k at the next segment boundary, submit rollout k+1, then take rollout k."""
-        index, prompts = task.rollouts, batch["prompts"]
-        key = (index, *(p.index for p in prompts))
-        with self.engine.paused(index):  # rollout k's unfinished completions continue with version k
-            self._prepare_engine(trainer, task)
+        generator, index, prompts = self.generator, task.rollouts, batch["prompts"]
+        key = rollout_key(index, prompts)
+        with steps.engine.paused(index):  # rollout k's unfinished completions continue with version k
+            generator.run(lambda: steps.prepare_engine(trainer, task))
         ahead = read_ahead(trainer, task, batch_idx)
         if not generator.submitted(key):  # nothing read ahead (a fit's or an epoch's first batch): sampled now
             generator.take(key)  # drops a rollout read ahead for another batch
-            trajectories, metrics = self._sample(trainer, task, prompts, index)
+            trajectories, metrics = generator.run(lambda: steps.sample(trainer, task, prompts, index))
             version, waited = index, 0.0
-            self._submit(generator, trainer, task, ahead, index)
+            submit_ahead(generator, steps, trainer, task, ahead, index)
         else:
-            self._submit(generator, trainer, task, ahead, index)
+            submit_ahead(generator, steps, trainer, task, ahead, index)
             finished = generator.take(key)
-            assert finished is not None  # submitted under `key`
+            if finished is None:  # submitted under `key`: `take` returns it
+                raise RuntimeError(f"InFlight.rollout: the rollout submitted under {key} was not taken")
             (trajectories, metrics), version, waited = finished.value, finished.version, finished.wait_s
         for t in trajectories:
             t.trained_version = index
@@ -82,25 +91,26 @@ class InflightRolloutCallback(RolloutCallback):
         metrics.update({"rollout/staleness": float(index - version), "rollout/wait_s": waited,
                         # completion tokens sampled by an older policy than the one trained (the rest: in flight)
                         "rollout/stale_token_share": sum(v < index for v in versions) / max(1, len(versions))})
-        batch["rollout"] = self._finish(trainer, task, trajectories, metrics)
+        return steps.finish(trainer, task, trajectories, metrics)
 
-    def _submit(self, generator: ThreadGenerator, trainer: L.Trainer, task: PolicyTask, ahead: list | None,
-                index: int) -> None:
-        if ahead is not None:
-            generator.submit((index + 1, *(p.index for p in ahead)), index,
-                             lambda: self._sample(trainer, task, ahead, index + 1))
+    def call(self, work: Callable[[], T]) -> T:
+        """`work()` on an engine thread, once no background generation uses the engine."""
+        self.generator.idle()
+        return self.generator.run(work)
 
+    def idle(self) -> None:
+        """Wait for the background generations."""
+        self.generator.idle()
 
-def _taking_turns(method: Callable[..., Any], lock: threading.Lock) -> Callable[..., Any]:
-    def serialised(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            return method(*args, **kwargs)
+    def close(self) -> None:
+        """Drop the in-flight rollouts (they still use the reward workers) and stop the engine threads."""
+        self.generator.close()
 
-    return serialised
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's pending rollout, with its tokens' versions (`pending_state`)."""
+        return {"pending": pending_state(self.generator)}
 
-
-def rollout_callback(config: RolloutConfig) -> RolloutCallback:
-    """The rollout callback `config` asks for: `InflightRolloutCallback` with ``inflight_segment_tokens`` set."""
-    if config.inflight_segment_tokens is not None:
-        return InflightRolloutCallback(config)
-    return RolloutCallback(config)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's pending rollout back."""
+        if state.get("pending"):
+            restore_pending(self.generator, state["pending"])

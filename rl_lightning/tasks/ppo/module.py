@@ -24,7 +24,7 @@ from rl_lightning.models.loading import load_tokenizer
 from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
 from rl_lightning.models.lora import LoRAConfig
 from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, typed
-from rl_lightning.rollout.inflight import RolloutConfig, rollout_callback
+from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.ppo import distill as distillation
@@ -180,7 +180,7 @@ class PPO(SkippedStepsState, L.LightningModule):
         self.rollouts = 0  # completed rollouts
         self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
         self.controllers = make_controllers(kl, constraints, max_rollouts)
-        self.rollout_callback = rollout_callback(rollout)
+        self.rollout_callback = RolloutCallback(rollout)
         self.held_out = validation.HeldOutSums()  # this rank's reward sums of the held-out prompts
         self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
 
