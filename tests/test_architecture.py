@@ -2,8 +2,12 @@
 
 - no import circle between modules (function-level imports count: a lazy import is still a dependency);
 - imports flow one way between packages, top to bottom: cli, callbacks, tracking, tasks, rollout, envs, rewards,
-  engines, data, parallel, models, memory, attention, assets, algorithms; `rl_lightning.errors` and `.redaction` are
-  for everyone; nothing imports `cli`, and `algorithms` imports nothing of ours;
+  engines, data, parallel, models, memory, attention, assets, algorithms and compat; `rl_lightning.errors` and
+  `.redaction` are for everyone; nothing imports `cli`, and `algorithms` and `compat` import nothing of ours;
+- a private name of jsonargparse/argparse, Lightning, MLflow, transformers or vLLM appears only in `rl_lightning.compat`
+  (`private_uses`: private module imports; ``x._name`` where ``x`` is one of those libraries, or ``_name`` is a private
+  name of theirs we know of (`FOREIGN`, on ``self`` too, and as an overriding method), or ``x`` is not ``self``/``cls``
+  and no code of ours defines ``_name``);
 - every package's ``__init__`` says what it may import (``May import: a, b.``) and imports nothing else, so the
   package graph has no circle either;
 - at most 5 modules at the package root, every package's ``__init__`` opens with a docstring;
@@ -21,7 +25,7 @@ RECIPES = PACKAGE / "recipes"
 
 # Top to bottom; a package may import its own modules and what its ``__init__`` declares, all of it below it.
 LAYERS = [["__main__"], ["cli"], ["callbacks"], ["tracking"], ["tasks"], ["rollout"], ["envs"], ["rewards"], ["engines"],
-          ["data"], ["parallel"], ["models"], ["memory"], ["attention"], ["assets"], ["algorithms"],
+          ["data"], ["parallel"], ["models"], ["memory"], ["attention"], ["assets"], ["algorithms", "compat"],
           ["errors", "redaction"]]
 FOR_EVERYONE = {"errors", "redaction"}
 # Commands that live beside what they build: they sit at the top of the order, and nothing of ours imports them.
@@ -227,3 +231,118 @@ def test_test_file_names_are_unique():
     for path in sorted((REPO / "tests").rglob("test_*.py")):
         names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+# --- Third-party private names live in rl_lightning/compat/ only (issue 38 item 4) ---------------------------------
+COMPAT = PACKAGE / "compat"
+LIBRARIES = {"jsonargparse", "argparse", "lightning", "lightning_fabric", "pytorch_lightning", "mlflow", "transformers",
+             "vllm"}
+# Private names of those libraries we know of: flagged wherever they appear outside compat, on `self` too (a subclass
+# reading its base's private attribute, or overriding its private method).
+FOREIGN = {
+    "_actions", "_option_string_actions", "_name_parser_map", "_typehint", "_check_value_key", "_subcommand_parsers",
+    "_parse_ckpt_path", "_configure_launcher", "_setup_distributed", "_get_process_group_backend", "_device_mesh",
+    "_process_group_backend", "_timeout", "_checkpoint_io", "_save_distributed_checkpoint", "_link_checkpoint",
+    "_remove_checkpoint", "_last_checkpoint_saved", "_generate_state_key", "_trainer", "_run_id", "_run_name",
+    "_experiment_id", "_experiment_name", "_tracking_uri", "_initialized", "_mlflow_client", "_attn_implementation",
+}
+# Private names of other libraries (torch, the standard library, OpenEnv) met on objects of unknown type: not this
+# rule's concern (it covers the five libraries above), listed so a new one is a decision.
+OTHER_LIBRARIES = {"_exit", "_base", "_version", "_spec", "_flatten", "_forward_hooks", "_forward_pre_hooks",
+                   "_backward_hooks", "_backward_pre_hooks", "_orig_mod", "_foreach_mul_", "_flash_attention_forward",
+                   "_flash_attention_backward", "_Options", "_devices", "_wrapped_by_lr_sched", "_base_executable",
+                   "_fields", "_rubric_list", "_weights", "_vf_weight"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _our_names(paths: list[Path]) -> set[str]:
+    """Private names our code defines: functions, classes, module/class variables, `self.`/`cls.` attributes."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"}):
+                names.add(node.attr)
+    return {name for name in names if _is_private(name)} - FOREIGN
+
+
+def _library_bindings(tree: ast.AST) -> set[str]:
+    """Names a module binds by importing from the libraries (``import lightning as L``, ``from mlflow import x``)."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in LIBRARIES}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
+            bound |= {a.asname or a.name for a in node.names}
+    return bound
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, ast.Attribute | ast.Subscript | ast.Call):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def private_uses(source: str, ours: set[str]) -> list[str]:
+    """``line: name`` for each use of a library's private name in `source` (the heuristic of the module docstring)."""
+    tree = ast.parse(source)
+    bound, found = _library_bindings(tree), []
+    methods = {id(item) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for item in c.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            module = getattr(node, "module", None) or ""
+            dotted = [module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            if (module or dotted[0]).split(".")[0] in LIBRARIES and getattr(node, "level", 0) == 0:
+                found += [f"{node.lineno}: import {d}" for d in dotted if any(map(_is_private, d.split(".")))]
+                found += [f"{node.lineno}: import {n}" for n in names if _is_private(n)]
+            continue
+        if isinstance(node, ast.Attribute):
+            receiver, name = node.value, node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in {"getattr", "hasattr", "setattr", "delattr"} and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            receiver, name = node.args[0], node.args[1].value
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in FOREIGN and id(node) in methods:
+            found.append(f"{node.lineno}: def {node.name} (overrides a library's private method)")
+            continue
+        else:
+            continue
+        if not _is_private(name):
+            continue
+        root = _root(receiver)
+        library = isinstance(root, ast.Name) and root.id in bound
+        mine = isinstance(receiver, ast.Name) and receiver.id in {"self", "cls"}
+        if library or name in FOREIGN or (not mine and name not in ours and name not in OTHER_LIBRARIES):
+            found.append(f"{node.lineno}: {name}")
+    return sorted(set(found), key=lambda line: int(line.split(":")[0]))
+
+
+def _outside_compat() -> list[Path]:
+    return [path for path in _sources() if not path.is_relative_to(COMPAT)]
+
+
+def test_third_party_private_names_only_in_compat():
+    ours = _our_names(_outside_compat())
+    found = {str(path.relative_to(REPO)): uses for path in _outside_compat()
+             if (uses := private_uses(path.read_text(), ours))}
+    assert found == {}, "a library's private name outside rl_lightning/compat/: add a named function there and call it"
+
+
+def test_the_private_name_check_catches_a_planted_use():
+    planted = ("import argparse\nfrom jsonargparse._optionals import x\nimport lightning as L\n"
+               "def f(parser, logger, trainer):\n    parser._actions\n    L.pytorch._x\n"
+               "    getattr(logger, '_run_id')\n    trainer._not_ours\n    trainer._ours\n    return argparse._SUPPRESS\n"
+               "class S:\n    def _setup_distributed(self):\n        self._device_mesh = 1\n        self._mine = 2\n")
+    assert private_uses(planted, ours={"_ours", "_mine"}) == [
+        "2: import jsonargparse._optionals", "5: _actions", "6: _x", "7: _run_id", "8: _not_ours", "10: _SUPPRESS",
+        "12: def _setup_distributed (overrides a library's private method)", "13: _device_mesh"]

@@ -4,5 +4,5 @@
 - `kernels`: the block kernels (flash-attn when installed, a SDPA/eager fallback) with their log-sum-exp;
 - `ring`: ZigZag ring attention across a context-parallel group; `zigzag`: how a sequence is split over that group.
 
-May import: nothing of ours.
+May import: compat.
 """

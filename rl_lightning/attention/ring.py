@@ -47,6 +47,7 @@ from rl_lightning.attention.zigzag import shard_micro_batch as shard_micro_batch
 from rl_lightning.attention.zigzag import shard_tokens as shard_tokens
 from rl_lightning.attention.zigzag import zigzag_blocks as zigzag_blocks
 from rl_lightning.attention.zigzag import zigzag_layout as zigzag_layout
+from rl_lightning.compat.transformers import restore_flash_attn_helper
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +56,6 @@ _FLASH_PACKAGES = {
     "flash_attn": ("flash-attn", 'pip install --no-build-isolation --no-cache-dir "flash-attn>=2.8,<2.9"'),
     "ring_flash_attn": ("ring-flash-attn", "pip install ring-flash-attn==0.1.8"),
 }
-
-
-def _shim_transformers() -> None:
-    """ring-flash-attn 0.1.8 imports a helper transformers 5 moved (shared/reference apis.md §3.1): put it back."""
-    import transformers.modeling_flash_attention_utils as flash_utils
-    import transformers.utils
-
-    if not hasattr(flash_utils, "is_flash_attn_greater_or_equal_2_10"):
-        flash_utils.is_flash_attn_greater_or_equal_2_10 = transformers.utils.is_flash_attn_greater_or_equal_2_10
 
 
 @functools.cache
@@ -81,7 +73,7 @@ def flash_attn_status() -> tuple[bool, str]:
             return False, f"{package} is not installed ({install})"
         try:
             if module == "ring_flash_attn":
-                _shim_transformers()
+                restore_flash_attn_helper()  # ring-flash-attn 0.1.8 imports a helper transformers 5 moved
             importlib.import_module(module)
         except Exception as error:  # any failure of a compiled extension's import means unusable
             message = " ".join(f"{type(error).__name__}: {error}".split())  # one line
@@ -99,7 +91,7 @@ def _flash_ring_available(query: torch.Tensor) -> bool:
 
 
 def _flash_ring(query, key, value, blocks: ZigzagBlocks, layout: ZigzagLayout, scaling: float | None) -> torch.Tensor:
-    _shim_transformers()
+    restore_flash_attn_helper()  # ring-flash-attn 0.1.8 imports a helper transformers 5 moved
     from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
 
     out = zigzag_ring_flash_attn_varlen_func(  # offsets and longest length from the layout: no host sync here

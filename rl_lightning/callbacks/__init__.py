@@ -37,5 +37,5 @@ Other tasks' batches have no ``"rollout"`` key: check before reading it. The met
 The rollout callback runs in ``on_train_batch_start``, after the Trainer's own callbacks (Lightning runs callbacks a
 module adds last), so another callback's ``on_train_batch_start`` sees the batch before its rollout.
 
-May import: rollout, memory.
+May import: rollout, memory, compat.
 """

@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from rl_lightning.compat.lightning import callback_state_key
 from rl_lightning.errors import ConfigError
 
 MODES = ("max", "min")
@@ -58,7 +59,7 @@ class EarlyStopOnReward(L.Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(metric=self.metric, mode=self.mode, threshold=self.threshold)
+        return callback_state_key(self, metric=self.metric, mode=self.mode, threshold=self.threshold)
 
     @override
     def state_dict(self) -> dict[str, Any]:

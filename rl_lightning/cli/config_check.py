@@ -5,8 +5,8 @@ against the parser that takes it, without reading jsonargparse's message:
 
 - a key is one of the parser's actions, or an init arg of the class given at a key that takes a class (jsonargparse
   gives those a ``--<key>.help``), that class's parser built as jsonargparse builds it (linked targets left out);
-- a value is what jsonargparse's own ``_check_value_key`` accepts for the key; the expected type is named from the
-  action's type hint (`hint_name`);
+- a value is what jsonargparse's own check accepts for the key (`rl_lightning.compat.jsonargparse.check_value`); the
+  expected type is named from the action's type hint (`hint_name`);
 - a class path resolves as jsonargparse resolves it (short names included); when it does not, the reason is Python's
   own ``ImportError`` / ``AttributeError``; a path of a module that moved gets its new path
   (`rl_lightning.cli.moved_paths`);
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rl_lightning.cli.moved_paths import find_moved
+from rl_lightning.compat.jsonargparse import check_value, option_actions, parser_actions, subcommand_parsers, type_hint
 
 COMMAND_LINE = "command line"
 _NOT_KEYS = ("help", "config", "print_config", argparse.SUPPRESS)  # parser actions that are not config keys
@@ -127,16 +128,12 @@ def user_key(key: str) -> str:
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {action.dest: action for action in parser._actions}
+    return {action.dest: action for action in parser_actions(parser)}
 
 
 def _takes_class(parser: argparse.ArgumentParser, dest: str) -> bool:
     """Whether the key takes a class (``class_path`` + ``init_args``): jsonargparse gives such keys a ``.help``."""
-    return f"--{dest}.help" in parser._option_string_actions
-
-
-def _hint(action: argparse.Action) -> Any:
-    return getattr(action, "_typehint", None) or action.type
+    return f"--{dest}.help" in option_actions(parser)
 
 
 def hint_name(hint: Any) -> str:
@@ -267,9 +264,9 @@ class _Walk:
         """Whether jsonargparse's own check of the key's type accepts the value."""
         action = _actions(scope.parser)[key]
         try:
-            scope.parser._check_value_key(action, value, key, None)  # type: ignore[attr-defined]
+            check_value(scope.parser, action, value, key)
         except (TypeError, ValueError):
-            return Problem(shown, f"expected {hint_name(_hint(action))}", value, "value", scope.class_path,
+            return Problem(shown, f"expected {hint_name(type_hint(action))}", value, "value", scope.class_path,
                            scope.prefix, where)
         self.given.add(shown)
         return None
@@ -306,7 +303,7 @@ class _Walk:
 
     def resolve(self, scope: Scope, key: str, class_path: str, shown: str, where: str) -> str | Problem | None:
         """The full path of the class `class_path` names at `key`, a `Problem`, or None (text, not a class)."""
-        found, trouble = resolve_class(class_path, _hint(_actions(scope.parser)[key]))
+        found, trouble = resolve_class(class_path, type_hint(_actions(scope.parser)[key]))
         return Problem(shown, trouble, class_path, "class", where=where) if trouble else found
 
     def scope_of(self, class_path: str, action: argparse.Action, shown: str) -> Scope | None:
@@ -327,7 +324,7 @@ class _Walk:
     def missing_required(self) -> Problem | None:
         """The first required init arg of a given class that no setting gave."""
         for shown, scope in self.scopes.items():
-            for action in scope.parser._actions:
+            for action in parser_actions(scope.parser):
                 key = f"{shown}.{action.dest}"
                 if action.required and not any(key == g or key.startswith(g + ".") for g in self.given):
                     return Problem(key, "is required but not set", None, "value", scope.class_path, shown)
@@ -339,7 +336,7 @@ def _default_class(action: argparse.Action) -> str | None:
     default = action.default
     if hasattr(default, "get") and default.get("class_path"):
         return str(default.get("class_path"))
-    hint = _hint(action)
+    hint = type_hint(action)
     members = [arg for arg in typing.get_args(hint) or (hint,) if arg is not type(None)]
     if len(members) == 1 and dataclasses.is_dataclass(members[0]) and isinstance(members[0], type):
         return f"{members[0].__module__}.{members[0].__qualname__}"
@@ -348,8 +345,8 @@ def _default_class(action: argparse.Action) -> str | None:
 
 def command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[Any, list[str]] | None:
     """The parser of the subcommand `argv` runs (``fit``) and the arguments after it; None when it names none."""
-    for action in parser._actions:
-        commands = getattr(action, "_name_parser_map", None)
+    for action in parser_actions(parser):
+        commands = subcommand_parsers(action)
         if commands:
             at = next((i for i, arg in enumerate(argv) if arg in commands), None)
             return None if at is None else (commands[argv[at]], list(argv[at + 1 :]))

@@ -33,6 +33,7 @@ from rl_lightning.cli.config_check import (
     read_settings,
     user_key,
 )
+from rl_lightning.compat.jsonargparse import parser_actions, subcommand_parsers
 
 __all__ = ["Problem", "first_line", "locate", "one_line_error", "parse_message", "suggest"]
 
@@ -152,8 +153,8 @@ def suggest(word: str, candidates: Sequence[str]) -> str | None:
 def parser_keys(parser: argparse.ArgumentParser) -> list[str]:
     """The dotted keys a parser accepts (leaves only; a subcommand's keys included), without help/config actions."""
     keys = []
-    for action in parser._actions:
-        subparsers = getattr(action, "_name_parser_map", None)
+    for action in parser_actions(parser):
+        subparsers = subcommand_parsers(action)
         if subparsers:
             keys += [k for sub in subparsers.values() for k in parser_keys(sub)]
         elif action.dest not in _NOT_KEYS and not action.dest.endswith(".help"):
@@ -271,7 +272,7 @@ def one_line_error(message: str, parser: argparse.ArgumentParser, argv: Sequence
     if problem is None:
         problem = parse_message(message)
         if problem is None or not problem.key:
-            at_root = any(getattr(action, "_name_parser_map", None) for action in parser._actions)
+            at_root = any(subcommand_parsers(action) for action in parser_actions(parser))
             return f"{first_line(message)} — see `{PROG}{'' if at_root else ' ' + SUBCOMMAND} --help`"
         if problem.what == "expected one argument":  # argparse names the group (--model) of `--model.model_name`
             problem.key = _dangling_option(problem.key, argv)

@@ -27,6 +27,8 @@ from rl_lightning.cli.device_check import check_trainer_devices
 from rl_lightning.cli.recipes import resolve_config_args, resolve_references
 from rl_lightning.cli.renamed_keys import renamed_error
 from rl_lightning.cli.run_names import configs_name, run_name
+from rl_lightning.compat.jsonargparse import cli_subcommand_parsers
+from rl_lightning.compat.lightning import KeepArgumentsOnCkptPath
 from rl_lightning.errors import UserError
 from rl_lightning.redaction import redact_text, redact_yaml, remember_env
 
@@ -71,7 +73,7 @@ class RLArgumentParser(LightningArgumentParser):
         self.exit(2, f"rl_lightning: error: {redact_text(line)}\n")
 
 
-class RLLightningCLI(LightningCLI):
+class RLLightningCLI(KeepArgumentsOnCkptPath, LightningCLI):
     """LightningCLI with tasks by class path, a linked tokenizer, shared trainer defaults and one-line errors.
 
     The trainer defaults: MLflow logger, progress bar, last checkpoint, Hugging Face export. A run is named after its
@@ -135,7 +137,7 @@ class RLLightningCLI(LightningCLI):
             with contextlib.suppress(OSError):
                 self.config_texts.append(open(path).read())
         remember_env([*raw, *self.config_texts])  # values read with ${oc.env:NAME} are shown as that reference
-        for each in (parser, *getattr(self, "_subcommand_parsers", {}).values()):
+        for each in (parser, *cli_subcommand_parsers(self).values()):
             each.argv = raw
         if renamed := renamed_error(raw):  # a key that moved: one line naming the new key, before jsonargparse
             parser.exit(2, f"rl_lightning: error: {redact_text(renamed)}\n")
@@ -175,13 +177,6 @@ class RLLightningCLI(LightningCLI):
         self.place_outputs(trainer, logger, None if weights_only else config.get("ckpt_path"), folder)
         if config.get("ckpt_path") == "last":
             config.ckpt_path = last_checkpoint(trainer.callbacks)
-
-    def _parse_ckpt_path(self) -> None:
-        """Keep this run's model arguments on ``--ckpt_path FILE``.
-
-        Lightning would replace them with the checkpoint's hyperparameters, silently (a changed model or learning rate
-        ignored; and only for a file, not ``last``); `before_fit` refuses a checkpoint of another run instead.
-        """
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path`` of another run before anything loads (`rl_lightning.cli.resume_check`)."""
@@ -270,15 +265,15 @@ def _callbacks_add_in_config_files() -> None:
     of replacing the list. ``--trainer.callbacks '[...]'`` on the command line still replaces the whole list.
     """
     from jsonargparse import get_loader, set_loader
-    from jsonargparse._loaders_dumpers import get_loader_exceptions
-    from jsonargparse._optionals import get_omegaconf_loader  # the stock "omegaconf+" loader, wrapped below
+
+    from rl_lightning.compat.jsonargparse import loader_exceptions, omegaconf_loader
 
     try:
         if getattr(get_loader("omegaconf+"), "adds_callbacks", False):
             return
     except KeyError:  # jsonargparse sets its omegaconf loaders up lazily
         pass
-    base = get_omegaconf_loader("omegaconf+")
+    base = omegaconf_loader("omegaconf+")  # the stock "omegaconf+" loader, wrapped below
 
     def load(value: str) -> Any:
         loaded = base(value)
@@ -288,7 +283,7 @@ def _callbacks_add_in_config_files() -> None:
         return loaded
 
     load.adds_callbacks = True  # type: ignore[attr-defined]  # marks the loader as installed
-    set_loader("omegaconf+", load, get_loader_exceptions("yaml"))
+    set_loader("omegaconf+", load, loader_exceptions("yaml"))
 
 
 def main(args: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from rl_lightning.cli.run_lock import RunLock
+from rl_lightning.compat import mlflow as mlflow_compat
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_io import write_atomic
 from rl_lightning.redaction import redact_text
@@ -143,8 +144,8 @@ class RunOutputs(L.Callback):
         record = read_run_file(self.dirpath)
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
-                record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": logger._experiment_name,
-                               "mlflow_tracking_uri": redact_text(logger._tracking_uri or "")})  # no password
+                record.update({"mlflow_run_id": logger.run_id, "mlflow_experiment": mlflow_compat.experiment_name(logger),
+                               "mlflow_tracking_uri": redact_text(mlflow_compat.tracking_uri(logger) or "")})  # no password
                 logger.experiment.set_tag(logger.run_id, "output_dir", str(self.dirpath.resolve()))
         write_atomic(self.dirpath / RUN_FILE, json.dumps(record, indent=2) + "\n", mode=0o600)  # this user's only
 

@@ -19,6 +19,8 @@ import lightning as L
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from typing_extensions import override
 
+from rl_lightning.compat import mlflow as mlflow_compat
+
 # train/ metrics shown on the bar, in this order, by their MLflow names without ``train/`` (the names a user searches
 # for in MLflow); the first present of each name wins
 SHOWN = tuple((key, key.removeprefix("train/")) for key in (
@@ -240,7 +242,7 @@ def run_name(trainer: L.Trainer) -> str | None:
 
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger):
-            return logger._run_name
+            return mlflow_compat.run_name(logger)
     return None
 
 
@@ -262,9 +264,9 @@ def summary(trainer: L.Trainer, pl_module: L.LightningModule, bar: RunProgress, 
         elif type(callback).__name__ == "RunPlots" and dirpath and os.path.isfile(f"{dirpath}/summary.png"):
             rows.append(("plots", _relative(f"{dirpath}/summary.png")))
     for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger) and logger._run_id:
-            rows += [("MLflow", f"run {logger._run_name or ''} ({logger.run_id}) in experiment "
-                                f"'{logger._experiment_name}'"), ("", mlflow_link(logger)),
+        if isinstance(logger, MLFlowLogger) and mlflow_compat.started_run_id(logger):
+            rows += [("MLflow", f"run {mlflow_compat.run_name(logger) or ''} ({logger.run_id}) in experiment "
+                                f"'{mlflow_compat.experiment_name(logger)}'"), ("", mlflow_link(logger)),
                      ("compare", experiment_link(logger).rsplit(" ", 1)[-1])]
     lines = [f"{name} finished: {done} {unit}{'s' if done != 1 else ''} in {_duration(seconds)}"]
     lines += [f"  {label:<11} {text}" for label, text in rows if text]  # the 2nd MLflow line: blank label
@@ -292,7 +294,7 @@ ML_VIEW = "workflowType=machine_learning"
 def _ui_address(logger: Any, page: str) -> str:
     from rl_lightning.redaction import redact_text
 
-    uri = redact_text(logger._tracking_uri or "")  # a password in it stays off the terminal
+    uri = redact_text(mlflow_compat.tracking_uri(logger) or "")  # a password in it stays off the terminal
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}"
     return f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/{page}"

@@ -164,9 +164,9 @@ class WeightsFromCheckpoint(L.Callback):
         """Load the weights into `pl_module` (weights-only unless ``--trust_checkpoint``)."""
         try:
             if os.path.isdir(self.path):  # a sharded (DCP) checkpoint: ParallelStrategy's model, shard by shard
-                from lightning.fabric.strategies.model_parallel import _load_checkpoint
+                from rl_lightning.compat.lightning import load_sharded_checkpoint
 
-                _load_checkpoint(Path(self.path), {"state_dict": pl_module}, strict=True, weights_only=not self.trust)
+                load_sharded_checkpoint(Path(self.path), pl_module, weights_only=not self.trust)
             else:  # a full state dict: into a plain or a sharded model alike
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

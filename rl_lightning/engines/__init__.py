@@ -10,5 +10,5 @@
 
 Nothing here knows a task, a Trainer or an environment: an engine takes tensors, token ids and plain settings.
 
-May import: parallel, assets.
+May import: parallel, assets, compat.
 """

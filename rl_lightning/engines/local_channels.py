@@ -47,7 +47,6 @@ def loopback_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     """A gloo process group over `store` whose sockets bind ``127.0.0.1`` only."""
     import torch.distributed as dist
 
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
-    options._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, options)
+    from rl_lightning.compat.torch import gloo_options
+
+    return dist.ProcessGroupGloo(store, rank, size, gloo_options(LOOPBACK, timeout))

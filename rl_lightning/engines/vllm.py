@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from rl_lightning.assets.real import resolve_model
+from rl_lightning.compat import vllm as vllm_compat
 
 # The adapter-sync decision lives in `rl_lightning.engines.lora_sync`; it stays importable from here (re-exports).
 from rl_lightning.engines.lora_sync import adapter_blockers as adapter_blockers
@@ -226,7 +227,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(**{**kwargs, **llm_kwargs})
         finally:
             torch.set_float32_matmul_precision(precision)  # the trainer's choice (e.g. TF32) stays
-        self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
+        self.dtype: torch.dtype = vllm_compat.model_dtype(self.llm)
         self.needs_weights = True  # dummy weights until the first push
         self._asleep: set[str] = set()
         self._logged_no_sleep = False
@@ -267,8 +268,7 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors by checkpoint name (every weight; consumed lazily, in order)."""
         self._wake(["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
-                                                          "is_checkpoint_format": True})
+        vllm_compat.reload_weights(self.llm, named_tensors)
         self.llm.apply_model(_refresh_tied_heads)
         if "kv_cache" not in self._asleep:
             self.llm.reset_prefix_cache()  # cached prefixes hold activations of the old weights
@@ -305,7 +305,7 @@ class VLLMEngine:
         the process is done with collectives; the same teardown runs at interpreter exit (or when the engine is
         garbage-collected) otherwise.
         """
-        self.llm.llm_engine.engine_core.shutdown()
+        vllm_compat.shutdown(self.llm)
         if self._remove_adapters is not None:
             self._remove_adapters()
 

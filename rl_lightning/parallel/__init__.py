@@ -3,7 +3,7 @@
 `ParallelStrategy` is imported on first use, so a light submodule (`rl_lightning.parallel.local_group`, which the
 engine process's child imports) does not load Lightning with it.
 
-May import: models, attention.
+May import: models, attention, compat.
 """
 
 from __future__ import annotations

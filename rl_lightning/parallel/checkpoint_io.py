@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from typing_extensions import override
 
+from rl_lightning.compat.lightning import CheckpointLinkHooks, checkpoint_io_if_set, empty_wrapper, is_local_path
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_trust import HashingWriter, damage, digest_line, digest_path
 
@@ -108,7 +107,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or not is_local_path(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         path = Path(path)
@@ -136,7 +135,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        if _is_local_file_protocol(path):
+        if is_local_path(path):
             delete(Path(path))
             digest_path(Path(path)).unlink(missing_ok=True)
         else:
@@ -145,10 +144,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def install_atomic_io(strategy: Any) -> None:
     """Give `strategy` an `AtomicCheckpointIO` unless it has a CheckpointIO of the user's (which stays)."""
-    current = strategy._checkpoint_io  # the property would create Lightning's default
+    current = checkpoint_io_if_set(strategy)  # the property would create Lightning's default
     if current is None:
         strategy.checkpoint_io = AtomicCheckpointIO()
-    elif isinstance(current, _WrappingCheckpointIO) and current.checkpoint_io is None:
+    elif empty_wrapper(current):
         current.checkpoint_io = AtomicCheckpointIO()
 
 
@@ -229,7 +228,7 @@ def remove_leftovers(folder: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
-class AtomicModelCheckpoint(ModelCheckpoint):
+class AtomicModelCheckpoint(CheckpointLinkHooks, ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` whose saves and ``last`` link survive a kill (see the module docstring).
 
     Takes the same arguments; its state is saved under ``ModelCheckpoint``'s key, so checkpoints resume with either
@@ -245,21 +244,20 @@ class AtomicModelCheckpoint(ModelCheckpoint):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         install_atomic_io(trainer.strategy)
-        if trainer.is_global_zero and self.dirpath and _is_local_file_protocol(self.dirpath):
+        if trainer.is_global_zero and self.dirpath and is_local_path(self.dirpath):
             remove_leftovers(Path(self.dirpath))
 
     @override
-    def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+    def link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             replace_link(filepath, linkpath)
         trainer.strategy.barrier()
 
     @override
-    def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
+    def before_remove_checkpoint(self, trainer: Any, filepath: str, last_saved: str) -> None:
         # Lightning removes the previous top-k checkpoint before it relinks `last`: relink first
-        if self.save_last == "link" and self.last_model_path and self._last_checkpoint_saved not in ("", filepath):
+        if self.save_last == "link" and self.last_model_path and last_saved not in ("", filepath):
             link = Path(self.last_model_path)
             points_at = trainer.is_global_zero and link.is_symlink() and link.resolve() == Path(filepath).resolve()
             if trainer.strategy.broadcast(points_at):
-                self._link_checkpoint(trainer, self._last_checkpoint_saved, self.last_model_path)
-        super()._remove_checkpoint(trainer, filepath)
+                self.link_checkpoint(trainer, last_saved, self.last_model_path)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rl_lightning.compat.lightning import module_trainer
+from rl_lightning.compat.transformers import attention_implementation
 from rl_lightning.errors import ConfigError
 
 # Llama/Qwen2/Mistral-style blocks: split q/k/v and gate/up by output features (each rank gets whole heads / a slice
@@ -129,7 +131,7 @@ def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:
 
     from rl_lightning.parallel.strategy import ParallelStrategy
 
-    trainer = getattr(module, "_trainer", None)
+    trainer = module_trainer(module)
     strategy = trainer.strategy if trainer is not None else None
     if strategy is not None and not isinstance(strategy, (ParallelStrategy, DDPStrategy, SingleDeviceStrategy)):
         # e.g. Lightning's ModelParallelStrategy (nothing would shard or synchronise the model) or FSDP1 (flat
@@ -140,7 +142,7 @@ def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:
         )
     if model is None or not isinstance(strategy, ParallelStrategy):
         return model
-    attn = model.config._attn_implementation
+    attn = attention_implementation(model.config)
     if strategy.cp_size > 1 and attn != "rl_varlen":
         raise ConfigError(
             f"strategy.context_parallel_size={strategy.cp_size} needs model.attn_implementation: rl_varlen (ring "

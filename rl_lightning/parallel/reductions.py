@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from rl_lightning.compat.lightning import device_mesh
+
 
 @dataclass
 class Layout:
@@ -54,7 +56,7 @@ def data_parallel_coords(trainer: Any) -> tuple[int, int]:
     dp_mesh = getattr(trainer.strategy, "dp_mesh", None)  # rl_lightning.parallel.ParallelStrategy
     if dp_mesh is not None:
         return dp_mesh.get_local_rank(), dp_mesh.size()
-    mesh = getattr(trainer.strategy, "_device_mesh", None)  # Lightning's ModelParallelStrategy
+    mesh = device_mesh(trainer.strategy)  # Lightning's ModelParallelStrategy
     if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
         sub = mesh["data_parallel"]
         return sub.get_local_rank(), sub.size()

@@ -11,10 +11,10 @@ Mesh dims (outermost first): ``replicate, shard, context_parallel, tensor_parall
 `dp_mesh` (data loading and count reductions), `cp_mesh`, `tp_mesh`, and `fsdp_mesh` (what ``fully_shard`` uses).
 The tasks shard their models through `rl_lightning.parallel.parallelize.parallelize_for` in ``configure_model``.
 
-Lightning hand-offs relied on (pinned by tests/test_strategy.py): ``ModelParallelStrategy._setup_distributed()``
-initialises the process group; ``lightning_module._device_mesh`` is what ``LightningModule.device_mesh`` returns;
-``distributed_sampler_kwargs`` is the only place Lightning reads the data-parallel layout; under ``cpu_offload``
-``device_dtype_mixin._update_properties`` records the root device as the module's (pinned by
+Lightning hand-offs relied on (its private names in `rl_lightning.compat.lightning`, pinned by
+tests/compat/test_lightning.py): Lightning's process-group set-up initialises the process group; the module's device
+mesh is what ``LightningModule.device_mesh`` returns; ``distributed_sampler_kwargs`` is the only place Lightning reads
+the data-parallel layout; under ``cpu_offload`` the root device is recorded as the module's (pinned by
 tests/parallel/test_device_rules.py).
 """
 
@@ -31,6 +31,17 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from rl_lightning.compat.lightning import (
+    StrategyHooks,
+    checkpoint_io_if_set,
+    process_group_backend,
+    process_group_timeout,
+    record_device,
+    saves_distributed_checkpoint,
+    set_checkpoint_io,
+    set_device_mesh,
+    setup_distributed,
+)
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_io import AtomicCheckpointIO, publish_folder
 from rl_lightning.parallel.checkpoint_trust import (
@@ -43,7 +54,7 @@ from rl_lightning.parallel.checkpoint_trust import (
 from rl_lightning.parallel.local_group import init_local_group, single_host
 
 
-class ParallelStrategy(ModelParallelStrategy):
+class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
     """FSDP2 x ring-attention context parallel x tensor parallel on one device mesh.
 
     Args:
@@ -126,35 +137,33 @@ class ParallelStrategy(ModelParallelStrategy):
         self.tp_mesh: Any = None
         self.fsdp_mesh: Any = None
 
-    def _configure_launcher(self) -> None:
+    @override
+    def before_launch(self) -> None:
         # Called while the Trainer is built, in the launching process only: a layout that cannot fit the job stops
         # here, once, before Lightning starts the other processes (setup_environment would run in each of them).
         self._check_layout(self.cluster_environment.world_size())
-        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        setup_distributed(self)
         self._check_layout(self.world_size)
         self._build_meshes()
-        self.lightning_module._device_mesh = self._device_mesh
         if self.cp_size > 1 and self.root_device.type == "cuda":
             from rl_lightning.attention.ring import flash_attn_status
 
             flash_attn_status()  # a flash-attn that is installed but broken: its one warning line now, before the model
 
     @override
-    def _setup_distributed(self) -> None:
-        """Lightning's; when every rank is on this host, the default group is made first on loopback channels only.
+    def before_process_group(self) -> None:
+        """When every rank is on this host, the default group is made first, on loopback channels only.
 
         (`rl_lightning.parallel.local_group`: torch's ``env://`` store would listen on every interface.)
         """
         assert self.cluster_environment is not None
         if single_host(self.num_nodes, self.cluster_environment.main_address):
             self.set_world_ranks()
-            init_local_group(self.cluster_environment, self._get_process_group_backend(), self._timeout,
+            init_local_group(self.cluster_environment, process_group_backend(self), process_group_timeout(self),
                              self.root_device)
-        super()._setup_distributed()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -170,13 +179,13 @@ class ParallelStrategy(ModelParallelStrategy):
     @override
     def checkpoint_io(self) -> Any:
         """The user's CheckpointIO (``trainer.plugins``), else `AtomicCheckpointIO` (not Lightning's default)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
+        if checkpoint_io_if_set(self) is None:
+            set_checkpoint_io(self, AtomicCheckpointIO())
         return super().checkpoint_io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
-        self._checkpoint_io = io
+        set_checkpoint_io(self, io)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -186,7 +195,7 @@ class ParallelStrategy(ModelParallelStrategy):
         lists every file's SHA-256 in ``SHA256SUMS``, then renames the folder into place (`publish_folder`) while
         the other ranks wait.
         """
-        if not self._save_distributed_checkpoint or storage_options is not None:
+        if not saves_distributed_checkpoint(self) or storage_options is not None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
@@ -242,7 +251,7 @@ class ParallelStrategy(ModelParallelStrategy):
             self.root_device.type, (self.replicate_size, shard, self.cp_size, self.tp_size),
             mesh_dim_names=("replicate", "shard", "context_parallel", "tensor_parallel"),
         )
-        self._device_mesh = mesh
+        set_device_mesh(self, mesh)
         self.dp_mesh = mesh["replicate", "shard"]._flatten("data_parallel")
         fsdp_shard = mesh["shard", "context_parallel"]._flatten("fsdp_shard")
         self.cp_mesh, self.tp_mesh = mesh["context_parallel"], mesh["tensor_parallel"]
@@ -258,11 +267,12 @@ class ParallelStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
 
-    def _get_process_group_backend(self) -> str:
-        if self._process_group_backend is None and self.cpu_offload and self.root_device.type == "cuda":
+    @override
+    def backend_when_unset(self) -> str | None:
+        if self.cpu_offload and self.root_device.type == "cuda":
             # Offloaded gradients and weights live on the CPU: their norm/gather collectives need a CPU backend.
             return "cuda:nccl,cpu:gloo"
-        return super()._get_process_group_backend()
+        return None
 
     @override
     def model_to_device(self) -> None:
@@ -274,10 +284,8 @@ class ParallelStrategy(ModelParallelStrategy):
         if not self.cpu_offload:
             super().model_to_device()
             return
-        from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-
         assert self.model is not None
-        _update_properties(self.model, device=self.root_device)  # the modules' device records, no tensor moves
+        record_device(self.model, self.root_device)  # the modules' device records, no tensor moves
 
     @override
     def teardown(self) -> None:

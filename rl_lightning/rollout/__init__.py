@@ -8,5 +8,5 @@
   rollouts' generator; `engine_thread`: the rank's engine thread (its device, stream, events); `inflight`: in-flight
   weight updates.
 
-May import: envs, rewards, engines, data, parallel, memory, algorithms.
+May import: envs, rewards, engines, data, parallel, memory, algorithms, compat.
 """

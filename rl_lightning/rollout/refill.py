@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rl_lightning.algorithms.dapo import keep_groups
+from rl_lightning.compat.lightning import device_mesh
 from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum
 from rl_lightning.rollout.trajectory import Trajectory
 
@@ -97,9 +98,8 @@ def data_parallel_ranks(trainer: Any, collectives: bool = True) -> Ranks:
     import torch.distributed as dist
 
     mesh = getattr(trainer.strategy, "dp_mesh", None)
-    if mesh is None and "data_parallel" in (getattr(getattr(trainer.strategy, "_device_mesh", None), "mesh_dim_names",
-                                                    None) or ()):
-        mesh = trainer.strategy._device_mesh["data_parallel"]
+    if mesh is None and "data_parallel" in (getattr(device_mesh(trainer.strategy), "mesh_dim_names", None) or ()):
+        mesh = device_mesh(trainer.strategy)["data_parallel"]
     group = None if mesh is None else mesh.get_group()
 
     def gather(value: Any) -> list[Any]:

@@ -7,5 +7,5 @@ metrics (`mlflow_run`), its lineage and logged/registered model (`lineage`), its
 
 Callbacks a recipe or the CLI adds.
 
-May import: engines, parallel, models, memory, assets.
+May import: engines, parallel, models, memory, assets, compat.
 """

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from rl_lightning.compat import mlflow as mlflow_compat
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.phases import phase
 
@@ -191,7 +192,7 @@ class HFExport(L.Callback):
         for logger in loggers:
             client, run_id = logger.experiment, logger.run_id
             name = lineage.model_name(client.get_run(run_id).info.run_name)
-            model = lineage.log_model(client, logger._tracking_uri, run_id, dirpath, tags, self.log_weights, name)
+            model = lineage.log_model(client, mlflow_compat.tracking_uri(logger), run_id, dirpath, tags, self.log_weights, name)
             log.info("logged the export as MLflow model %s", model.model_uri)
             if self.registered_model_name is not None:
                 version = lineage.register(client, self.registered_model_name, model, run_id, tags)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from rl_lightning.compat import mlflow as mlflow_compat
+
 
 class Point(NamedTuple):
     """One logged value: MLflow's step, its timestamp (ms) and the value."""
@@ -36,7 +38,7 @@ def mlflow_loggers(trainer: Any) -> list[Any]:
     """The trainer's ``MLFlowLogger`` loggers whose run has started (asking a logger for its run id would start one)."""
     from lightning.pytorch.loggers import MLFlowLogger
 
-    return [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger) and logger._run_id is not None]
+    return [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger) and mlflow_compat.started_run_id(logger) is not None]
 
 
 def read_history(client: Any, run_id: str, prefixes: tuple[str, ...] = ("train/", "val/")) -> dict[str, list[Point]]:

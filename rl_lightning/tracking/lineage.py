@@ -132,7 +132,8 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
     without, only its non-weight files are stored and the model points at `export_dir`.
     """
     import mlflow
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    from rl_lightning.compat.mlflow import tracking_uri_scope
 
     experiment_id = client.get_run(run_id).info.experiment_id
     tags = {**tags, "export_dir": str(Path(export_dir).resolve())}
@@ -142,7 +143,7 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
         level = flavor_log.level
         flavor_log.setLevel(logging.ERROR)  # its model-card and license warnings are about hub models
         try:
-            with _use_tracking_uri(tracking_uri):
+            with tracking_uri_scope(tracking_uri):
                 mlflow.transformers.log_model(str(export_dir), name=name, model_id=model.model_id,
                                               task="text-generation", pip_requirements=PIP_REQUIREMENTS)
         finally:

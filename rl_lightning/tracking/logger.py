@@ -83,7 +83,7 @@ class NoClient:
 class MLFlowLogger(LightningMLFlowLogger):
     """Lightning's ``MLFlowLogger`` logging at the run's step, counters only when they move (see the module)."""
 
-    _trainer: Any = None
+    _followed: Any = None  # the Trainer whose steps it logs at
     _last: dict[str, float | None]  # counter -> the value last logged (set by `follow`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -101,7 +101,7 @@ class MLFlowLogger(LightningMLFlowLogger):
 
     def follow(self, trainer: Any) -> None:
         """Log at `trainer`'s `steps_done` from now on."""
-        self._trainer, self._last = trainer, {}
+        self._followed, self._last = trainer, {}
 
     def changed(self, metrics: dict[str, float]) -> dict[str, float]:
         """`metrics` without the counters whose value is the one last logged (records the others)."""
@@ -117,8 +117,8 @@ class MLFlowLogger(LightningMLFlowLogger):
 
     @override
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self._trainer is not None:
-            step = steps_done(self._trainer)
+        if self._followed is not None:
+            step = steps_done(self._followed)
             metrics = self.changed(metrics)
             if not metrics:
                 return

@@ -30,6 +30,8 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from rl_lightning.compat import mlflow as mlflow_compat
+
 log = logging.getLogger(__name__)
 
 # file systems where SQLite's locks do not hold across machines (the SQLite FAQ: "NFS locking is broken")
@@ -109,7 +111,7 @@ class MLflowTracking(L.Callback):
         from rl_lightning.redaction import redact_text
 
         for logger in _mlflow_loggers(trainer):
-            warning = shared_sqlite_store(logger._tracking_uri, mounts)
+            warning = shared_sqlite_store(mlflow_compat.tracking_uri(logger), mounts)
             if warning:
                 log.warning(redact_text(warning))
 
@@ -139,7 +141,7 @@ class MLflowTracking(L.Callback):
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             monitor = SystemMetricsMonitor(logger.run_id, sampling_interval=self.sampling_interval_s,
-                                           tracking_uri=logger._tracking_uri, resume_logging=True)
+                                           tracking_uri=mlflow_compat.tracking_uri(logger), resume_logging=True)
         except Exception as e:  # noqa: BLE001 - e.g. psutil missing: the run goes on without system metrics
             log.warning("MLflow system metrics are off: %s", e)
             return
@@ -165,13 +167,13 @@ class MLflowTracking(L.Callback):
 
         message = redact_text((str(exception).strip().splitlines() or [type(exception).__name__])[0])
         for logger in _mlflow_loggers(trainer):
-            if logger._run_id is None:
+            if mlflow_compat.started_run_id(logger) is None:
                 continue  # never started: nothing to mark
             try:
                 data = logger.experiment.get_run(logger.run_id).data
                 if isinstance(exception, UserError) and not data.metrics and not data.params:
                     logger.experiment.delete_run(logger.run_id)
-                    logger._initialized = False  # Lightning's finalize("failed") would touch the deleted run
+                    mlflow_compat.forget_run(logger)  # Lightning's finalize("failed") would touch the deleted run
                     continue
                 logger.experiment.set_tag(logger.run_id, "error", message[:5000])
                 logger.experiment.set_tag(logger.run_id, "mlflow.note.content",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_lightning.assets.package_files import shown_path
+from rl_lightning.compat import mlflow as mlflow_compat
 from rl_lightning.tracking.history import XY
 
 CONFIG_FILE = "rl_lightning_config.yaml"
@@ -244,9 +245,9 @@ def collect(trainer: Any, pl_module: Any, lineage: dict[str, str]) -> tuple[Card
     loggers = mlflow_loggers(trainer)
     if loggers:
         first = loggers[0]
-        info.run_name = first._run_name
-        info.mlflow = f"run `{first._run_name}` (`{first._run_id}`) in experiment `{first._experiment_name}`"
-        info.metrics = dict(first_and_last(read_history(first.experiment, first._run_id, ("val/", "train/"))))
+        info.run_name = mlflow_compat.run_name(first)
+        info.mlflow = f"run `{mlflow_compat.run_name(first)}` (`{mlflow_compat.started_run_id(first)}`) in experiment `{mlflow_compat.experiment_name(first)}`"
+        info.metrics = dict(first_and_last(read_history(first.experiment, mlflow_compat.started_run_id(first), ("val/", "train/"))))
     else:
         info.metrics = {k: (None, (trainer.global_step, float(v))) for k, v in sorted(trainer.callback_metrics.items())
                         if k.startswith("val/")}

@@ -32,6 +32,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from rl_lightning.compat import mlflow as mlflow_compat
 from rl_lightning.tracking.history import Series, all_series, mlflow_loggers, read_history
 
 log = logging.getLogger(__name__)
@@ -239,13 +240,13 @@ class RunPlots(L.Callback):
         if not self.enabled or not trainer.is_global_zero or not loggers:
             return []
         first = loggers[0]
-        history = read_history(first.experiment, first._run_id)
-        title = f"{first._run_name or type(pl_module).__name__} ({type(pl_module).__name__})"
+        history = read_history(first.experiment, mlflow_compat.started_run_id(first))
+        title = f"{mlflow_compat.run_name(first) or type(pl_module).__name__} ({type(pl_module).__name__})"
         dirpath = Path(self.dirpath or "plots")
         paths = write_plots(all_series(history), dirpath, title, zero_weight_components(pl_module))
         for logger in loggers if paths else []:
             for path in paths:
-                logger.experiment.log_artifact(logger._run_id, str(path), "plots")
+                logger.experiment.log_artifact(mlflow_compat.started_run_id(logger), str(path), "plots")
         if paths:
             log.info("plots: %s", dirpath / "summary.png")
         return paths

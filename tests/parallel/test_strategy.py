@@ -327,15 +327,3 @@ def test_heads_not_divisible_by_tp_and_bad_sizes():
         ParallelStrategy(data_parallel_size=0, mixed_precision="fp8")
     with pytest.raises(ConfigError, match="strategy.replicate_size=3 must divide strategy.data_parallel_size=4"):
         ParallelStrategy(data_parallel_size=4, replicate_size=3)
-
-
-def test_lightning_hand_offs_we_rely_on():
-    """Private Lightning pieces ParallelStrategy uses; a Lightning upgrade that moves them fails here first."""
-    from lightning.pytorch import LightningModule
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    assert callable(ModelParallelStrategy._setup_distributed)
-    module = LightningModule()
-    module._device_mesh = "mesh"
-    assert module.device_mesh == "mesh"
-    assert isinstance(ModelParallelStrategy.distributed_sampler_kwargs, property)
