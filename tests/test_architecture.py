@@ -11,7 +11,9 @@
 - every package's ``__init__`` says what it may import (``May import: a, b.``) and imports nothing else, so the
   package graph has no circle either;
 - at most 5 modules at the package root, every package's ``__init__`` opens with a docstring;
-- no file over 400 lines and no function over 80 in `rl_lightning/` (its callbacks and example environments too).
+- no file over 400 lines and no function over 80 in `rl_lightning/` (its callbacks and example environments too);
+- no module-level mutable state outside compat (`module_state`: ``global``, a module's dict/list/set mutated), but
+  what `PROCESS_WIDE` lists with why.
 """
 
 import ast
@@ -233,7 +235,6 @@ def test_test_file_names_are_unique():
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
 
 
-# --- Third-party private names live in rl_lightning/compat/ only (issue 38 item 4) ---------------------------------
 COMPAT = PACKAGE / "compat"
 LIBRARIES = {"jsonargparse", "argparse", "lightning", "lightning_fabric", "pytorch_lightning", "mlflow", "transformers",
              "vllm"}
@@ -246,9 +247,8 @@ FOREIGN = {
     "_remove_checkpoint", "_last_checkpoint_saved", "_generate_state_key", "_trainer", "_run_id", "_run_name",
     "_experiment_id", "_experiment_name", "_tracking_uri", "_initialized", "_mlflow_client", "_attn_implementation",
 }
-# Private names of other libraries (torch, the standard library, OpenEnv) met on objects of unknown type: not this
-# rule's concern (it covers the five libraries above), listed so a new one is a decision.
-OTHER_LIBRARIES = {"_exit", "_base", "_version", "_spec", "_flatten", "_forward_hooks", "_forward_pre_hooks",
+# Private names of other libraries (torch, the standard library, OpenEnv) on objects of unknown type: listed to decide.
+OTHER_LIBRARIES = {"_exit", "_base", "_spec", "_flatten", "_forward_hooks", "_forward_pre_hooks",
                    "_backward_hooks", "_backward_pre_hooks", "_orig_mod", "_foreach_mul_", "_flash_attention_forward",
                    "_flash_attention_backward", "_Options", "_devices", "_wrapped_by_lr_sched", "_base_executable",
                    "_fields", "_rubric_list", "_weights", "_vf_weight"}
@@ -346,3 +346,54 @@ def test_the_private_name_check_catches_a_planted_use():
     assert private_uses(planted, ours={"_ours", "_mine"}) == [
         "2: import jsonargparse._optionals", "5: _actions", "6: _x", "7: _run_id", "8: _not_ours", "10: _SUPPRESS",
         "12: def _setup_distributed (overrides a library's private method)", "13: _device_mesh"]
+
+
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
+            "discard", "sort", "reverse"}
+MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque"}
+# State that is process-wide by nature, each with why (a new entry is a decision a reviewer sees).
+PROCESS_WIDE = {
+    "rl_lightning/memory/phases.py: _PEAKS_BEFORE_RESETS": "the kernel's and CUDA's peak counters are process-wide",
+    "rl_lightning/redaction.py: _remembered": "secret values redacted from every text this process writes",
+    "rl_lightning/redaction.py: _from_env": "values read with ${oc.env:...}, shown as that reference everywhere",
+    "rl_lightning/rewards/isolation.py: _found": "the bwrap path the once-per-process (lru_cache) probe found",
+    "rl_lightning/rewards/scorer_sandbox.py: _shared": "one sandboxed scorer per process, stopped at exit",
+}
+
+
+def module_state(source: str) -> list[str]:
+    """``line: name`` for each `global` statement and each mutation of a module-level dict/list/set in `source`."""
+    tree = ast.parse(source)
+    found = [f"{node.lineno}: global {', '.join(node.names)}" for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    mutable = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in MUTABLE_CALLS):
+            mutable |= {target.id for target in targets if isinstance(target, ast.Name)}
+    for node in ast.walk(tree):
+        changed: list[ast.expr] = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            changed = [node.func.value]
+        elif isinstance(node, ast.Assign | ast.Delete | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            changed = [target.value for target in targets if isinstance(target, ast.Subscript)]
+        found += [f"{node.lineno}: {each.id}" for each in changed if isinstance(each, ast.Name) and each.id in mutable]
+    return found
+
+
+def test_no_module_level_mutable_state_outside_compat():
+    found = []
+    for path in _outside_compat():
+        for line in module_state(path.read_text()):
+            name = line.split(": ", 1)[1]
+            if f"{path.relative_to(REPO)}: {name}" not in PROCESS_WIDE:
+                found.append(f"{path.relative_to(REPO)}:{line}")
+    assert found == [], "module-level state: give it an owner (an object whoever uses it holds), or list it with why"
+
+
+def test_the_module_state_check_catches_a_planted_one():
+    planted = ("CACHE = {}\nSEEN: list[int] = []\nFIXED = {'a': 1}\nlast = None\n"
+               "def f(x):\n    global last\n    last = x\n    CACHE[x] = 1\n    SEEN.append(x)\n    return FIXED['a']\n")
+    assert module_state(planted) == ["6: global last", "8: CACHE", "9: SEEN"]

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_lightning.attention import kernels
+from rl_lightning.compat.torch import tensor_version
 
 NAME = "rl_varlen"
 
@@ -45,20 +46,28 @@ class PackedRow:
     max_len: int
 
 
-# The last row's metadata: (weak reference to its position_ids, their version counter, the metadata).
-_last_row: tuple[weakref.ref, int | None, PackedRow | None] | None = None
+class PackedRowCache:
+    """The last packed row's metadata, for the later layers of the same forward (`packed_row`).
+
+    Owned by the attention function `register_varlen_attention` registers (one per registration).
+    """
+
+    def __init__(self) -> None:
+        # (weak reference to the row's position_ids, their version counter, the metadata)
+        self.last: tuple[weakref.ref, int | None, PackedRow | None] | None = None
 
 
-def packed_row(position_ids: torch.Tensor, layer_idx: int | None = None) -> PackedRow | None:
+def packed_row(position_ids: torch.Tensor, layer_idx: int | None = None,
+               cache: PackedRowCache | None = None) -> PackedRow | None:
     """The sequences of a packed training row (one row, position ids restarting at 0), or None for any other row.
 
-    Computed once per forward, at layer 0, and reused by the other layers (which see the same position_ids tensor):
-    the two host syncs it takes (``nonzero``, one ``tolist``) are the forward's, not every layer's. A row whose
-    tensor or version changed, or a module without ``layer_idx``, is computed afresh.
+    With a `cache`, computed once per forward, at layer 0, and reused by the other layers (which see the same
+    position_ids tensor): the two host syncs it takes (``nonzero``, one ``tolist``) are the forward's, not every
+    layer's. A row whose tensor or version changed, or a module without ``layer_idx``, is computed afresh.
     """
-    global _last_row
-    version = None if position_ids.is_inference() else position_ids._version
-    cached = _last_row
+    cache = cache if cache is not None else PackedRowCache()
+    version = None if position_ids.is_inference() else tensor_version(position_ids)
+    cached = cache.last
     if (cached is not None and layer_idx not in (None, 0) and cached[0]() is position_ids
             and cached[1] == version):
         return cached[2]
@@ -70,7 +79,7 @@ def packed_row(position_ids: torch.Tensor, layer_idx: int | None = None) -> Pack
     if first == 0:
         metadata = PackedRow(tuple(host), bounds.to(torch.int32),
                              max(e - s for s, e in zip(host[:-1], host[1:], strict=True)))
-    _last_row = (weakref.ref(position_ids), version, metadata)
+    cache.last = (weakref.ref(position_ids), version, metadata)
     return metadata
 
 
@@ -156,9 +165,13 @@ def varlen_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    row_cache: PackedRowCache | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Transformers attention function: query (B, H, N, D), key/value (B, H_kv, N, D) -> output (B, N, H, D)."""
+    """Transformers attention function: query (B, H, N, D), key/value (B, H_kv, N, D) -> output (B, N, H, D).
+
+    `row_cache` keeps a packed row's offsets for the forward's later layers (`packed_row`).
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     query, key, value = kernels.autocast_inputs(query, key, value)  # before any kernel is chosen from their dtype
@@ -172,7 +185,7 @@ def varlen_attention(
         attention_mask is None and position_ids is not None and query.shape[0] == 1
         and query.shape[2] == key.shape[2] > 1
     )
-    row = packed_row(position_ids, getattr(module, "layer_idx", None)) if packed else None
+    row = packed_row(position_ids, getattr(module, "layer_idx", None), row_cache) if packed else None
     if row is None:
         if query.is_cuda:  # masked GQA would fall back to SDPA's math kernel: transformers repeats K/V instead
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -203,6 +216,7 @@ def register_varlen_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     # Under torch.compile (strategy.compile) attention runs eagerly: its packed-row bookkeeping (host offsets, a
-    # module-level cache keyed on layer_idx) would break the graph anyway and recompile once per layer.
-    AttentionInterface.register(NAME, torch.compiler.disable(varlen_attention))
+    # cache keyed on layer_idx) would break the graph anyway and recompile once per layer.
+    attention = functools.partial(varlen_attention, row_cache=PackedRowCache())
+    AttentionInterface.register(NAME, torch.compiler.disable(functools.update_wrapper(attention, varlen_attention)))
     AttentionMaskInterface.register(NAME, varlen_mask)

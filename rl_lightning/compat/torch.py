@@ -1,7 +1,7 @@
 """torch's private names, behind named functions (tested on torch 2.9-2.13).
 
 torch exposes a gloo group's device and timeout only through ``ProcessGroupGloo._Options`` (private, stable since
-torch 1.x).
+torch 1.x); a tensor's in-place modification counter only as ``tensor._version``.
 """
 
 from __future__ import annotations
@@ -20,3 +20,8 @@ def gloo_options(hostname: str, timeout: timedelta) -> Any:
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     options._timeout = timeout
     return options
+
+
+def tensor_version(tensor: Any) -> int:
+    """`tensor`'s in-place modification counter (``tensor._version``; it moves on every in-place write)."""
+    return int(tensor._version)

@@ -1,11 +1,14 @@
 """vLLM's engine internals the colocated engine reaches, behind named functions (tested on vllm 0.32).
 
 ``vllm.LLM`` has no public way to read the model's dtype, stop its engine core, or reload weights in place: these go
-through ``llm.llm_engine`` (``model_config``, ``engine_core``) and the workers' ``reload_weights`` method.
+through ``llm.llm_engine`` (``model_config``, ``engine_core``) and the workers' ``reload_weights`` method. vLLM also
+reads its settings from environment variables: the ones the engine sets are written here (`quiet_logging`,
+`external_launcher_environment`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,3 +28,21 @@ def reload_weights(llm: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
 def shutdown(llm: Any) -> None:
     """Stop the engine core (``llm.llm_engine.engine_core.shutdown()``); it also destroys the default process group."""
     llm.llm_engine.engine_core.shutdown()
+
+
+def quiet_logging(level: str = "ERROR") -> None:
+    """Set vLLM's log level unless the user set one (``VLLM_LOGGING_LEVEL``, read when vllm is first imported)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+
+
+def external_launcher_environment(rank: int, local_rank: int, world_size: int,
+                                  rendezvous: tuple[str, int] | None = None) -> None:
+    """What ``distributed_executor_backend="external_launcher"`` reads from the environment, set for this process.
+
+    ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (Lightning sets the last two but never ``RANK``); with `rendezvous`
+    (address, port), ``MASTER_ADDR``/``MASTER_PORT`` unless already set, for vLLM's own ``env://`` process group.
+    """
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)})
+    if rendezvous is not None:
+        os.environ.setdefault("MASTER_ADDR", rendezvous[0])
+        os.environ.setdefault("MASTER_PORT", str(rendezvous[1]))

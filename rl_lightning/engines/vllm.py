@@ -72,7 +72,7 @@ def import_vllm() -> Any:
     vLLM's own log level defaults to ERROR here (its per-step INFO/WARNING lines, e.g. the tied head "failed to load",
     drown the training log); set ``VLLM_LOGGING_LEVEL`` to see them.
     """
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    vllm_compat.quiet_logging("ERROR")
     try:
         import vllm
     except ImportError as e:
@@ -188,14 +188,14 @@ class VLLMEngine:
         if self.world_size % tensor_parallel_size:
             raise ConfigError(f"model.rollout.engine_tp_size={tensor_parallel_size} must divide the "
                               f"{self.world_size} training processes")
-        # external_launcher reads these (Lightning sets LOCAL_RANK and WORLD_SIZE but never RANK)
-        os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": str(self.rank if local_rank is None else local_rank),
-                           "WORLD_SIZE": str(self.world_size)})
-        if not initialized and self.world_size == 1:  # ours: vLLM's from env:// would listen on every interface
+        # vLLM initialises the default group from env:// itself unless it exists; a single process gets ours (vLLM's
+        # from env:// would listen on every interface)
+        own_group = not initialized and self.world_size == 1
+        vllm_compat.external_launcher_environment(
+            self.rank, self.rank if local_rank is None else local_rank, self.world_size,
+            None if initialized or own_group else ("127.0.0.1", _free_port()))
+        if own_group:
             init_single_process_group(device_type)
-        elif not initialized:  # vLLM initialises the default group from env:// itself
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         self.max_model_len = max_model_len  # a multi-turn rollout ends a conversation before it outgrows it
         self.tp_size, self.tp_rank = tensor_parallel_size, self.rank % tensor_parallel_size
         self.tp_group = _contiguous_subgroup(tensor_parallel_size) if tensor_parallel_size > 1 else None

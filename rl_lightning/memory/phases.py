@@ -21,6 +21,7 @@ arenas for reuse, so three rollouts of SmolLM2-135M grew 2.9 -> 5.9 -> 7.1 GB (w
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import ctypes.util
 import functools
@@ -62,15 +63,16 @@ class PhaseProfiler:
 
     def __post_init__(self) -> None:
         self.prefix = ""  # put before every phase name (``val:`` during validation)
+        self._token: contextvars.Token | None = None
 
     def __enter__(self) -> PhaseProfiler:
-        global _ACTIVE
-        _ACTIVE = self
+        self._token = ACTIVE_PROFILER.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _ACTIVE
-        _ACTIVE = None
+        if self._token is not None:
+            ACTIVE_PROFILER.reset(self._token)
+            self._token = None
 
     def enter(self, name: str) -> None:
         """Start phase `name`: fold the running peak into the enclosing phase, then reset the peaks."""
@@ -120,7 +122,9 @@ class PhaseProfiler:
         return out
 
 
-_ACTIVE: PhaseProfiler | None = None
+# The profiler `phase` reports to: set by ``with profiler:`` for the code it wraps, in that thread's context only.
+ACTIVE_PROFILER: contextvars.ContextVar[PhaseProfiler | None] = contextvars.ContextVar("rl_lightning_phase_profiler",
+                                                                                       default=None)
 
 
 @contextlib.contextmanager
@@ -130,7 +134,7 @@ def phase(name: str) -> Iterator[None]:
     Phases are recorded on the profiler's own thread only: a rollout generated in the background (``async_steps:
     1``) overlaps the update, so its memory is part of whatever the training thread is doing then.
     """
-    profiler = _ACTIVE
+    profiler = ACTIVE_PROFILER.get()
     if profiler is None or threading.get_ident() != profiler.thread:
         yield
         return
@@ -165,15 +169,14 @@ def host_peak_mib() -> float:
 
 
 # The kernel's high-water mark (which ``ru_maxrss`` and GNU time read too) and CUDA's peak statistic are
-# process-wide: what the profiler resets is kept here, so `process_peak_mib` and `cuda_peak_mib` stay true.
-_HOST_PEAK_BEFORE_RESETS = 0.0
-_CUDA_PEAK_BEFORE_RESETS: dict[torch.device, float] = {}
+# process-wide: what the profiler's resets hid ("host", or a CUDA device) is kept here, process-wide too, so
+# `process_peak_mib` and `cuda_peak_mib` stay true (tests/test_architecture.py lists it as process-wide state).
+_PEAKS_BEFORE_RESETS: dict[str | torch.device, float] = {}
 
 
 def _reset_host_peak() -> bool:
     """Reset the kernel's high-water mark to the current resident memory; False where that is not possible."""
-    global _HOST_PEAK_BEFORE_RESETS
-    _HOST_PEAK_BEFORE_RESETS = max(_HOST_PEAK_BEFORE_RESETS, host_peak_mib())
+    _PEAKS_BEFORE_RESETS["host"] = max(_PEAKS_BEFORE_RESETS.get("host", 0.0), host_peak_mib())
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -184,24 +187,24 @@ def _reset_host_peak() -> bool:
 
 def process_peak_mib() -> float:
     """The process's peak resident memory so far (MiB), including what the profiler's resets hid from the kernel."""
-    return max(_HOST_PEAK_BEFORE_RESETS, host_peak_mib())
+    return max(_PEAKS_BEFORE_RESETS.get("host", 0.0), host_peak_mib())
 
 
 def _reset_cuda_peak(device: torch.device) -> None:
-    _CUDA_PEAK_BEFORE_RESETS[device] = max(_CUDA_PEAK_BEFORE_RESETS.get(device, 0.0),
+    _PEAKS_BEFORE_RESETS[device] = max(_PEAKS_BEFORE_RESETS.get(device, 0.0),
                                            torch.cuda.max_memory_allocated(device) / MIB)
     torch.cuda.reset_peak_memory_stats(device)
 
 
 def reset_cuda_peak(device: torch.device) -> None:
     """Start a new CUDA peak window on `device` (``torch.cuda.reset_peak_memory_stats``, and the profiler's share)."""
-    _CUDA_PEAK_BEFORE_RESETS.pop(device, None)
+    _PEAKS_BEFORE_RESETS.pop(device, None)
     torch.cuda.reset_peak_memory_stats(device)
 
 
 def cuda_peak_mib(device: torch.device) -> float:
     """The most PyTorch allocated on `device` since `reset_cuda_peak` (MiB), across the profiler's own resets."""
-    return max(_CUDA_PEAK_BEFORE_RESETS.get(device, 0.0), torch.cuda.max_memory_allocated(device) / MIB)
+    return max(_PEAKS_BEFORE_RESETS.get(device, 0.0), torch.cuda.max_memory_allocated(device) / MIB)
 
 
 @functools.cache

@@ -54,11 +54,11 @@ def counted_model():
     from transformers.masking_utils import AttentionMaskInterface
 
     attention.register_varlen_attention()
-    records = []
+    records, cache = [], attention.PackedRowCache()
 
     def counted(module, *args, **kwargs):
         with HostSyncs() as syncs:
-            out = attention.varlen_attention(module, *args, **kwargs)
+            out = attention.varlen_attention(module, *args, row_cache=cache, **kwargs)
         records.append((module.layer_idx, syncs.calls))
         return out
 
@@ -90,19 +90,19 @@ def test_only_the_first_layer_of_a_packed_forward_syncs(counted_model):
 
 def test_packed_row_is_the_batch_offsets_and_follows_changes_of_the_position_ids():
     batch = _batch()
-    positions = batch["position_ids"]
-    row = attention.packed_row(positions, layer_idx=0)
+    positions, cache = batch["position_ids"], attention.PackedRowCache()
+    row = attention.packed_row(positions, layer_idx=0, cache=cache)
     assert row.bounds == tuple(batch["cu_seqlens"].tolist()) == (0, 17, 18, 58, 63, 86)
     assert row.cu_seqlens.dtype == torch.int32 and torch.equal(row.cu_seqlens, batch["cu_seqlens"])
     assert row.max_len == 40
     with HostSyncs() as syncs:
-        assert attention.packed_row(positions, layer_idx=1) is row  # a later layer: the same, without a sync
+        assert attention.packed_row(positions, layer_idx=1, cache=cache) is row  # a later layer: the same, without a sync
     assert syncs.calls == []
     positions[0, 30] = 0  # changed in place: its version moved, so the next layer recomputes
-    assert attention.packed_row(positions, layer_idx=2).bounds == (0, 17, 18, 30, 58, 63, 86)
+    assert attention.packed_row(positions, layer_idx=2, cache=cache).bounds == (0, 17, 18, 30, 58, 63, 86)
     copy = positions.clone()  # another tensor with the same values: recomputed, never taken from the cache
     with HostSyncs() as syncs:
-        assert attention.packed_row(copy, layer_idx=3).bounds == (0, 17, 18, 30, 58, 63, 86)
+        assert attention.packed_row(copy, layer_idx=3, cache=cache).bounds == (0, 17, 18, 30, 58, 63, 86)
     assert syncs.calls == ["nonzero", "tolist"]
     assert attention.packed_row(torch.arange(1, 9)[None], layer_idx=0) is None  # does not start at 0: not packed
 
