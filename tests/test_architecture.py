@@ -358,6 +358,7 @@ PROCESS_WIDE = {
     "rl_lightning/redaction.py: _from_env": "values read with ${oc.env:...}, shown as that reference everywhere",
     "rl_lightning/rewards/isolation.py: _found": "the bwrap path the once-per-process (lru_cache) probe found",
     "rl_lightning/rewards/scorer_sandbox.py: _shared": "one sandboxed scorer per process, stopped at exit",
+    "rl_lightning/rollout/engine_thread.py: _streams": "one engine stream per device, shared by the rank's threads",
 }
 
 
