@@ -95,3 +95,27 @@ def test_selection_is_per_thread_and_cpu_needs_no_stream_or_events():
     assert seen == {"before": None, "after": ROOT} and selected_device() is None
     assert engine_stream(ROOT) is None and handed_over(ROOT) is None
     taken_back(None, ROOT)  # no event: nothing to wait for
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_thread_runs_on_its_device_and_stream_after_the_trainers_work():
+    """The engine thread's current device is the rank's and its current stream the engine stream (not the default
+    one the trainer uses); a tensor the trainer filled on its stream just before the hand-over is read complete, and
+    the trainer reads the engine's result after the engine's own stream finished it."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # the last GPU: a fresh thread starts on 0
+    torch.cuda.set_device(device)
+    generator = ThreadGenerator(device=device)
+    trainer_side = torch.zeros(1 << 24, device=device)
+    torch.cuda._sleep(50_000_000)  # keep the trainer's stream busy, so unordered reads would see zeros
+    trainer_side.fill_(1.0)
+
+    def engine_work():
+        stream = torch.cuda.current_stream(device)
+        return torch.cuda.current_device(), stream == engine_stream(device), stream == torch.cuda.default_stream(
+            device), trainer_side.sum() * 2
+
+    (current, on_engine_stream, on_default, total) = generator.run(engine_work)
+    generator.close()
+    assert (current, on_engine_stream, on_default) == (device.index, True, False)
+    assert total.item() == 2.0 * (1 << 24)
