@@ -40,7 +40,17 @@ from task_fits import (
     sft_task,
     step_seconds,
 )
-from train import DRY_SHAPES, MFU_TARGET, QWEN2_5_1_5B, QWEN3_0_6B, StepTimer, build_model, peak_flops, setup, step_flops
+from train import (
+    DRY_SHAPES,
+    MFU_TARGET,
+    QWEN2_5_1_5B,
+    QWEN3_0_6B,
+    StepTimer,
+    build_model,
+    peak_flops,
+    setup,
+    step_flops,
+)
 
 WARMUP, MEASURED = 2, 4  # steps: the first compiles (and the second may recompile for the backward's shapes)
 PRIME_RL = {"tokens/s": 11.9e3, "MFU": 11.1}  # Qwen3-0.6B, 16k tokens per step, one H100 (prime-rl's benchmark)

@@ -6,10 +6,18 @@
 #   gather     FSDP2 weight gather for the rollout engine: seconds and peak memory per bucket size
 #   grpo       one GRPO step through the PPO task with the HF engine: seconds, generation share
 #   offload    activation / optimizer-state offload: peak memory, step time, losses (benchmarks/gpu/offload.py)
-# (benchmarks/gpu/train.py's docstring gives each measurement and formula.)
+# (benchmarks/gpu/train.py's docstring gives each measurement and formula.) With --quick, issue 39's checks instead,
+# one call under 8 minutes on an H100/H200 (the sum of the limits below, 400 s, plus start-up and the table):
+#   offload    activation / optimizer offload step time vs none (targets <= 1.2x, <= 1.15x) (offload.py)
+#   sft-mfu    SFT MFU, Qwen2.5-1.5B shape, the SFT task with strategy.compile (target >= 40%) (quick_speed.py)
+#   rl         the RL trainer on prime-rl's shape: Qwen3-0.6B, 16k tokens/step, synthetic rollouts (quick_speed.py)
+#   memory     the memory plan against measured peaks of SFT, GRPO and GKD fits (target within 15%) (quick_memory.py)
+#   resume     an optimizer-offloaded save + resume: losses continue equal, moments on the host (quick_memory.py)
+#   threads    the HF engine driven off the main thread: device selected, own stream (thread_probe.py)
 #
-#   bash benchmarks/gpu/run.sh [--dry] [--wheels DIR] [--out DIR]
+#   bash benchmarks/gpu/run.sh [--quick] [--dry] [--wheels DIR] [--out DIR]
 #
+# --quick    issue 39's checks (above) instead of the full set
 # --dry      CPU, tiny shapes, the same code (CI runs it: tests/test_gpu_script.py); 1-2.5 minutes on 2 cores
 # --wheels   install DIR/*.whl (benchmarks/gpu/wheels.sh DIR makes it where pip reaches PyPI) into OUT/site first,
 #            for a CUDA machine with torch, transformers and lightning but without the project's other dependencies
@@ -21,11 +29,12 @@
 # 2 when nothing could run (no CUDA without --dry, the project does not import).
 set -uo pipefail
 
-usage() { sed -n '10,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
-DRY=0 WHEELS="" OUT=""
+usage() { sed -n '18,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+DRY=0 QUICK=0 WHEELS="" OUT=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry) DRY=1; shift ;;
+        --quick) QUICK=1; shift ;;
         --wheels) WHEELS=${2:?--wheels needs a folder}; shift 2 ;;
         --out) OUT=${2:?--out needs a folder}; shift 2 ;;
         -h | --help) usage; exit 0 ;;
@@ -70,7 +79,20 @@ if ! "$PYTHON" -c "import rl_lightning.tasks, rl_lightning.data, rl_lightning.pa
     exit 2
 fi
 
-if [ $DRY -eq 1 ]; then
+KILL_AFTER=15
+if [ $QUICK -eq 1 ]; then
+    # one call under 8 minutes on a lent H100/H200: 400 s of limits + 6 x 5 s of kill grace + start-up and the table
+    KILL_AFTER=5
+    if [ $DRY -eq 1 ]; then
+        FLAGS=(--dry)
+        declare -A LIMIT=([offload]=90 [sft-mfu]=90 [rl]=90 [memory]=120 [resume]=90 [threads]=60)
+        echo "rl_lightning quick GPU checks (issue 39), DRY run (CPU, tiny shapes); results in $RESULTS"
+    else
+        FLAGS=()
+        declare -A LIMIT=([offload]=60 [sft-mfu]=100 [rl]=75 [memory]=85 [resume]=45 [threads]=35)
+        echo "rl_lightning quick GPU checks (issue 39); results in $RESULTS"
+    fi
+elif [ $DRY -eq 1 ]; then
     FLAGS=(--dry)
     declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120 [offload]=60)
     echo "rl_lightning GPU checks, DRY run (CPU, tiny shapes); results in $RESULTS"
@@ -85,7 +107,7 @@ run_check() {  # NAME COMMAND...: run one check under its time limit; a crash or
     local name=$1 limit=${LIMIT[$1]} log="$OUT/$1.log" start=$SECONDS rc=0 reason records
     shift
     records=$(wc -l <"$RESULTS")
-    timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    timeout --kill-after=$KILL_AFTER "$limit" "$@" >"$log" 2>&1 || rc=$?
     reason="exit status $rc"
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then reason="timed out after $limit s"; fi
     if [ $rc -eq 0 ] && [ "$(wc -l <"$RESULTS")" -eq "$records" ]; then rc=1 reason="no results written"; fi
@@ -97,6 +119,18 @@ run_check() {  # NAME COMMAND...: run one check under its time limit; a crash or
     tail -n 12 "$log" | sed 's/^/    /'
     "$PYTHON" benchmarks/gpu/table.py "$RESULTS" --add-failure "$name" --log "$log" --reason "$reason" >/dev/null
 }
+
+if [ $QUICK -eq 1 ]; then
+    run_check offload "$PYTHON" benchmarks/gpu/offload.py "${FLAGS[@]}" --results "$RESULTS"
+    run_check sft-mfu "$PYTHON" benchmarks/gpu/quick_speed.py sft "${FLAGS[@]}" --results "$RESULTS"
+    run_check rl "$PYTHON" benchmarks/gpu/quick_speed.py rl "${FLAGS[@]}" --results "$RESULTS"
+    run_check memory "$PYTHON" benchmarks/gpu/quick_memory.py memory "${FLAGS[@]}" --results "$RESULTS"
+    run_check resume "$PYTHON" benchmarks/gpu/quick_memory.py resume "${FLAGS[@]}" --results "$RESULTS"
+    run_check threads "$PYTHON" benchmarks/gpu/thread_probe.py "${FLAGS[@]}" --results "$RESULTS"
+    echo
+    "$PYTHON" benchmarks/gpu/table.py "$RESULTS" "${FLAGS[@]}"
+    exit $?
+fi
 
 if [ -f benchmarks/gpu/attention.py ]; then
     run_check attention "$PYTHON" benchmarks/gpu/attention.py "${FLAGS[@]}" --results "$RESULTS"
