@@ -103,7 +103,7 @@ def _fit(rank: int, env: str, engine: str, async_steps: int, out: str) -> None:
     task = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=2)
     trainer = fit(task, prompts(2), -1, [recorder], devices=2, strategy=ParallelStrategy(data_parallel_size=2))
     callback = task.rollout_callback
-    callback._prepare_engine(trainer, task)  # the trained weights into the engine(s): every rank gathers
+    callback.prepare_engine(trainer, task)  # the trained weights into the engine(s): every rank gathers
     trained = {name: full_tensor(p).detach().clone() for name, p in named_weights(task.model)}
     held = None
     if rank == 0:  # what the engine holds now (vLLM's names)
