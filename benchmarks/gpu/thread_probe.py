@@ -1,14 +1,14 @@
 """Quick GPU check (`run.sh --quick`): on which thread, device and stream the HF engine generates off the main thread.
 
 The rollout's own background machinery, `rl_lightning.rollout.async_rollout.ThreadGenerator` (what the rollout
-callback runs with ``async_steps: 1`` and in-flight updates; given the rank's device where it takes one), drives an
+callback runs with ``async_steps: 1`` and in-flight updates, given the rank's device), drives an
 `rl_lightning.engines.hf.HFEngine` on the tiny SFT model (what is probed is the threading, not speed): two rollouts
 of 2 prompts x 2 completions x 8 new tokens, submitted and taken as the callback does. The probe wraps, calling
-through, the engine's ``generate`` and ``torch.cuda.set_device`` (and the ``torch.cuda.device`` context) to record,
-per thread, the device selections made and, at each engine call, the thread's current device and stream. Issue 39's
+through, the engine's ``generate`` to record at each call the thread, the device it selected
+(`rl_lightning.rollout.engine_thread.selected_device`), its current CUDA device and its current stream. Issue 39's
 rules for a background generation (on CUDA): the thread selected the rank's device before its first engine call (a
 new host thread starts on device 0 whatever the rank), and it generates on a stream of its own, not the trainer's
-(default) stream. On CPU the threads are recorded and the device rules are n/a. (The PPO task refuses
+(default) stream. On CPU the threads and the selected device are recorded; streams are n/a. (The PPO task refuses
 ``async_steps`` with the HF engine, hence the generator without a fit; the GPU machine has no vLLM.)
 
     python benchmarks/gpu/thread_probe.py --results RESULTS.jsonl [--dry]
@@ -28,41 +28,22 @@ from train import setup
 
 
 class ThreadProbe:
-    """Records device selections per thread, and the thread, device and stream of every engine ``generate``."""
+    """Records the thread, selected device, current device and stream of every engine ``generate``."""
 
     def __init__(self) -> None:
-        self.selected: dict[str, list[Any]] = {}  # thread name -> devices selected, in order
-        self.calls: list[dict[str, Any]] = []  # one per generate: thread, main?, selected before?, device, stream
+        self.calls: list[dict[str, Any]] = []  # one per generate call
         self._lock = threading.Lock()
-        self._wrap_device_selection()
-
-    def _note_selection(self, device: Any) -> None:
-        with self._lock:
-            self.selected.setdefault(threading.current_thread().name, []).append(str(device))
-
-    def _wrap_device_selection(self) -> None:
-        set_device, enter = torch.cuda.set_device, torch.cuda.device.__enter__
-        probe = self
-
-        def recorded_set_device(device: Any) -> None:
-            probe._note_selection(device)
-            set_device(device)
-
-        def recorded_enter(context: Any) -> Any:
-            probe._note_selection(getattr(context, "idx", "?"))
-            return enter(context)
-
-        torch.cuda.set_device = recorded_set_device  # type: ignore[assignment]
-        torch.cuda.device.__enter__ = recorded_enter  # type: ignore[method-assign]
 
     def watch(self, engine: Any) -> None:
         """Record every call of `engine`'s ``generate`` (then call it)."""
+        from rl_lightning.rollout.engine_thread import selected_device
+
         generate, probe = engine.generate, self
 
         def recorded_generate(*args: Any, **kwargs: Any) -> Any:
             thread = threading.current_thread()
             call = {"thread": thread.name, "main": thread is threading.main_thread(),
-                    "selected": bool(probe.selected.get(thread.name)), "device": None, "own stream": None}
+                    "selected": selected_device(), "device": None, "own stream": None}
             if torch.cuda.is_available():
                 call["device"] = torch.cuda.current_device()
                 call["own stream"] = torch.cuda.current_stream() != torch.cuda.default_stream(call["device"])
@@ -80,31 +61,24 @@ def rows(path: Path, probe: ThreadProbe, device: torch.device) -> None:
     record(path, "quick threads engine calls off the main thread", len(background), "calls", ">= 1",
            bool(background), f"{len(probe.calls)} generate calls on threads {', '.join(threads)}")
     cuda = device.type == "cuda"
+    selected = bool(background) and all(c["selected"] == device and (not cuda or c["device"] == device.index)
+                                         for c in background)
+    record(path, "quick threads device selected before engine call", "yes" if selected else "no", "", "yes", selected,
+           f"rank's device {device}; per background call (selected device, current CUDA device): "
+           f"{[(str(c['selected']), c['device']) for c in background]}")
     if not cuda:
-        selections = {name: devices for name, devices in probe.selected.items()}
-        for what in ("device selected before engine call", "own stream"):
-            record(path, f"quick threads {what}", "n/a (cpu)", "", "", True,
-                   f"device selections per thread: {selections or 'none'}")
+        record(path, "quick threads own stream", "n/a (cpu)", "", "", True, "CPU: no streams")
         return
-    rank = torch.cuda.current_device()
-    selected = all(c["selected"] and c["device"] == rank for c in background)
-    record(path, "quick threads device selected before engine call", "yes" if selected else "no", "", "yes",
-           bool(background) and selected,
-           f"trainer device cuda:{rank}; per background call (selected?, device): "
-           f"{[(c['selected'], c['device']) for c in background]}; selections per thread: {probe.selected}")
-    own = all(c["own stream"] for c in background)
+    own = bool(background) and all(c["own stream"] for c in background)
     record(path, "quick threads own stream", "yes" if own else "no (the default stream, the trainer's)", "", "yes",
-           bool(background) and own, "torch.cuda.current_stream() at each background generate call")
+           own, "torch.cuda.current_stream() at each background generate call vs the device's default stream")
 
 
 def generator(device: torch.device) -> Any:
-    """The rollout callback's generator, given the rank's device where it takes one."""
-    import inspect
-
+    """The rollout callback's generator with the rank's device (`rl_lightning.rollout.engine_thread`)."""
     from rl_lightning.rollout.async_rollout import ThreadGenerator
 
-    takes_device = "device" in inspect.signature(ThreadGenerator).parameters
-    return ThreadGenerator(device=device) if takes_device else ThreadGenerator()
+    return ThreadGenerator(device=device)
 
 
 def main() -> None:
