@@ -94,13 +94,23 @@ class SyntheticRollouts(L.Callback):
         batch["rollout"] = Rollout(trajectories, self.group_size)
 
 
+def lm_arguments(model: str, optim: Any, lm_head_chunk: int = 1024) -> dict[str, Any]:
+    """The task's model arguments: ``lm`` (``model.lm.*``, `rl_lightning.models.config.LMConfig`) where the tasks
+    take it, else the flat ``model_name`` / ``optim`` / ``lm_head_chunk`` of the tasks before that group."""
+    try:
+        from rl_lightning.models.config import LMConfig
+    except ImportError:
+        return {"model_name": model, "optim": optim, "lm_head_chunk": lm_head_chunk}
+    return {"lm": LMConfig(model, optim=optim, lm_head_chunk=lm_head_chunk)}
+
+
 def sft_task(model: str, lm_head_chunk: int = 1024) -> Any:
     """The SFT task on `model` (lr 1e-5, constant schedule, clipping at 1.0)."""
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT
 
-    return SFT(model, optim=OptimConfig(lr=1e-5, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0),
-               lm_head_chunk=lm_head_chunk)
+    optim = OptimConfig(lr=1e-5, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0)
+    return SFT(**lm_arguments(model, optim, lm_head_chunk))
 
 
 def ppo_task(model: str, rollouts: int, group_size: int, new_tokens: int, budget: int, engine: str = "hf",
@@ -118,8 +128,9 @@ def ppo_task(model: str, rollouts: int, group_size: int, new_tokens: int, budget
         from rl_lightning.tasks.ppo.distill import DistillConfig
 
         distill = DistillConfig(teacher=teacher, type="loss", coef=1.0)
-    return PPO(model, rollout, max_rollouts=rollouts, update_per_rollout=1, clip_high=0.28,
-               max_length_per_device=budget, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), distill=distill)
+    return PPO(**lm_arguments(model, OptimConfig(lr=1e-6, lr_schedule="constant")), rollout=rollout,
+               max_rollouts=rollouts, update_per_rollout=1, clip_high=0.28, max_length_per_device=budget,
+               distill=distill)
 
 
 def prompt_data(model: str, prompts: int) -> Any:
