@@ -3,7 +3,7 @@ save + resume.
 
 - ``memory``: three short fits through the real tasks on one random-init Qwen3-0.6B-shaped model, bf16 compute over
   fp32 masters (`ParallelStrategy`), eager: SFT (4,096 tokens per step), GRPO (the PPO task, the HF engine
-  generating 2 prompts x 4 completions x 128 tokens) and GKD (the same with a frozen teacher, ``distill.type:
+  generating 2 prompts x 4 completions x 64 tokens) and GKD (the same with a frozen teacher, ``distill.type:
   loss``: the JSD over the whole vocabulary). Each: the plan's predicted peak (`rl_lightning.memory.plan.plan_memory`,
   which the task computes at ``setup``) against the measured one, CUDA's ``max_memory_allocated`` since just before
   the fit (on CPU the process's ``VmHWM``, reset the same way, which is what the plan predicts there), and their
@@ -70,7 +70,7 @@ def memory(args: argparse.Namespace) -> None:
     device = setup(args.dry, process_group=False)
     shape = DRY_SHAPES["qwen3-0.6b"] if args.dry else QWEN3_0_6B
     lengths = DRY_MEMORY_LENGTHS if args.dry else MEMORY_LENGTHS
-    new_tokens = 16 if args.dry else 128
+    new_tokens = 16 if args.dry else 64
     with tempfile.TemporaryDirectory() as folder:
         model = model_folder(shape, folder, device)
         reset_peak(device)

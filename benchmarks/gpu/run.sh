@@ -89,7 +89,7 @@ if [ $QUICK -eq 1 ]; then
         echo "rl_lightning quick GPU checks (issue 39), DRY run (CPU, tiny shapes); results in $RESULTS"
     else
         FLAGS=()
-        declare -A LIMIT=([offload]=60 [sft-mfu]=100 [rl]=75 [memory]=85 [resume]=45 [threads]=35)
+        declare -A LIMIT=([offload]=70 [sft-mfu]=100 [rl]=75 [memory]=80 [resume]=40 [threads]=35)
         echo "rl_lightning quick GPU checks (issue 39); results in $RESULTS"
     fi
 elif [ $DRY -eq 1 ]; then
