@@ -5,10 +5,10 @@
 #   fsdp       FSDP2 bf16 mixed precision vs fp32 loss curves
 #   gather     FSDP2 weight gather for the rollout engine: seconds and peak memory per bucket size
 #   grpo       one GRPO step through the PPO task with the HF engine: seconds, generation share
-#   offload    activation / optimizer-state offload: peak memory, step time, losses (benchmarks/gpu/offload.py)
 # (benchmarks/gpu/train.py's docstring gives each measurement and formula.) With --quick, issue 39's checks instead,
 # one call under 8 minutes on an H100/H200 (the sum of the limits below, 400 s, plus start-up and the table):
-#   offload    activation / optimizer offload step time vs none (targets <= 1.2x, <= 1.15x) (offload.py)
+#   offload    activation / optimizer offload: step time vs none (targets <= 1.2x, <= 1.15x), peak memory, losses
+#              (offload.py; in --quick only, so that CI's two dry runs do not run it twice)
 #   sft-mfu    SFT MFU, Qwen2.5-1.5B shape, the SFT task with strategy.compile (target >= 40%) (quick_speed.py)
 #   rl         the RL trainer on prime-rl's shape: Qwen3-0.6B, 16k tokens/step, synthetic rollouts (quick_speed.py)
 #   memory     the memory plan against measured peaks of SFT, GRPO and GKD fits (target within 15%) (quick_memory.py)
@@ -94,12 +94,12 @@ if [ $QUICK -eq 1 ]; then
     fi
 elif [ $DRY -eq 1 ]; then
     FLAGS=(--dry)
-    declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120 [offload]=60)
+    declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120)
     echo "rl_lightning GPU checks, DRY run (CPU, tiny shapes); results in $RESULTS"
 else
     FLAGS=()
-    # per-check limits on one H100: 585 s in all, under the 10 minutes a command may take on the lent machines
-    declare -A LIMIT=([attention]=90 [sft]=150 [fsdp]=75 [gather]=60 [grpo]=150 [offload]=60)
+    # per-check limits on one H100: 525 s in all, under the 10 minutes a command may take on the lent machines
+    declare -A LIMIT=([attention]=90 [sft]=150 [fsdp]=75 [gather]=60 [grpo]=150)
     echo "rl_lightning GPU checks; results in $RESULTS"
 fi
 
@@ -140,7 +140,6 @@ fi
 for check in sft fsdp gather grpo; do
     run_check "$check" "$PYTHON" benchmarks/gpu/train.py "$check" "${FLAGS[@]}" --results "$RESULTS"
 done
-run_check offload "$PYTHON" benchmarks/gpu/offload.py "${FLAGS[@]}" --results "$RESULTS"
 
 echo
 "$PYTHON" benchmarks/gpu/table.py "$RESULTS" "${FLAGS[@]}"
