@@ -1,7 +1,7 @@
 """The chunked output head (``model.lm_head_chunk``) under ParallelStrategy on CPU/gloo: FSDP2 dp=2 (the tied head is
 part of the root unit, gathered around the root's forward the chunked head runs inside), TP=2 and CP=2 (SFT), and
 DPO under dp=2 (its FSDP2-sharded frozen reference too): a run with 16-position chunks logs the full-logits run's
-losses and gradient norms, step by step. Both runs share the spawned processes. A vocabulary-sharded head (not in the
+losses and gradient norms, step by step. Every run of the module shares one spawned pair of processes. A vocabulary-sharded head (not in the
 TP plan; a user's plan could shard it) is gathered per chunk: log-probs and gradients equal one process's."""
 
 import lightning as L
@@ -46,17 +46,53 @@ def _worker(rank, task, sizes, out_path):
         return forward(self, hidden)
 
     ChunkedHead.forward = recording
-    runs = {chunk: _run(task, sizes, chunk) for chunk in (None, CHUNK)}
+    try:
+        runs = {chunk: _run(task, sizes, chunk) for chunk in (None, CHUNK)}
+    finally:
+        ChunkedHead.forward = forward
     if rank == 0:
         torch.save({**runs, "heads": heads}, out_path)
 
 
-@pytest.mark.parametrize(("task", "sizes"), [("sft", (2, 1, 1)), ("sft", (1, 1, 2)), ("sft", (1, 2, 1)),
-                                             ("dpo", (2, 1, 1))],
-                         ids=["sft-dp2", "sft-tp2", "sft-cp2", "dpo-dp2"])
-def test_chunked_head_equals_full_logits_in_parallel(task, sizes, tmp_path):
-    run_on_cpu_ranks(_worker, sizes[0] * sizes[1] * sizes[2], task, sizes, tmp_path / "runs.pt")
-    runs = torch.load(tmp_path / "runs.pt")
+LAYOUTS = {"sft-dp2": ("sft", (2, 1, 1)), "sft-tp2": ("sft", (1, 1, 2)), "sft-cp2": ("sft", (1, 2, 1)),
+           "dpo-dp2": ("dpo", (2, 1, 1))}
+
+
+def _jobs_worker(rank, root):
+    """Every two-rank run of this module in turn, in one spawned group (each rank imports torch and Lightning once,
+    not six times); each writes ``root/<id>.pt``. The group's default process group serves them all."""
+    jobs = [(name, _worker, (task, sizes, root / f"{name}.pt")) for name, (task, sizes) in LAYOUTS.items()]
+    jobs += [("sharded-head", _sharded_head_worker, (root / "sharded-head.pt",)),
+             ("own-unit", _own_unit_worker, (root / "own-unit.pt",))]
+    for name, worker, args in jobs:
+        print(f"rank {rank}: {name}", flush=True)  # in the group's failure output: which run it was on
+        worker(rank, *args)
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """``(root, error)``: the folder `_jobs_worker` wrote into, and the group's error if it failed (its ranks printed
+    the run they were on); a test whose file is missing fails with it."""
+    root = tmp_path_factory.mktemp("spawned")
+    try:
+        run_on_cpu_ranks(_jobs_worker, 2, root)
+        error = None
+    except Exception as e:  # noqa: BLE001 - kept for the tests, each fails naming it
+        error = f"{type(e).__name__}: {e}"
+    return root, error
+
+
+def _output(spawned, name):
+    root, error = spawned
+    path = root / f"{name}.pt"
+    if not path.exists():
+        pytest.fail(f"{name}: no output; the group of spawned ranks failed: {error}")
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_chunked_head_equals_full_logits_in_parallel(name, spawned):
+    runs = _output(spawned, name)
     full, chunked = runs[None], runs[CHUNK]
     # only the chunked run went through ChunkedHead: a plain Linear whose weight the root's forward had gathered into
     # a full tensor (not a DTensor shard), so the fused chunked_token_logprobs ran
@@ -82,7 +118,8 @@ def _sharded_head_worker(rank, out_path):
     from rl_lightning.models.loading import load_causal_lm
     from rl_lightning.models.logprobs import target_logprobs
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # the group's earlier runs made it
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     micro_batch = pack([TokenizedExample(ids[:25], [0] * 5 + [1] * 20), TokenizedExample(ids[25:], [1] * 35)], 257)
@@ -114,14 +151,13 @@ def _sharded_head_worker(rank, out_path):
         torch.save({"reference": reference, "sharded": sharded, "local_error": local_error}, out_path)
 
 
-def test_a_vocabulary_sharded_head_is_gathered_per_chunk(tmp_path):
+def test_a_vocabulary_sharded_head_is_gathered_per_chunk(spawned):
     """ColwiseParallel on the head, its output a DTensor sharded on the vocabulary (Shard(-1)): the chunked path calls
     the module per chunk and gathers each (chunk, V) logits before the log-softmax; with the local shard as output
     (use_local_output=True) it refuses rather than normalise over half the vocabulary."""
     from conftest import assert_close
 
-    run_on_cpu_ranks(_sharded_head_worker, 2, tmp_path / "out.pt")
-    out = torch.load(tmp_path / "out.pt")
+    out = _output(spawned, "sharded-head")
     for got, want in zip(out["sharded"], out["reference"], strict=True):
         assert_close(got, want)
     assert out["reference"][3].abs().sum() > 0
@@ -139,7 +175,8 @@ def _own_unit_worker(rank, out_path):
     from rl_lightning.models.loading import load_causal_lm
     from rl_lightning.models.logprobs import target_logprobs
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # the group's earlier runs made it
+        dist.init_process_group("gloo")
     model = load_causal_lm(str(TINY_MODEL))
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied: a unit of its own
     for layer in model.model.layers:
@@ -156,24 +193,26 @@ def _own_unit_worker(rank, out_path):
         return forward(self, hidden)
 
     ChunkedHead.forward = recording
-    for chunk_size in (None, 7):
-        model.zero_grad(set_to_none=True)
-        logprobs, entropy = target_logprobs(model, micro_batch, 0.7, "grad", chunk_size)
-        (logprobs.sum() / 55 + entropy.sum() / 110).backward()
-        runs[chunk_size] = (logprobs.detach(), entropy.detach(),
-                            *(p.grad.full_tensor() for p in model.parameters()))  # gradients reduced over ranks
+    try:
+        for chunk_size in (None, 7):
+            model.zero_grad(set_to_none=True)
+            logprobs, entropy = target_logprobs(model, micro_batch, 0.7, "grad", chunk_size)
+            (logprobs.sum() / 55 + entropy.sum() / 110).backward()
+            runs[chunk_size] = (logprobs.detach(), entropy.detach(),
+                                *(p.grad.full_tensor() for p in model.parameters()))  # gradients reduced over ranks
+    finally:
+        ChunkedHead.forward = forward
     if rank == 0:
         torch.save({"runs": runs, "seen": seen}, out_path)
 
 
-def test_a_head_in_its_own_fsdp_unit_is_called_per_chunk(tmp_path):
+def test_a_head_in_its_own_fsdp_unit_is_called_per_chunk(spawned):
     """An untied head sharded as its own FSDP2 unit (not what `parallelize` does; a user's wrapping could): inside
     the root's forward its weight is still a shard, so the chunked path calls the module per chunk (FSDP's hooks
     gather it each time, also when the backward recomputes a chunk) and equals the full path, gradients included."""
     from conftest import assert_close
 
-    run_on_cpu_ranks(_own_unit_worker, 2, tmp_path / "out.pt")
-    out = torch.load(tmp_path / "out.pt")
+    out = _output(spawned, "own-unit")
     assert out["seen"] == ["DTensor"]
     full, chunked = out["runs"][None], out["runs"][7]
     assert len(full) == len(chunked) > 20
