@@ -52,6 +52,7 @@ class StepTimer(L.Callback):
 def run(args: argparse.Namespace, env_path: str, async_steps: int, engine=None) -> tuple[dict, object]:
     from rl_lightning.data import PromptDataModule
     from rl_lightning.engines.process import EngineProcess
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import PPO
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, env_path: str, async_steps: int, engine=None) 
     L.seed_everything(0)
     rollout = RolloutConfig(env_path, responses_per_prompt=args.responses, max_new_tokens=args.max_new_tokens,
                             engine="vllm", kv_cache_memory_bytes=256 << 20, async_steps=async_steps)
-    task = PPO(args.model, rollout, optim=OptimConfig(lr=1e-3, lr_schedule="constant"), max_rollouts=args.rollouts)
+    task = PPO(LMConfig(args.model, optim=OptimConfig(lr=1e-3, lr_schedule="constant")), rollout, max_rollouts=args.rollouts)
     task.rollout_callback.engine = engine  # None: built at fit start; else the first run's engine, reused
     data = PromptDataModule(str(ASSETS / "data" / "arithmetic.jsonl"), tokenizer_name=args.model,
                             batch_size=args.prompts, shuffle=False)

@@ -129,11 +129,11 @@ def fit_config(args: argparse.Namespace, workdir: Path, curriculum: dict | None 
     config["seed_everything"] = args.seed
     model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
     model.update(max_rollouts=args.rollouts, update_per_rollout=1)  # PPO counts its run in rollouts
-    model["model_name"] = args.model
-    model["optim"].update(lr=args.lr, warmup_steps=args.warmup)
+    model["lm"]["name"] = args.model
+    model["lm"]["optim"].update(lr=args.lr, warmup_steps=args.warmup)
     model["rollout"].update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
-                            temperature=args.temperature, reward_weights=train_weights(args), env_path=ENV,
-                            overlong_cache_length=args.overlong_cache or None)
+                            temperature=args.temperature, reward_weights=train_weights(args), env_path=ENV)
+    model["dapo"] = {"overlong_cache_length": args.overlong_cache or None}
     data.update(path=data_spec(args), val_path=None, batch_size=args.prompts)
     if curriculum is not None:
         data["curriculum"] = curriculum

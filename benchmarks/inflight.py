@@ -53,6 +53,7 @@ class StepTimer(L.Callback):
 def run(args: argparse.Namespace, env_path: str, segment: int | None, engine=None) -> tuple[dict, object]:
     from rl_lightning.data import PromptDataModule
     from rl_lightning.engines.segmented import SegmentedEngine
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import PPO
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace, env_path: str, segment: int | None, engine=Non
     rollout = RolloutConfig(env_path, responses_per_prompt=args.responses, max_new_tokens=args.max_new_tokens,
                             engine="vllm", kv_cache_memory_bytes=256 << 20, async_steps=1,
                             inflight_segment_tokens=segment, max_model_len=1024)
-    task = PPO(args.model, rollout, optim=OptimConfig(lr=1e-3, lr_schedule="constant"), max_rollouts=args.rollouts)
+    task = PPO(LMConfig(args.model, optim=OptimConfig(lr=1e-3, lr_schedule="constant")), rollout, max_rollouts=args.rollouts)
     raw = getattr(engine, "engine", engine)  # the VLLMEngine under a SegmentedEngine
     task.rollout_callback.engine = SegmentedEngine(raw, segment) if segment and raw is not None else raw
     data = PromptDataModule(str(ASSETS / "data" / "arithmetic.jsonl"), tokenizer_name=args.model,

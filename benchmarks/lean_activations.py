@@ -1,6 +1,6 @@
 """Lean activations (`rl_lightning.models.lean`) vs the stock modules: one training forward + backward of SmolLM2-135M.
 
-SmolLM2-135M-Instruct (fp32, ``rl_varlen`` attention, the chunked output head of ``model.lm_head_chunk: 1024`` so the
+SmolLM2-135M-Instruct (fp32, ``rl_varlen`` attention, the chunked output head of ``model.lm.lm_head_chunk: 1024`` so the
 logits do not dominate) on a packed micro-batch of N tokens (sequences of 512), the loss the mean log-probability of
 the tokens. Stock and lean each run in their own process, so a peak RSS is its own: the peak is the RSS high-water
 mark above the process's RSS after a 64-token warm-up (lazy imports, the gradients allocated) and before the first

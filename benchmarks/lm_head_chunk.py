@@ -92,7 +92,7 @@ def _child(n: int, chunk: int | None, head: str, hidden: int, vocab: int, repeat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1024,4096,16384", help="comma-separated N (positions through the head)")
-    parser.add_argument("--chunk", type=int, default=1024, help="model.lm_head_chunk of the chunked path")
+    parser.add_argument("--chunk", type=int, default=1024, help="model.lm.lm_head_chunk of the chunked path")
     parser.add_argument("--heads", default="trained,frozen", help="trained and/or frozen")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smoke scale: hidden 64, vocabulary 1000, N 256/1024")

@@ -1,7 +1,7 @@
 """LoRA vs full fine-tuning: trainable parameters, checkpoint size and peak host memory of a short SFT run.
 
 Each configuration runs in its own process (so peak RSS is its own): 2 SFT steps on the demo data (batch 4, fp32, CPU),
-full fine-tuning and `model.lora` at its defaults (r 16, alpha 32, the 7 attention/MLP projections), on the tiny demo
+full fine-tuning and `model.lm.lora` at its defaults (r 16, alpha 32, the 7 attention/MLP projections), on the tiny demo
 model and, when built (``python -m rl_lightning.assets.build --real``), SmolLM2-135M-Instruct.
 
     OMP_NUM_THREADS=1 python benchmarks/lora_memory.py            # ~2 min on 2 CPU cores
@@ -29,13 +29,14 @@ def measure(model: str, lora: bool, root: str) -> dict:
     import lightning as L
 
     from rl_lightning.data import SFTDataModule
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.lora import LoRAConfig, parameter_counts
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT
 
     L.seed_everything(0)
     data = SFTDataModule(str(DATA), tokenizer_name=model, batch_size=4, max_length=96, max_length_per_device=512)
-    task = SFT(model, optim=OptimConfig(lr=1e-4), lora=LoRAConfig() if lora else None)
+    task = SFT(LMConfig(model, optim=OptimConfig(lr=1e-4), lora=LoRAConfig() if lora else None))
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=root)
     trainer.fit(task, datamodule=data)

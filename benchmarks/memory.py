@@ -22,8 +22,8 @@ in file order, ``--warmup`` + ``--steps`` optimizer steps (1 + 1: the second ste
   the same prompt, chosen = correct sums, rejected = every 4th sum (the first included) off by one, up to half of
   ``--conv-tokens`` per sequence. GRPO: the prompts of ``easy.jsonl`` and ``rl_lightning/recipes/envs/arithmetic.py``'s reward.
 - ``sft``: ``--sft-rows`` conversations per step. Ours: packed (``data.max_length_per_device`` 8192, one micro-batch),
-  ``rl_varlen`` attention, ``model.lm_head_chunk`` 1024 (chunked output head, the default) or null (full logits),
-  ``model.gradient_checkpointing`` off (the main comparison) or on. TRL ``SFTTrainer``: prompt-completion rows
+  ``rl_varlen`` attention, ``model.lm.lm_head_chunk`` 1024 (chunked output head, the default) or null (full logits),
+  ``model.lm.gradient_checkpointing`` off (the main comparison) or on. TRL ``SFTTrainer``: prompt-completion rows
   (completion-only loss), ``padding_free=True`` (the step's rows flattened into one, no pad tokens), its fused chunked
   log-prob head (always on in 1.16; on CPU it scores every position in 4096 x 32768 tiles), sdpa attention; an extra
   row pads instead; ``gradient_checkpointing`` off (TRL's own default is on: the ckpt rows turn it on on both sides).
@@ -273,7 +273,7 @@ def parser() -> argparse.ArgumentParser:
                                      "default 1024..32768, --quick 256,512,1024)")
     p.add_argument("--budget-ckpt", choices=("on", "off", "both"), default="both", help="sweep's act. checkpointing")
     p.add_argument("--max-trial-s", type=float, default=900, help="sweep: skip sizes predicted to take longer")
-    p.add_argument("--chunk", type=int, help="model.lm_head_chunk of the chunked rows (1024; --quick 64)")
+    p.add_argument("--chunk", type=int, help="model.lm.lm_head_chunk of the chunked rows (1024; --quick 64)")
     p.add_argument("--jobs", type=int, default=1, help="trials run at once (each its own process: the peaks are "
                                                        "per process; the sweep runs its series side by side)")
     p.add_argument("--threads", type=int, default=1)

@@ -1,7 +1,7 @@
 """The memory plan against measured peaks: SFT, DPO and GRPO fits on CPU, predicted vs measured peak resident memory.
 
 Each configuration runs in its own process (so the peak is its own): 2 optimizer steps (rollouts for GRPO) of the
-task with ``model.memory_check: false``; the prediction is the plan the task printed at start-up
+task with ``model.lm.memory_check: false``; the prediction is the plan the task printed at start-up
 (`rl_lightning.tasks.memory_check`, baseline measured then), the measurement the process's peak resident memory
 at the end of the fit (`rl_lightning.memory.phases.process_peak_mib`). Checkpoints are off: the plan covers the
 training step. The data is synthetic so micro-batches fill their budget: one short prompt and a long answer (SFT, DPO)
@@ -76,7 +76,8 @@ def write_prompts(path: str, rows: int) -> None:
 
 
 def build(config: dict, tmp: str) -> tuple:
-    """The task and DataModule of `config` (``model.memory_check: false``: measured, not refused)."""
+    """The task and DataModule of `config` (``model.lm.memory_check: false``: measured, not refused)."""
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.lora import LoRAConfig
     from rl_lightning.models.optim import OptimConfig
 
@@ -96,9 +97,8 @@ def build(config: dict, tmp: str) -> tuple:
         path = f"{tmp}/prompts.jsonl"
         write_prompts(path, 4 * rows)
         data = PromptDataModule(path, tokenizer_name=model, batch_size=rows, shuffle=False)
-        module = PPO(model, rollout, max_rollouts=2, max_length_per_device=config["tokens"],
-                     optim=OptimConfig(lr=1e-6, lr_schedule="constant"), kl=KLConfig(coef=config.get("kl", 0.0)),
-                     **switches)
+        module = PPO(LMConfig(model, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), **switches), rollout, max_rollouts=2,
+                     max_length_per_device=config["tokens"], kl=KLConfig(coef=config.get("kl", 0.0)))
         return module, data
     path = f"{tmp}/data.jsonl"
     write_data(path, task, 4 * rows, words)
@@ -108,13 +108,13 @@ def build(config: dict, tmp: str) -> tuple:
 
         data = SFTDataModule(path, tokenizer_name=model, batch_size=rows, max_length=4096,
                              max_length_per_device=config["tokens"], shuffle=False)
-        return SFT(model, optim=OptimConfig(lr=1e-6), **switches), data
+        return SFT(LMConfig(model, optim=OptimConfig(lr=1e-6), **switches)), data
     from rl_lightning.data import PreferenceDataModule
     from rl_lightning.tasks import DPO
 
     data = PreferenceDataModule(path, tokenizer_name=model, batch_size=rows, max_length=4096,
                                 max_length_per_device=config["tokens"], shuffle=False)
-    return DPO(model, optim=OptimConfig(lr=1e-6), **switches), data
+    return DPO(LMConfig(model, optim=OptimConfig(lr=1e-6), **switches)), data
 
 
 def measure(name: str) -> dict:

@@ -20,6 +20,7 @@ import lightning as L
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.data.steps import layout_stats
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.tasks import DPO, SFT
 
@@ -48,11 +49,11 @@ def train_throughput(task: str, packing: bool, steps: int, rows: int, budget: in
     if task == "sft":
         data = SFTDataModule(str(ASSETS / "data" / "sft.jsonl"), tokenizer_name=MODEL, batch_size=rows,
                              packing=packing, max_length_per_device=budget, micro_batch_size=micro_batch_size)
-        model = SFT(MODEL, optim=OptimConfig(lr=1e-4))
+        model = SFT(LMConfig(MODEL, optim=OptimConfig(lr=1e-4)))
     else:
         data = PreferenceDataModule(str(ASSETS / "data" / "preference.jsonl"), tokenizer_name=MODEL, batch_size=rows,
                                     packing=packing, max_length_per_device=budget, micro_batch_size=micro_batch_size)
-        model = DPO(MODEL, optim=OptimConfig(lr=1e-4))
+        model = DPO(LMConfig(MODEL, optim=OptimConfig(lr=1e-4)))
     meter = Throughput()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps + 1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[meter])

@@ -89,6 +89,7 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
     import lightning as L
 
     from rl_lightning.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import DPO, PPO, SFT
@@ -110,11 +111,11 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
     if task == "sft":
         data = SFTDataModule(str(DATA / "sft.jsonl"), tokenizer_name=model, batch_size=a.sft_rows,
                              max_length=MAX_LENGTH, max_length_per_device=PER_DEVICE, shuffle=False)
-        module = SFT(model, optim=OptimConfig(lr=1e-5, lr_schedule="constant"), **extra)
+        module = SFT(LMConfig(model, optim=OptimConfig(lr=1e-5, lr_schedule="constant"), **extra))
     elif task == "dpo":
         data = PreferenceDataModule(str(DATA / "preference.jsonl"), tokenizer_name=model, batch_size=a.dpo_pairs,
                                     max_length=MAX_LENGTH, max_length_per_device=PER_DEVICE, shuffle=False)
-        module = DPO(model, beta=0.1, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), **extra)
+        module = DPO(LMConfig(model, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), **extra), beta=0.1)
     else:
         engine = "vllm" if "vllm" in task else "hf"
         rollout = RolloutConfig(str(ENV), responses_per_prompt=a.group, max_new_tokens=a.max_new_tokens,
@@ -122,8 +123,8 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
                                 kv_cache_memory_bytes=KV_CACHE_BYTES if engine == "vllm" else None)
         data = PromptDataModule(str(DATA / "easy.jsonl"), tokenizer_name=model, batch_size=a.prompts,
                                 max_prompt_length=MAX_PROMPT_LENGTH, shuffle=False)
-        module = PPO(model, rollout, **extra, max_rollouts=total, update_per_rollout=updates(task), clip_low=0.2,
-                     clip_high=0.2, aggregation="token_mean", optim=OptimConfig(lr=1e-6, lr_schedule="constant"))
+        module = PPO(LMConfig(model, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), **extra), rollout, max_rollouts=total,
+                     update_per_rollout=updates(task), clip_low=0.2, clip_high=0.2, aggregation="token_mean")
     timer = Timer()
     L.Trainer(accelerator="cpu", devices=1, max_steps=total if task in ("sft", "dpo") else -1, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -221,8 +222,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(a.threads)  # before vLLM (its CPU backend turns set_num_threads into a no-op)
-    framework, task = a.worker
-    result = run_ours(task, a) if framework == "ours" else run_trl(task, a)
+    result = run_ours(a.worker[1], a) if a.worker[0] == "ours" else run_trl(a.worker[1], a)  # (framework, task)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     Path(a.result).write_text(json.dumps(result))
 

@@ -35,7 +35,7 @@ def parity_env(tmp_path_factory):
 
 
 # the SFT recipe on the tiny model for 3 steps, as the multi-node and Slurm tests launch it (after --config sft.yaml)
-TINY_SFT = ["--model.model_name", str(TINY_MODEL), "--data.path", str(DEMO_DATA / "sft.jsonl"), "--trainer.max_steps",
+TINY_SFT = ["--model.lm.name", str(TINY_MODEL), "--data.path", str(DEMO_DATA / "sft.jsonl"), "--trainer.max_steps",
             "3", "--trainer.enable_progress_bar", "false"]
 
 

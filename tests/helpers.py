@@ -103,20 +103,27 @@ class Metrics(L.Callback):
                              if self.keys is None or k in self.keys})
 
 
-def ppo_task(env, rollout=None, optim=None, kl=None, constraints=None, task_class=None, model_name=None, **kwargs):
-    """A PPO task on the tiny model with the HF engine: `rollout`, `optim`, `kl`, `constraints` are dicts of the
-    argument groups (defaults here: 4 completions of 8 tokens, lr 1e-3 constant, no clipping of the gradient)."""
+def ppo_task(env, rollout=None, optim=None, kl=None, constraints=None, task_class=None, lm=None, dapo=None, **kwargs):
+    """A PPO task on the tiny model with the HF engine: `rollout`, `optim` (``model.lm.optim``), `lm` (the rest of
+    ``model.lm``: ``name``, ``lora``, ...), `kl`, `constraints`, `dapo` are dicts of the argument groups (defaults
+    here: 4 completions of 8 tokens, lr 1e-3 constant, no clipping of the gradient)."""
     from conftest import TINY_MODEL
 
+    from rl_lightning.algorithms.dapo import DAPOConfig
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import PPO
     from rl_lightning.tasks.ppo import ConstraintConfig, KLConfig
 
+    lm = {"name": str(TINY_MODEL), **(lm or {})}
+    lm["name"] = str(lm["name"])
+    optim = OptimConfig(**{"lr": 1e-3, "max_grad_norm": 0.0, "lr_schedule": "constant", **(optim or {})})
     return (task_class or PPO)(
-        model_name or str(TINY_MODEL), RolloutConfig(str(env), **{"responses_per_prompt": 4, "max_new_tokens": 8, **(rollout or {})}),
-        optim=OptimConfig(**{"lr": 1e-3, "max_grad_norm": 0.0, "lr_schedule": "constant", **(optim or {})}),
-        kl=KLConfig(**(kl or {})), constraints=ConstraintConfig(**(constraints or {})), **kwargs)
+        LMConfig(**lm, optim=optim),
+        RolloutConfig(str(env), **{"responses_per_prompt": 4, "max_new_tokens": 8, **(rollout or {})}),
+        kl=KLConfig(**(kl or {})), constraints=ConstraintConfig(**(constraints or {})), dapo=DAPOConfig(**(dapo or {})),
+        **kwargs)
 
 
 def prompts(batch_size=2, shuffle=False, **kwargs):

@@ -16,7 +16,7 @@ A key is resolved by the real LightningCLI parser (`rl_lightning.cli.main.RLLigh
 instantiated) on a recipe, with ``trainer.strategy`` set to `rl_lightning.parallel.ParallelStrategy` (the project's
 strategy, so its ``trainer.strategy.*`` keys exist): the parsed config, flattened without ``init_args``, holds every
 key of the recipe's task, DataModule and trainer, defaults included. A key resolves when it is a node of that tree;
-a key below an optional group that is null in the recipe (`model.lora`, `model.correction`,
+a key below an optional group that is null in the recipe (`model.lm.lora`, `model.correction`,
 `model.rollout.reward_model`) is looked up after parsing the recipe again with that group set to ``{}``. The
 recipes a page's keys belong to are named in its front matter (``recipes: [recipes/dpo.yaml]``); without one, a key
 must resolve in at least one task's recipe (SFT, RM, DPO, PPO).
@@ -164,12 +164,12 @@ def page_recipes(meta: dict) -> list[str]:
 def test_the_resolver_rejects_made_up_keys():
     assert resolves("model.kl.coef", "recipes/ppo.yaml")
     assert resolves("model.rollout.engine", "recipes/ppo.yaml")
-    assert resolves("model.lora.target_modules", "recipes/ppo.yaml")  # below a null group
+    assert resolves("model.lm.lora.target_modules", "recipes/ppo.yaml")  # below a null group
     assert resolves("trainer.strategy.context_parallel_size", "recipes/sft.yaml")
     assert resolves("trainer.logger.experiment_name", "recipes/sft.yaml")  # init_args left out
     assert resolves("data.max_length_per_device", "recipes/dpo.yaml")
     assert not resolves("model.kl.coeff", "recipes/ppo.yaml")
-    assert not resolves("model.lora.rank", "recipes/ppo.yaml")
+    assert not resolves("model.lm.lora.rank", "recipes/ppo.yaml")
     assert not resolves("model.ref_model_name.path", "recipes/dpo.yaml")  # a null value, not a group
     assert not resolves("data.max_lenght", "recipes/sft.yaml")
     assert not resolves("trainer.strategy.data_parallel_sizes", "recipes/sft.yaml")
@@ -178,11 +178,11 @@ def test_the_resolver_rejects_made_up_keys():
 
 def test_key_extraction_follows_the_convention():
     text = ("`model.kl.coef` and `model.kl.coef: 0.05`, `data.batch_size=8`, `--model.rollout.engine hf "
-            "--trainer.max_steps 5`, `model.rollout.*`, `rl_lightning: error: model.optim.lrr: not an option`, "
-            "`--model.help PPO`, `model.lora.init_args.r`, `trainer.strategy.init_args`, `Trainer.global_step`\n"
+            "--trainer.max_steps 5`, `model.rollout.*`, `rl_lightning: error: model.lm.optim.lrr: not an option`, "
+            "`--model.help PPO`, `model.lm.lora.init_args.r`, `trainer.strategy.init_args`, `Trainer.global_step`\n"
             "```bash\nfit --data.path x.jsonl --data.help X\n```\n")
     assert documented_keys(text) == {"model.kl.coef", "data.batch_size", "model.rollout.engine",
-                                     "trainer.max_steps", "model.lora.r", "trainer.strategy", "data.path"}
+                                     "trainer.max_steps", "model.lm.lora.r", "trainer.strategy", "data.path"}
 
 
 def test_documented_keys_exist():

@@ -55,7 +55,7 @@ def test_loss_falls_and_is_logged_to_mlflow(sft_run):
     losses = [m.value for m in history]
     assert len(losses) == 30 and [m.step for m in history] == list(range(1, 31))  # optimizer steps done
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
-    assert run.data.params["model.optim.lr"] == "0.003" and run.data.params["trainer.max_steps"] == "30"
+    assert run.data.params["model.lm.optim.lr"] == "0.003" and run.data.params["trainer.max_steps"] == "30"
     assert run.data.metrics["data/train_rows"] == 2000
 
 
@@ -66,7 +66,7 @@ def test_config_artifact_is_the_resolved_config(sft_run):
     path = client.download_artifacts(run.info.run_id, "config.yaml", str(sft_run))
     config = yaml.safe_load(open(path))
     assert config["trainer"]["max_steps"] == 30  # the CLI override, not the recipe's 100
-    assert config["model"]["init_args"]["model_name"] == "rl_lightning/assets/tiny-qwen2"
+    assert config["model"]["init_args"]["lm"]["name"] == "rl_lightning/assets/tiny-qwen2"
     assert config["data"]["init_args"]["path"] == "rl_lightning/assets/data/sft.jsonl"
 
 

@@ -32,7 +32,7 @@ def test_example_recipes_instantiate(workdir):
     assert len(EXAMPLE_RECIPES) == 1, EXAMPLE_RECIPES
     for recipe in EXAMPLE_RECIPES:
         cli = _cli(["--config", str(recipe)])
-        assert cli.model.hparams.model_name == cli.datamodule.hparams.tokenizer_name
+        assert cli.model.lm.name == cli.datamodule.hparams.tokenizer_name
 
 
 def test_gpu_smoke_overlay_instantiates_on_the_real_recipe(workdir):
@@ -49,7 +49,7 @@ def test_gpu_smoke_overlay_instantiates_on_the_real_recipe(workdir):
     assert strategy.mixed_precision == "bf16"
     rollout = cli.model.hparams.rollout  # as parsed: a dict of the rollout config's keys
     assert (rollout["engine"], rollout["kv_cache_memory_bytes"], cli.model.hparams.max_rollouts) == ("hf", None, 3)
-    assert cli.model.hparams.model_name == "asset:SmolLM2-135M-Instruct"
+    assert cli.model.lm.name == "asset:SmolLM2-135M-Instruct"
 
 
 def test_demo_overlay_instantiates_on_the_real_recipe(workdir):
@@ -58,12 +58,12 @@ def test_demo_overlay_instantiates_on_the_real_recipe(workdir):
 
     cli = _cli(["--config", "recipes/real/grpo.yaml", "--config", str(DEMO)])
     hp = cli.model.hparams
-    optim = hp.optim if isinstance(hp.optim, dict) else vars(hp.optim)  # as parsed
+    optim = hp.lm["optim"]  # as kept: plain data
     assert (hp.max_rollouts, hp.max_length_per_device, optim["lr"], optim["warmup_steps"]) == (10, 4096, 2e-5, 2)
     assert cli.datamodule.hparams.batch_size == 8 and cli.trainer.val_check_interval == 10
     # the settings that hold across seeds (benchmarks/results/demo_seeds_cpu.md): correctness alone, the soft
     # overlong punishment over the last 8 tokens, 8 prompts x 4 completions; the rest is the recipe's
     rollout = hp.rollout
-    assert rollout["reward_weights"] == {"correct": 1.0, "format": 0.0} and rollout["overlong_cache_length"] == 8
+    assert rollout["reward_weights"] == {"correct": 1.0, "format": 0.0} and hp.dapo["overlong_cache_length"] == 8
     assert (rollout["responses_per_prompt"], rollout["max_new_tokens"], rollout["temperature"]) == (4, 32, 0.7)
-    assert hp.model_name == "asset:SmolLM2-135M-Instruct" and hp.rollout["engine"] == "vllm"
+    assert hp.lm["name"] == "asset:SmolLM2-135M-Instruct" and hp.rollout["engine"] == "vllm"

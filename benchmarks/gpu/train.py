@@ -109,9 +109,9 @@ def shard(model: Any, device: torch.device, mixed_precision: str | None, activat
     from rl_lightning.parallel.parallelize import parallelize
     from rl_lightning.parallel.strategy import ParallelStrategy
 
-    strategy = ParallelStrategy(mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
+    strategy = ParallelStrategy(mixed_precision=mixed_precision)
     strategy.fsdp_mesh = init_device_mesh(device.type, (1,))
-    return parallelize(model, strategy)
+    return parallelize(model, strategy, checkpointing=activation_checkpointing)  # model.lm.gradient_checkpointing
 
 
 def packed_batch(vocab: int, tokens: int, lengths: tuple[int, int], seed: int, device: torch.device
@@ -348,7 +348,7 @@ def random_checkpoint(shape: dict, folder: str, device: torch.device) -> str:
 
 def grpo(args: argparse.Namespace) -> None:
     from rl_lightning.data import PromptDataModule
-    from rl_lightning.models.optim import OptimConfig
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.rollout.callback import RolloutConfig
     from rl_lightning.tasks import PPO
 
@@ -360,8 +360,8 @@ def grpo(args: argparse.Namespace) -> None:
         rollout = RolloutConfig(str(ROOT / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py"), responses_per_prompt=responses,
                                 max_new_tokens=new_tokens, engine="hf", reward_workers=0,
                                 reward_weights={"correct": 1.0, "format": 0.5})
-        task = PPO(model_name, rollout, max_rollouts=3, update_per_rollout=2, clip_high=0.28,
-                   max_length_per_device=8192, optim=OptimConfig(lr=1e-6, lr_schedule="constant"))
+        task = PPO(LMConfig(model_name), rollout, max_rollouts=3, update_per_rollout=2, clip_high=0.28,  # lr 1e-6 constant
+                   max_length_per_device=8192)
         data = PromptDataModule(str(ROOT / "rl_lightning" / "assets" / "data" / "easy.jsonl"), tokenizer_name=model_name,
                                 max_prompt_length=256, batch_size=prompts, shuffle=False)
         trainer = L.Trainer(accelerator="cpu" if args.dry else "gpu", devices=1, max_epochs=1,

@@ -226,6 +226,7 @@ def build_warm_start(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR, out
     import torch
 
     from rl_lightning.data import SFTDataModule
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.tasks import SFT
     from rl_lightning.tracking.export import export_hf
@@ -236,7 +237,8 @@ def build_warm_start(model_dir: Path = MODEL_DIR, data_dir: Path = DATA_DIR, out
         L.seed_everything(seed, verbose=False)
         data = SFTDataModule(str(data_dir / "easy_sft.jsonl"), tokenizer_name=str(model_dir), max_length=128,
                              batch_size=32, max_length_per_device=4096)
-        task = SFT(str(model_dir), optim=OptimConfig(lr=3e-3, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1))
+        optim = OptimConfig(lr=3e-3, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1)
+        task = SFT(LMConfig(str(model_dir), optim=optim))
         trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(task, datamodule=data)

@@ -12,7 +12,7 @@ Where it goes: ``$RL_LIGHTNING_CACHE/models/<name>`` (default ``~/.cache/rl_ligh
 A ``BUILD.json`` written last marks a finished build, so building again is a no-op (a fraction of a second) and a
 build killed half-way is redone.
 
-Config files name built assets ``asset:<name>`` (``model.model_name: asset:SmolLM2-135M-Instruct``); `resolve_model`
+Config files name built assets ``asset:<name>`` (``model.lm.name: asset:SmolLM2-135M-Instruct``); `resolve_model`
 turns that into the folder, or says which command builds it. A path to a ``.gguf`` file is accepted anywhere a model
 folder is: it is converted once into the cache (keyed by the file's size and modification time) and the folder used.
 """
@@ -102,7 +102,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
     """Convert a GGUF file into a Hugging Face folder (fp32 safetensors + tokenizer + chat template), once."""
     gguf_path = gguf_path.expanduser().resolve()
     if not gguf_path.is_file():
-        raise ConfigError(f"GGUF file not found: {gguf_path}; check model.model_name")
+        raise ConfigError(f"GGUF file not found: {gguf_path}; check model.lm.name")
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out_dir = out_dir or cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"

@@ -40,7 +40,7 @@ class Problem:
     """What is wrong with a config.
 
     Attributes:
-        key: The key as the user writes it (``model.optim.lr``; empty when the message names none).
+        key: The key as the user writes it (``model.lm.optim.lr``; empty when the message names none).
         what: What is wrong with it (``expected float``).
         value: The value the user gave, when known.
         kind: ``"option"`` (no such key), ``"class"`` (a class path that does not resolve), ``"moved"`` (a path of a
@@ -225,7 +225,7 @@ class _Walk:
         if key in actions:
             return self.check_action(scope, key, value, where)
         base = next((dest for dest in actions if key.startswith(dest + ".") and _takes_class(scope.parser, dest)), None)
-        if base is not None:  # model.optim.lr: an init arg of the class at `model`
+        if base is not None:  # model.lm.optim.lr: an init arg of the class at `model`
             return self.check_class(scope, base, {key[len(base) + 1 :]: value}, where)
         if isinstance(value, dict) and any(dest.startswith(key + ".") for dest in actions):  # a group of keys
             return self.each(scope, key + ".", value, where)

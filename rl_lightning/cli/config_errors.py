@@ -3,7 +3,7 @@
 jsonargparse reports a typo or a bad value as a multi-line message (a task's own message indented inside the
 ``Parser key "model"`` one) after the full usage (~60 lines). `one_line_error` replaces it with::
 
-    model.lrr: not an option of SFT (value '1' on the command line); did you mean 'model.optim.lr'? — see `...`
+    model.lrr: not an option of SFT (value '1' on the command line); did you mean 'model.lm.optim.lr'? — see `...`
 
 naming the key as the user writes it (no ``init_args``), the value, where it was set (the ``--config`` YAML that holds
 the key, or the command line), the closest valid key (difflib over the valid dotted keys of that class) and the
@@ -137,8 +137,8 @@ def suggest(word: str, candidates: Sequence[str]) -> str | None:
     """The candidate closest to ``word``, or None.
 
     Among the candidates whose difflib ratio to `word` is >= 0.6, the best mean of that ratio and the ratio of the
-    last dotted parts (a typo is usually in the key's last part: ``model.lrr`` means ``model.optim.lr`` more likely
-    than ``model.lora``).
+    last dotted parts (a typo is usually in the key's last part: ``model.lrr`` means ``model.lm.optim.lr`` more likely
+    than ``model.lm.lora``).
     """
 
     def ratio(a: str, b: str) -> float:
@@ -241,7 +241,7 @@ def locate(key: str, argv: Sequence[str]) -> tuple[str | None, Any]:
 
 
 def _dangling_option(group: str, argv: Sequence[str]) -> str:
-    """The option under ``group`` that was given no value (``model.model_name``), else ``group``."""
+    """The option under ``group`` that was given no value (``model.lm.name``), else ``group``."""
     argv = list(argv)
     for arg, following in zip(argv, [*argv[1:], None], strict=True):
         if arg.startswith(f"--{group}") and "=" not in arg and (following is None or following.startswith("--")):
@@ -274,7 +274,7 @@ def one_line_error(message: str, parser: argparse.ArgumentParser, argv: Sequence
         if problem is None or not problem.key:
             at_root = any(subcommand_parsers(action) for action in parser_actions(parser))
             return f"{first_line(message)} — see `{PROG}{'' if at_root else ' ' + SUBCOMMAND} --help`"
-        if problem.what == "expected one argument":  # argparse names the group (--model) of `--model.model_name`
+        if problem.what == "expected one argument":  # argparse names the group (--model) of `--model.lm.name`
             problem.key = _dangling_option(problem.key, argv)
     where, value = (problem.where, problem.value) if problem.where else locate(problem.key, argv)
     if problem.kind == "class" or value is _NOT_FOUND or isinstance(value, dict):

@@ -104,7 +104,7 @@ class RLLightningCLI(KeepArgumentsOnCkptPath, LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.init_args.model_name", "data.init_args.tokenizer_name", apply_on="parse")
+        parser.link_arguments("model.init_args.lm.name", "data.init_args.tokenizer_name", apply_on="parse")
         parser.set_defaults(TRAINER_DEFAULTS)
         parser.add_argument("--load_weights_only", type=bool, default=False,
                             help="fit: take only the model weights of --ckpt_path and start a new run under this "

@@ -19,7 +19,24 @@ from typing import Any
 DOCS = "docs/configuration.md"
 
 # old key -> new key, as the user writes them (``init_args`` levels left out)
-RENAMED: dict[str, str] = {}
+RENAMED: dict[str, str] = {
+    # issue 38: one model group for every task (rl_lightning.models.config.LMConfig)
+    "model.model_name": "model.lm.name",
+    "model.optim": "model.lm.optim",
+    "model.lora": "model.lm.lora",
+    "model.gradient_checkpointing": "model.lm.gradient_checkpointing",
+    "model.lean_activations": "model.lm.lean_activations",
+    "model.attn_implementation": "model.lm.attn_implementation",
+    "model.lm_head_chunk": "model.lm.lm_head_chunk",
+    "model.memory_check": "model.lm.memory_check",
+    # issue 38: one checkpointing switch
+    "trainer.strategy.activation_checkpointing": "model.lm.gradient_checkpointing",
+    # issue 38: DAPO's keys left the rollout group (rl_lightning.algorithms.dapo.DAPOConfig)
+    "model.rollout.filter_range": "model.dapo.filter_range",
+    "model.rollout.max_refill_rounds": "model.dapo.max_refill_rounds",
+    "model.rollout.overlong_cache_length": "model.dapo.overlong_cache_length",
+    "model.rollout.mask_truncated": "model.dapo.mask_truncated",
+}
 
 
 def new_key(key: str, table: dict[str, str] | None = None) -> str | None:

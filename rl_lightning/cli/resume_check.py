@@ -6,7 +6,7 @@ weights, no engine) the CLI compares the checkpoint's stored hyperparameters (an
 this run's and refuses, in one line naming every difference, a checkpoint of
 
 - another task (``model.class_path``),
-- another model (``model.model_name``, ``model.ref_model_name``, ``model.reference_free``, ``model.lora``, a critic
+- another model (``model.lm.name``, ``model.ref_model_name``, ``model.reference_free``, ``model.lm.lora``, a critic
   that appears or goes) or an architecture that no longer matches the model folder's ``config.json`` (layers, hidden
   size, vocabulary),
 - another rollout mode (``model.rollout.engine``, ``model.rollout.async_steps``).
@@ -38,7 +38,7 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_trust import load_file, read_dcp_metadata, refuse_damaged, refuse_untrusted
 
 # hyperparameters (dotted, as in the CLI under `model.`) whose change makes a checkpoint another run's
-IDENTITY = ("model_name", "ref_model_name", "reference_free", "lora", "rollout.engine", "rollout.async_steps")
+IDENTITY = ("lm.name", "ref_model_name", "reference_free", "lm.lora", "rollout.engine", "rollout.async_steps")
 SWITCH = "--load_weights_only true"
 TRUST = "--trust_checkpoint true"
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -80,7 +80,7 @@ def check_resume(fit_config: Any, model: L.LightningModule, trainer: L.Trainer) 
     stored, shapes = read_checkpoint(str(path), trust)
     stored = rename_hparams(stored)  # a checkpoint saved before a key moved: its keys under their new names
     differences = compare(stored, dict(model.hparams), type(model).__name__)
-    differences += architecture_differences(shapes, dict(model.hparams).get("model_name"))
+    differences += architecture_differences(shapes, getattr(getattr(model, "lm", None), "name", None))
     if differences:
         raise ConfigError(f"--ckpt_path {path} is a checkpoint of another run: {'; '.join(differences)} "
                           f"(checkpoint -> this run); resume with the checkpoint's settings, or pass {SWITCH} to "
@@ -146,7 +146,7 @@ def architecture_differences(shapes: dict[str, tuple[int, ...]], model_name: str
            getattr(config, "vocab_size", None))
     if old == new or None in new:
         return []
-    return [f"architecture of model.model_name {model_name!r}: {_architecture(old)} -> {_architecture(new)}"]
+    return [f"architecture of model.lm.name {model_name!r}: {_architecture(old)} -> {_architecture(new)}"]
 
 
 class WeightsFromCheckpoint(L.Callback):
@@ -179,7 +179,7 @@ class WeightsFromCheckpoint(L.Callback):
             first = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines()
             raise ConfigError(f"--ckpt_path {self.path} with --load_weights_only: its weights do not fit this model "
                               f"({' '.join(line.strip() for line in first[:3])[:400]}); use a checkpoint of the same "
-                              "model (model.model_name, model.lora)") from None
+                              "model (model.lm.name, model.lm.lora)") from None
 
 
 _MISSING = object()

@@ -2,7 +2,7 @@
 
 A run's name is its configs followed by the settings the command line changed:
 
-    python -m rl_lightning fit --config recipes/grpo.yaml --model.optim.lr 2e-5          -> grpo lr=2e-05
+    python -m rl_lightning fit --config recipes/grpo.yaml --model.lm.optim.lr 2e-5          -> grpo lr=2e-05
     python -m rl_lightning fit --config recipes/real/grpo.yaml --config rl_lightning/cli/demo.yaml -> real-grpo+demo
 
 - each config file by its path below ``recipes/`` without the extension, ``/`` -> ``-`` (other files: their stem),

@@ -1,7 +1,7 @@
 """The search space of ``rl_lightning tune``: a YAML mapping of dotted config keys to how each is sampled.
 
 ```yaml
-model.optim.lr: {type: float, low: 1.0e-5, high: 1.0e-2, log: true}
+model.lm.optim.lr: {type: float, low: 1.0e-5, high: 1.0e-2, log: true}
 model.update_per_rollout: {type: int, low: 1, high: 4}          # inclusive; optional step
 model.advantage_estimator: {type: categorical, choices: [drgrpo, grpo]}
 ```
@@ -111,7 +111,7 @@ def parse_space(raw: Any, source: str = "search space", grid: bool = False) -> l
         raise ConfigError(f"{source}: expected a non-empty mapping of dotted config keys to "
                           f"{{type: float|int|categorical, ...}}, got {raw!r}")
     errors = [error for key, spec in raw.items() for error in _check(str(key), spec, grid)]
-    errors += [f"{key}: not a dotted config key (e.g. model.optim.lr)" for key in raw
+    errors += [f"{key}: not a dotted config key (e.g. model.lm.optim.lr)" for key in raw
                if not isinstance(key, str) or key.startswith("-") or " " in key]
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
@@ -132,7 +132,7 @@ def load_space(path: str, grid: bool = False) -> list[Param]:
 
 
 def overrides(values: dict[str, Any]) -> list[str]:
-    """CLI arguments setting each dotted key (``--model.optim.lr 0.003``); lists and mappings as flow YAML."""
+    """CLI arguments setting each dotted key (``--model.lm.optim.lr 0.003``); lists and mappings as flow YAML."""
     args = []
     for key, value in values.items():
         text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip()

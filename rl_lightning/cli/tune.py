@@ -1,7 +1,7 @@
 """``python -m rl_lightning tune --config recipes/<task>.yaml --search space.yaml --n-trials N``: Optuna search.
 
 Each trial is one ``fit`` run in this process (`rl_lightning.cli.main.main`) with the trial's values passed as dotted CLI
-overrides (``--model.optim.lr 0.003``), so any config key can be searched and a bad key fails with the CLI's own
+overrides (``--model.lm.optim.lr 0.003``), so any config key can be searched and a bad key fails with the CLI's own
 one-line error (the overrides are dry-parsed once at start-up, with each key's first value, before any trial runs).
 
 - The search space is a YAML mapping of dotted config keys to ``{type: float|int|categorical, ...}``

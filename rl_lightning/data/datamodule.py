@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def load_tokenizer_for_data(name: str | None) -> Any:
     """Load the tokenizer `name`; raises `ConfigError` when it is unset (the CLI links it from the model name)."""
     if name is None:
-        raise ConfigError("data.tokenizer_name is not set (the CLI links it from model.model_name)")
+        raise ConfigError("data.tokenizer_name is not set (the CLI links it from model.lm.name)")
     from rl_lightning.models.loading import load_tokenizer
 
     return load_tokenizer(name)

@@ -49,7 +49,7 @@ class PreferenceDataModule(StepDataModule):
 
     Args:
         path: training data (same sources as SFT); rows as above.
-        tokenizer_name: tokenizer to use (linked from ``model.model_name`` by the CLI).
+        tokenizer_name: tokenizer to use (linked from ``model.lm.name`` by the CLI).
         val_path: optional validation pairs (whole steps only; a remainder is not evaluated).
         split: split to read from Hugging Face datasets and ``DatasetDict`` folders.
         max_length: tokens kept per side (prompt + completion); longer sides are truncated on the right and counted;

@@ -102,7 +102,7 @@ class PromptDataModule(L.LightningDataModule):
     Args:
         path: training prompts (local JSON/JSONL/CSV/Parquet/Arrow, ``save_to_disk`` folder or Hugging Face name);
             rows ``{"messages": [...], "answer": ...}``.
-        tokenizer_name: tokenizer (linked from ``model.model_name`` by the CLI).
+        tokenizer_name: tokenizer (linked from ``model.lm.name`` by the CLI).
         val_path: optional held-out prompts, scored at validation (``val/reward``).
         val_paths: several named held-out sets instead, ``{name: path}``: each is scored at validation
             (``val/<name>/reward``, ...) and ``val/reward`` is the mean over all their trajectories; not with

@@ -23,7 +23,7 @@ class SFTDataModule(StepDataModule):
     Args:
         path: training data: a local ``.json``/``.jsonl``/``.csv``/``.parquet``/``.arrow`` file, a ``save_to_disk``
             folder or a Hugging Face dataset name. Rows are ``{"messages": [{"role", "content"}, ...]}``.
-        tokenizer_name: tokenizer to use (linked from ``model.model_name`` by the CLI).
+        tokenizer_name: tokenizer to use (linked from ``model.lm.name`` by the CLI).
         val_path: optional validation data in the same format (whole steps only; a remainder is not evaluated).
         split: split to read from Hugging Face datasets and ``DatasetDict`` folders.
         max_length: tokens kept per conversation; longer ones are truncated on the right, counted and logged

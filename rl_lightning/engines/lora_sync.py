@@ -26,7 +26,7 @@ def vllm_lora_rank(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if rank <= allowed:
             return allowed
-    raise ConfigError(f"model.lora.r={rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); use a "
+    raise ConfigError(f"model.lm.lora.r={rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); use a "
                       "smaller rank or model.rollout.weight_sync: full")
 
 
@@ -54,7 +54,7 @@ def adapter_sync_rank(model: torch.nn.Module, weight_sync: str, device_type: str
         return None
     if not is_peft(model):
         if weight_sync == "adapter":
-            raise ConfigError("model.rollout.weight_sync=adapter needs a LoRA policy (a PEFT model: set model.lora), "
+            raise ConfigError("model.rollout.weight_sync=adapter needs a LoRA policy (a PEFT model: set model.lm.lora), "
                               "got a plain model; use weight_sync: full or auto")
         return None
     config = adapter_config(model)

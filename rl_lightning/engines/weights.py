@@ -150,7 +150,7 @@ def named_weights(model: torch.nn.Module, merge_lora: bool = True) -> list[tuple
         if id(param) in seen or _skipped(raw):
             continue
         if tied and name == "lm_head.weight" and "modules_to_save" in raw:  # PEFT's trained copy of a tied head
-            raise ConfigError(f"model.lora.modules_to_save: the policy trains its own output head ({raw}) but the "
+            raise ConfigError(f"model.lm.lora.modules_to_save: the policy trains its own output head ({raw}) but the "
                               "model ties it to the input embedding (tie_word_embeddings), so the engine would serve "
                               "the embedding as the head; leave lm_head out of modules_to_save")
         if tied and name == "lm_head.weight":

@@ -52,7 +52,7 @@ def smaller_budget(budget: int, longest: int) -> int:
         raise torch.OutOfMemoryError(
             f"out of memory on a micro-batch of model.max_length_per_device={budget} tokens, which cannot shrink below "
             f"the longest trajectory ({longest} tokens): it needs more memory than this device has (shorten "
-            "model.rollout.max_new_tokens or the prompts, enable model.gradient_checkpointing, or shard the model)")
+            "model.rollout.max_new_tokens or the prompts, enable model.lm.gradient_checkpointing, or shard the model)")
     return smaller
 
 

@@ -47,9 +47,9 @@ class Keys:
     """The config keys a refusal names for this task (they differ between the packed DataModules and PPO)."""
 
     budget: str = "data.max_length_per_device"
-    checkpointing: str = "model.gradient_checkpointing"
-    chunk: str = "model.lm_head_chunk"
-    check: str = "model.memory_check"
+    checkpointing: str = "model.lm.gradient_checkpointing"
+    chunk: str = "model.lm.lm_head_chunk"
+    check: str = "model.lm.memory_check"
 
 
 def fit_suggestions(s: TrainSetup, keys: Keys, minimum: int = 1) -> list[str]:
@@ -89,6 +89,6 @@ def refusal(plan: MemoryPlan, keys: Keys, minimum: int = 1) -> str:
     else:
         smallest = plan_memory(replace(s, tokens=minimum, gradient_checkpointing=True,
                                        lm_head_chunk=s.lm_head_chunk or 1024)).peak
-        fix = (f"even {minimum} tokens with {keys.checkpointing}: true need {smallest / GIB:.2f} GiB: use model.lora, "
+        fix = (f"even {minimum} tokens with {keys.checkpointing}: true need {smallest / GIB:.2f} GiB: use model.lm.lora, "
                "shard the model (trainer.strategy: rl_lightning.parallel.ParallelStrategy) or a smaller model")
     return f"{head}; {fix} ({keys.check}: false runs it anyway)"

@@ -23,7 +23,7 @@ def check_local_path(name: str) -> None:
     path = Path(name).expanduser()
     if looks_local and not path.is_dir():
         what = "is a file, not a model folder" if path.exists() else "does not exist"
-        raise ConfigError(f"model.model_name '{name}': the local folder {what} (resolved to {path.resolve()}); "
+        raise ConfigError(f"model.lm.name '{name}': the local folder {what} (resolved to {path.resolve()}); "
                           "check the path, or give a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct")
 
 
@@ -39,7 +39,7 @@ def load_tokenizer(name: str) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
-        raise ConfigError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+        raise ConfigError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]}; check model.lm.name") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -56,7 +56,7 @@ def _load_for_training(auto_class: Any, name: str, dtype: torch.dtype | None, at
             path, dtype=dtype or torch.get_default_dtype(), attn_implementation=attn_implementation, **kwargs
         )
     except OSError as e:
-        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.model_name") from None
+        raise ConfigError(f"cannot load model '{name}': {str(e).splitlines()[0]}; check model.lm.name") from None
     # Training never reads a KV cache; with one, packed sequences would also attend to each other (reference §4.2).
     model.config.use_cache = False
     model.train()  # from_pretrained returns eval mode

@@ -3,7 +3,7 @@
 A model's forward on a packed micro-batch, then the output head at a temperature, in chunks of positions.
 
 `target_logprobs` is what every task trains and scores with; `ChunkedHead` computes the output head chunk by chunk so
-the full ``[tokens, vocabulary]`` logits never exist at once (``model.lm_head_chunk``); `model_inputs` is the
+the full ``[tokens, vocabulary]`` logits never exist at once (``model.lm.lm_head_chunk``); `model_inputs` is the
 transformers keyword arguments of a micro-batch.
 """
 
@@ -31,9 +31,9 @@ def model_inputs(micro_batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_lm_head_chunk(value: int | None) -> None:
-    """Raise a one-line `ConfigError` unless ``model.lm_head_chunk`` is a positive number of positions or null."""
+    """Raise a one-line `ConfigError` unless ``model.lm.lm_head_chunk`` is a positive number of positions or null."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"model.lm_head_chunk must be a number of positions >= 1 or null, got {value!r}; use e.g. "
+        raise ConfigError(f"model.lm.lm_head_chunk must be a number of positions >= 1 or null, got {value!r}; use e.g. "
                           "1024 (the default), or null for the full-logits path")
 
 
@@ -86,9 +86,9 @@ def _chunked_target_logprobs(model: Any, micro_batch: dict[str, Any], keep: torc
     finally:
         setattr(parent, name, head)
     if chunked.output is None or out is not chunked.output:
-        raise ConfigError(f"model.lm_head_chunk={chunk_size}: {type(parent).__name__}'s forward does not return its "
+        raise ConfigError(f"model.lm.lm_head_chunk={chunk_size}: {type(parent).__name__}'s forward does not return its "
                           "output head's result as the logits (e.g. it soft-caps or scales them), which the chunked "
-                          "head cannot reproduce; set model.lm_head_chunk: null")
+                          "head cannot reproduce; set model.lm.lm_head_chunk: null")
     zeros = torch.zeros(targets.shape, dtype=torch.float32, device=out.device)
     logprobs = zeros.index_copy(1, keep, out[..., 0])
     return logprobs, None if entropy is None else zeros.index_copy(1, keep, out[..., 1])
@@ -106,8 +106,8 @@ def output_head(model: Any) -> tuple[torch.nn.Module, str, torch.nn.Module]:
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     path = next((n for n, m in inner.named_modules(remove_duplicate=False) if m is head and n), None)
     if head is None or path is None:
-        raise ConfigError(f"model.lm_head_chunk: {type(inner).__name__} has no output embedding module "
-                          "(get_output_embeddings()) to chunk; set model.lm_head_chunk: null")
+        raise ConfigError(f"model.lm.lm_head_chunk: {type(inner).__name__} has no output embedding module "
+                          "(get_output_embeddings()) to chunk; set model.lm.lm_head_chunk: null")
     parent_path, _, name = path.rpartition(".")
     return inner.get_submodule(parent_path), name, head
 
@@ -144,7 +144,7 @@ class ChunkedHead(torch.nn.Module):
 
         if hidden.shape[:-1] != self.labels.shape:
             raise RuntimeError(f"the output head got hidden states {tuple(hidden.shape)} for targets "
-                               f"{tuple(self.labels.shape)}; set model.lm_head_chunk: null for this model")
+                               f"{tuple(self.labels.shape)}; set model.lm.lm_head_chunk: null for this model")
         flat, labels = hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1)
         head: Any = self.head
         plain = (type(head) is torch.nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
@@ -187,7 +187,7 @@ def _module_chunks(head: Any, hidden: torch.Tensor, labels: torch.Tensor, temper
         if logits.shape[-1] != getattr(head, "out_features", logits.shape[-1]):
             raise RuntimeError(f"the output head returned {logits.shape[-1]} logits per position for a vocabulary of "
                                f"{head.out_features} (a local shard of a tensor-parallel head?); return a DTensor "
-                               "(use_local_output=False) or set model.lm_head_chunk: null")
+                               "(use_local_output=False) or set model.lm.lm_head_chunk: null")
         ent = entropy_from_logits(logits if entropy == "grad" else logits.detach()) if entropy else y.new_zeros(0)
         return token_logprobs(logits, y, temperature), ent
 

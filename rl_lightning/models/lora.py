@@ -1,4 +1,4 @@
-"""LoRA through PEFT (``model.lora.*`` of the SFT, DPO and PPO tasks).
+"""LoRA through PEFT (``model.lm.lora.*`` of the SFT, DPO and PPO tasks).
 
 Low-rank adapters on the policy's linear layers, the base weights frozen.
 
@@ -29,7 +29,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Low-rank adapters on the model's linear layers (``model.lora.*``; null: full fine-tuning).
+    """Low-rank adapters on the model's linear layers (``model.lm.lora.*``; null: full fine-tuning).
 
     Args:
         r: rank of each adapter (B is out x r, A is r x in).
@@ -50,16 +50,16 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         errors = []
         if self.r < 1:
-            errors.append(f"model.lora.r must be >= 1, got {self.r}")
+            errors.append(f"model.lm.lora.r must be >= 1, got {self.r}")
         if self.alpha <= 0:
-            errors.append(f"model.lora.alpha must be > 0, got {self.alpha}")
+            errors.append(f"model.lm.lora.alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
-            errors.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+            errors.append(f"model.lm.lora.dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
-            errors.append(f"model.lora.target_modules must be a list of module names or 'all-linear', got "
+            errors.append(f"model.lm.lora.target_modules must be a list of module names or 'all-linear', got "
                           f"'{self.target_modules}'")
         elif not self.target_modules:
-            errors.append("model.lora.target_modules is empty: name the linear layers to adapt (e.g. [q_proj, "
+            errors.append("model.lm.lora.target_modules is empty: name the linear layers to adapt (e.g. [q_proj, "
                           "v_proj]) or use 'all-linear'")
         if errors:
             raise ConfigError("; ".join(errors))
@@ -74,7 +74,7 @@ def apply_lora(model: Any, config: LoRAConfig) -> Any:
     """Wrap a transformers causal LM (or sequence classifier) in a ``peft.PeftModel`` with `config`'s adapters.
 
     Only adapter parameters (and `modules_to_save`) require gradients. Target names matching no module fail here, at
-    start-up, naming ``model.lora.target_modules``.
+    start-up, naming ``model.lm.lora.target_modules``.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -86,7 +86,7 @@ def apply_lora(model: Any, config: LoRAConfig) -> Any:
     try:
         return get_peft_model(model, peft_config)
     except ValueError as e:
-        raise ConfigError(f"model.lora.target_modules={targets}: {str(e).splitlines()[0]}; name linear layers of "
+        raise ConfigError(f"model.lm.lora.target_modules={targets}: {str(e).splitlines()[0]}; name linear layers of "
                           f"{type(model).__name__} (e.g. {list(DEFAULT_TARGETS)}) or use 'all-linear'") from None
 
 
@@ -144,6 +144,6 @@ def check_lora_strategy(strategy: Any) -> None:
     row-wise after a row-wise base, B column-wise after a column-wise one). Not built yet.
     """
     if getattr(strategy, "tp_size", 1) > 1:
-        raise ConfigError(f"model.lora does not support strategy.tensor_parallel_size={strategy.tp_size} (PEFT's LoRA "
+        raise ConfigError(f"model.lm.lora does not support strategy.tensor_parallel_size={strategy.tp_size} (PEFT's LoRA "
                           "layers are not tensor-parallel); use tensor_parallel_size: 1 (FSDP2 and context "
                           "parallelism work with LoRA)")

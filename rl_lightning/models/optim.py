@@ -1,4 +1,4 @@
-"""Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.optim.*``).
+"""Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.lm.optim.*``).
 
 Every task steps through `optimizer_step`, which also skips a step whose gradient norm is not finite (see there).
 """
@@ -36,16 +36,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a warmup + decay learning-rate schedule, and gradient clipping: ``model.optim.*`` of every task.
+    """AdamW with a warmup + decay learning-rate schedule, and gradient clipping: ``model.lm.optim.*`` of every task.
 
     Args:
-        lr: peak learning rate.
+        lr: peak learning rate; null: the task's default (SFT 1e-5, RewardModel 5e-6, DPO 5e-7, PPO 1e-6).
         weight_decay: AdamW weight decay (not applied to biases and norm weights).
         betas: AdamW betas.
         eps: AdamW epsilon.
         warmup_steps: linear warmup length in optimizer steps.
         lr_schedule: after warmup: ``cosine`` or ``linear`` decay to `min_lr_ratio` x `lr` at the end of the run, or
-            ``constant``.
+            ``constant``; null: the task's default (``constant`` for PPO, ``cosine`` for the others).
         min_lr_ratio: final learning rate as a fraction of `lr` (cosine and linear).
         max_grad_norm: clip the global gradient L2 norm to this value; <= 0 disables clipping (the norm is still
             logged).
@@ -54,12 +54,12 @@ class OptimConfig:
             stop the run with an error.
     """
 
-    lr: float = 1e-5
+    lr: float | None = None
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     warmup_steps: int = 0
-    lr_schedule: str = "cosine"
+    lr_schedule: str | None = None
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
     max_skipped_steps: int = 10
@@ -68,15 +68,15 @@ class OptimConfig:
         errors = []
         if isinstance(self.max_skipped_steps, bool) or not isinstance(self.max_skipped_steps, int) or \
                 self.max_skipped_steps < 1:
-            errors.append(f"model.optim.max_skipped_steps must be an integer >= 1, got {self.max_skipped_steps!r}")
-        if self.lr <= 0:
-            errors.append(f"model.optim.lr must be > 0, got {self.lr}")
+            errors.append(f"model.lm.optim.max_skipped_steps must be an integer >= 1, got {self.max_skipped_steps!r}")
+        if self.lr is not None and self.lr <= 0:
+            errors.append(f"model.lm.optim.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
-            errors.append(f"model.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr_schedule not in SCHEDULES:
-            errors.append(f"model.optim.lr_schedule must be one of {', '.join(SCHEDULES)}, got '{self.lr_schedule}'")
+            errors.append(f"model.lm.optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule is not None and self.lr_schedule not in SCHEDULES:
+            errors.append(f"model.lm.optim.lr_schedule must be one of {', '.join(SCHEDULES)}, got '{self.lr_schedule}'")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            errors.append(f"model.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            errors.append(f"model.lm.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if errors:
             raise ConfigError("; ".join(errors))
 
@@ -132,9 +132,9 @@ def run_length(trainer: Any, optim: OptimConfig) -> int:
     if math.isinf(total):
         if optim.lr_schedule == "constant":
             return 0
-        raise ConfigError(f"model.optim.lr_schedule={optim.lr_schedule} decays over the run, but the run is unbounded "
+        raise ConfigError(f"model.lm.optim.lr_schedule={optim.lr_schedule} decays over the run, but the run is unbounded "
                           "(trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps or "
-                          "trainer.max_epochs, or model.optim.lr_schedule: constant")
+                          "trainer.max_epochs, or model.lm.optim.lr_schedule: constant")
     return int(total)
 
 
@@ -201,8 +201,8 @@ class SkippedSteps:
         if self.streaks[index] >= limit:
             raise TrainingError(
                 f"{limit} optimizer steps in a row had a non-finite loss or gradient (grad norm {grad_norm.item()}) "
-                f"and were skipped (model.optim.max_skipped_steps={limit}); lower model.optim.lr, check the data, "
-                "or raise model.optim.max_skipped_steps")
+                f"and were skipped (model.lm.optim.max_skipped_steps={limit}); lower model.lm.optim.lr, check the data, "
+                "or raise model.lm.optim.max_skipped_steps")
         return self.total
 
 

@@ -55,10 +55,12 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
-def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
+def parallelize(model: Any, strategy: Any, trainable: bool = True, checkpointing: bool = False) -> Any:
     """Apply TP, activation checkpointing, compilation and FSDP2 to `model` in place; returns it. Idempotent.
 
-    TP when the strategy's tensor-parallel size > 1, activation checkpointing for trainable models, ``torch.compile``
+    TP when the strategy's tensor-parallel size > 1, activation checkpointing for trainable models with
+    `checkpointing` (the task's ``model.lm.gradient_checkpointing``, the one switch; a model loaded with it on keeps
+    it), ``torch.compile``
     of every decoder block (trainable or not: reference models' forwards gain too) with the strategy's ``compile``.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -71,7 +73,7 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True) -> Any:
         check_lora_strategy(strategy)
     if strategy.tp_size > 1:
         apply_tensor_parallel(model, strategy.tp_mesh)
-    if trainable and strategy.activation_checkpointing:
+    if trainable and checkpointing and not getattr(base_model(model), "is_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainable and getattr(strategy, "activation_offload", False):
         _offload_activations(model, strategy)
@@ -98,10 +100,10 @@ def compile_decoder_layers(model: Any, mode: str | None = None) -> None:
     same module tree.
 
     transformers' gradient checkpointing wraps the block's ``__call__`` from outside, so under
-    ``activation_checkpointing`` the recomputation in the backward calls the compiled forward again. Attention stays
-    eager (`rl_lightning.attention.packed.varlen_attention` is excluded from compilation: its packed-row bookkeeping
-    syncs with the host), so each block compiles as two graphs, before and after attention. With LoRA the PEFT
-    adapter layers inside each block are compiled with it.
+    ``model.lm.gradient_checkpointing`` the recomputation in the backward calls the compiled forward again.
+    Attention stays eager (`rl_lightning.attention.packed.varlen_attention` is excluded from compilation: its
+    packed-row bookkeeping syncs with the host), so each block compiles as two graphs, before and after attention.
+    With LoRA the PEFT adapter layers inside each block are compiled with it.
     """
     for layer in decoder_layers(model):
         layer.compile(mode=mode)
@@ -113,8 +115,8 @@ def _offload_activations(model: Any, strategy: Any) -> None:
     from rl_lightning.parallel.offload import ActivationOffload
 
     if getattr(base_model(model), "is_gradient_checkpointing", False):
-        raise ConfigError("strategy.activation_offload=true with model.gradient_checkpointing=true: checkpointing keeps "
-                          "only each block's input, leaving nothing to offload; set one of them")
+        raise ConfigError("strategy.activation_offload=true with model.lm.gradient_checkpointing=true: checkpointing "
+                          "keeps only each block's input, leaving nothing to offload; set one of them")
     offload = getattr(strategy, "activation_offloader", None) or ActivationOffload()
     strategy.activation_offloader = offload
     for layer in decoder_layers(model):
@@ -145,7 +147,8 @@ def parallelize_for(module: Any, model: Any, trainable: bool = True) -> Any:
     attn = attention_implementation(model.config)
     if strategy.cp_size > 1 and attn != "rl_varlen":
         raise ConfigError(
-            f"strategy.context_parallel_size={strategy.cp_size} needs model.attn_implementation: rl_varlen (ring "
+            f"strategy.context_parallel_size={strategy.cp_size} needs model.lm.attn_implementation: rl_varlen (ring "
             f"attention over packed sequences), got '{attn}'"
         )
-    return parallelize(model, strategy, trainable)
+    checkpointing = bool(getattr(getattr(module, "lm", None), "gradient_checkpointing", False))
+    return parallelize(model, strategy, trainable, checkpointing)

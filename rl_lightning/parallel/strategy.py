@@ -70,17 +70,16 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
             ``trainer.precision: 32-true``); ``null`` computes in the parameters' dtype.
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); False keeps them until
             the backward (ZeRO-2-like: faster, more memory).
-        activation_checkpointing: recompute each decoder block's activations in the backward pass.
         activation_offload: keep what each decoder block saves for the backward pass in host memory (pinned,
             copied asynchronously) until the backward needs it (`rl_lightning.parallel.offload`); not with
-            activation checkpointing (nothing would be left to offload).
+            ``model.lm.gradient_checkpointing`` (nothing would be left to offload; refused when the model is sharded).
         optimizer_offload: keep the optimizer state (AdamW's moments) in host memory between steps; the step streams
             it through the device in buckets of ``offload_bucket_mb`` while parameters and gradients stay there.
             Not with ``cpu_offload``, which keeps the state on the host already.
         offload_bucket_mb: the most optimizer state on the device at once under ``optimizer_offload``.
-        compile: compile each decoder block with ``torch.compile`` (after activation checkpointing, before FSDP2) so
-            the element-wise work around the matrix products (RMSNorm, SwiGLU, rotary, casts) runs as fused kernels;
-            the first steps pay the compilation. Not with tensor parallelism (refused at start-up).
+        compile: compile each decoder block with ``torch.compile`` (after ``model.lm.gradient_checkpointing``, before
+            FSDP2) so the element-wise work around the matrix products (RMSNorm, SwiGLU, rotary, casts) runs as fused
+            kernels; the first steps pay the compilation. Not with tensor parallelism (refused at start-up).
         compile_mode: ``torch.compile``'s ``mode``: ``null`` (its default), ``reduce-overhead``, ``max-autotune`` or
             ``max-autotune-no-cudagraphs``; only with ``compile``.
         save_distributed_checkpoint: save sharded (DCP) checkpoints; False gathers a full state dict on rank 0.
@@ -99,7 +98,6 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
         cpu_offload: bool = False,
         mixed_precision: str | None = None,
         reshard_after_forward: bool = True,
-        activation_checkpointing: bool = False,
         activation_offload: bool = False,
         optimizer_offload: bool = False,
         offload_bucket_mb: int = 256,
@@ -118,8 +116,7 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
                           f"strategy.data_parallel_size={data_parallel_size}")
         if mixed_precision not in (None, "bf16"):
             errors.append(f"strategy.mixed_precision must be 'bf16' or null, got {mixed_precision!r}")
-        errors += _offload_errors(cpu_offload, activation_checkpointing, activation_offload, optimizer_offload,
-                                  offload_bucket_mb)
+        errors += _offload_errors(cpu_offload, optimizer_offload, offload_bucket_mb)
         errors += _compile_errors(compile, compile_mode, sizes)
         if errors:
             raise ConfigError("; ".join(errors))
@@ -128,7 +125,7 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
         self.dp_size, self.cp_size, self.tp_size, self.replicate_size = (
             data_parallel_size, context_parallel_size, tensor_parallel_size, replicate_size)
         self.cpu_offload, self.mixed_precision = cpu_offload, mixed_precision
-        self.reshard_after_forward, self.activation_checkpointing = reshard_after_forward, activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
         self.activation_offload, self.optimizer_offload = activation_offload, optimizer_offload
         self.offload_bucket_mb = offload_bucket_mb
         self.compile, self.compile_mode = compile, compile_mode
@@ -309,15 +306,12 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
         return OffloadPolicy()
 
 
-def _offload_errors(cpu_offload: bool, checkpointing: bool, activation_offload: bool, optimizer_offload: bool,
-                    bucket_mb: Any) -> list[str]:
+def _offload_errors(cpu_offload: bool, optimizer_offload: bool, bucket_mb: Any) -> list[str]:
+    """What the offload settings cannot be combined with (activation offload with checkpointing: `parallelize`)."""
     errors = []
     if optimizer_offload and cpu_offload:
         errors.append("strategy.optimizer_offload=true with strategy.cpu_offload=true: cpu_offload keeps the optimizer "
                       "state on the CPU already; set one of them")
-    if activation_offload and checkpointing:
-        errors.append("strategy.activation_offload=true with strategy.activation_checkpointing=true: checkpointing "
-                      "keeps only each block's input, leaving nothing to offload; set one of them")
     if not isinstance(bucket_mb, int) or bucket_mb < 1:
         errors.append(f"strategy.offload_bucket_mb must be an integer >= 1, got {bucket_mb!r}")
     return errors

@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms.dapo import overlong_penalty
+from rl_lightning.algorithms.dapo import DAPOConfig, overlong_penalty
 from rl_lightning.engines.lockstep import Lockstep
 from rl_lightning.engines.protocol import SamplingParams
 from rl_lightning.engines.weights import WeightSync
@@ -90,8 +90,9 @@ def _datamodule(trainer: L.Trainer) -> Any:
 class RolloutCallback(L.Callback):
     """Generate and score trajectories for every training (and validation) batch of prompts, as `config` says."""
 
-    def __init__(self, config: RolloutConfig) -> None:
+    def __init__(self, config: RolloutConfig, dapo: DAPOConfig | None = None) -> None:
         self.config = c = config
+        self.dapo = DAPOConfig() if dapo is None else dapo  # model.dapo: dynamic sampling, overlong shaping
         self.env = load_environment(c.env_path, c.on_error, weights=c.reward_weights, combination=c.reward_combination,
                                     ideal=c.reward_ideal, reward_model=c.reward_model, max_tool_chars=c.max_tool_chars)
         if c.max_turns > 1 and self.env.interact is None:
@@ -121,7 +122,7 @@ class RolloutCallback(L.Callback):
         prompts = getattr(_datamodule(trainer), "prompts", {})  # answers of the type reward_fn reads, or one line
         self.env.check_answers(p for loaded in (prompts.values() if isinstance(prompts, dict) else []) for p in loaded)
         if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
-            self.replay = ReplayDump.start(trainer, _task(pl_module), c)
+            self.replay = ReplayDump.start(trainer, _task(pl_module), c, self.dapo.filter_range)
         if c.engine != "vllm_process" or stage != "fit" or c.replay is not None:
             return
         self.engine_devices = engine_process_placement(c, trainer)
@@ -160,8 +161,9 @@ class RolloutCallback(L.Callback):
         """A replay: refuse a dump lacking a rollout the run needs (from a resumed checkpoint's on)."""
         task = _task(pl_module)
         if self.replay is not None:
-            self.replay.check(run_manifest(trainer, task, self.config), range(task.rollouts, task.run_rollouts()),
-                              self.config.filter_range is not None)
+            self.replay.check(run_manifest(trainer, task, self.config, self.dapo.filter_range),
+                              range(task.rollouts, task.run_rollouts()),
+                              self.dapo.filter_range is not None)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -215,7 +217,7 @@ class RolloutCallback(L.Callback):
         task = _task(pl_module)
         if self.replay is not None:  # the dumped rollout: nothing is sampled or scored
             batch["rollout"] = rollout = self.replay.rollout(
-                task.rollouts, None if self.config.filter_range is not None else batch["prompts"])
+                task.rollouts, None if self.dapo.filter_range is not None else batch["prompts"])
             self._observe(trainer, task, rollout.trajectories, rollout.metrics)
             return
         batch["rollout"] = self.schedule.rollout(self, trainer, task, batch, batch_idx)
@@ -232,8 +234,8 @@ class RolloutCallback(L.Callback):
         start, self.env.reward_seconds = time.perf_counter(), 0.0
         params = self.sampling_params(index, prompts, task.tokenizer.eos_token_id)
         trajectories = self._generate(prompts, task.tokenizer, params)
-        if self.config.filter_range is not None:
-            trajectories = self._refill(trainer, task, prompts, trajectories, index, self.config.filter_range)
+        if self.dapo.filter_range is not None:
+            trajectories = self._refill(trainer, task, prompts, trajectories, index, self.dapo.filter_range)
         env = self.env  # interact counts (since the start) are logged once non-zero
         tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures,
                  "rollout/engine_restarts": getattr(self.engine, "restarts", 0),  # engine: vllm_process
@@ -331,12 +333,12 @@ class RolloutCallback(L.Callback):
         c = self.config
         trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns, self.lockstep,
                                self.max_model_len)
-        if c.overlong_cache_length is not None:
+        if self.dapo.overlong_cache_length is not None:
             lengths = torch.tensor([t.completion_length for t in trajectories])
-            penalties = overlong_penalty(lengths, c.max_completion_tokens, c.overlong_cache_length)
+            penalties = overlong_penalty(lengths, c.max_completion_tokens, self.dapo.overlong_cache_length)
             for t, penalty in zip(trajectories, penalties.tolist(), strict=True):
                 t.reward += penalty
-        if c.mask_truncated:
+        if self.dapo.mask_truncated:
             for t in trajectories:
                 if not t.finished:
                     t.completion_mask = [0] * len(t.completion_mask)
@@ -353,7 +355,8 @@ class RolloutCallback(L.Callback):
 
         ranks = data_parallel_ranks(trainer, collectives=not self.schedule.background)
         kept, rounds = refill(generate, prompts, trajectories, _datamodule(trainer).prompts["train"],
-                              c.responses_per_prompt, filter_range, c.max_refill_rounds, (c.seed or 0) + 104_729 * index,
+                              c.responses_per_prompt, filter_range, self.dapo.max_refill_rounds,
+                              (c.seed or 0) + 104_729 * index,
                               ranks)
         self.refills += rounds
         return kept

@@ -87,13 +87,6 @@ class RolloutConfig:
             no cap. Multi-turn conversations also end (``rollout/overlong_conversations``) when the next turn would
             pass `max_model_len`.
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
-        filter_range: DAPO dynamic sampling: keep only prompt groups whose mean reward lies strictly inside
-            (low, high), and refill the batch with more prompts (drawn from the training set) until it is full or
-            `max_refill_rounds` rounds were tried; null disables.
-        max_refill_rounds: generation rounds per rollout when filtering (the first included).
-        overlong_cache_length: DAPO soft overlong punishment: completions longer than ``max_new_tokens -
-            overlong_cache_length`` tokens lose up to 1 reward, linearly; null disables.
-        mask_truncated: drop completions cut at `max_new_tokens` from the loss (DAPO's overlong filtering).
         reward_weights: for a ``reward_fn`` returning named components (a dict): one weight per component; each
             component is logged as ``train/reward/<name>``.
         reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
@@ -151,10 +144,6 @@ class RolloutConfig:
     worker_env: list[str] | None = None
     max_tool_chars: int | None = 8192
     seed: int | None = 0
-    filter_range: tuple[float, float] | None = None
-    max_refill_rounds: int = 4
-    overlong_cache_length: int | None = None
-    mask_truncated: bool = False
     reward_weights: dict[str, float] | None = None
     reward_combination: str = "weighted_sum"
     reward_ideal: dict[str, float] | None = None
@@ -185,13 +174,6 @@ class RolloutConfig:
         if self.temperature <= 0 or self.max_new_tokens < 1:
             errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
                           f"{self.temperature}, {self.max_new_tokens}")
-        if self.filter_range is not None and not self.filter_range[0] < self.filter_range[1]:
-            errors.append(f"filter_range must be (low, high) with low < high, got {self.filter_range}")
-        if self.max_refill_rounds < 1:
-            errors.append(f"max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
-        if self.overlong_cache_length is not None and not 0 < self.overlong_cache_length <= self.max_new_tokens:
-            errors.append(f"overlong_cache_length must be in (0, max_new_tokens={self.max_new_tokens}], got "
-                          f"{self.overlong_cache_length}")
         if (self.reward_workers is not None and self.reward_workers < 0) or (
                 self.reward_timeout_s is not None and not self.reward_timeout_s > 0):
             errors.append(f"reward_workers must be >= 0 (0: inline) and reward_timeout_s > 0 or null, got "
@@ -244,11 +226,11 @@ def _vllm_errors(c: RolloutConfig) -> list[str]:
         errors.append(f"engine=vllm_process runs one engine of engine_tp_size 1 for now, got {c.engine_tp_size}")
     if c.engine in VLLM_ENGINES and c.replay is None and not vllm_available():  # a replay builds no engine
         errors.append(f"engine={c.engine} needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
-    if c.engine == "vllm" and c.engine_tp_size > 1 and (c.max_turns > 1 or c.filter_range is not None):
-        # the ranks of an engine generate together, but these loops decide per rank how often to generate
+    if c.engine == "vllm" and c.engine_tp_size > 1 and c.max_turns > 1:
+        # the ranks of an engine generate together, but this loop decides per rank how often to generate (DAPO's
+        # refill likewise: `rl_lightning.tasks.ppo.config.dapo_errors`)
         errors.append(f"engine_tp_size={c.engine_tp_size} does not support multi-turn rollouts "
-                      f"(max_turns={c.max_turns}) or dynamic sampling (filter_range={c.filter_range}) yet; use "
-                      "engine_tp_size: 1")
+                      f"(max_turns={c.max_turns}) yet; use engine_tp_size: 1")
     return errors
 
 

@@ -32,11 +32,6 @@ def engine_process_placement(config: RolloutConfig, trainer: L.Trainer) -> list[
         ConfigError: one line naming the key, its value and the fix.
     """
     c = config
-    if trainer.world_size > 1 and c.async_steps and c.filter_range is not None:
-        raise ConfigError(f"model.rollout.filter_range={c.filter_range} with async_steps: 1 refills each rank on its "
-                          f"own, but the {trainer.world_size} trainer ranks share one engine process (engine: "
-                          "vllm_process), which needs them to generate equally often: set async_steps: 0, "
-                          "filter_range: null, or engine: vllm")
     device_type = trainer.strategy.root_device.type
     count = torch.cuda.device_count() if device_type == "cuda" else 0
     return engine_process_devices(c.engine_devices, device_type, count, trainer.device_ids, c.engine_tp_size)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 2  # 1: conversations and rewards only (before replay)
 MANIFEST = "manifest.json"
 # manifest keys a replay must agree with, and the setting each comes from
-MUST_MATCH = {"model_name": "model.model_name", "tokenizer": "the tokenizer of model.model_name",
+MUST_MATCH = {"model_name": "model.lm.name", "tokenizer": "the tokenizer of model.lm.name",
               "responses_per_prompt": "model.rollout.responses_per_prompt", "batch_size": "data.batch_size",
               "world_size": "the number of processes (trainer.devices x trainer.num_nodes)"}
 # the keys a training line must hold for `_read_rollouts` and `_trajectory`
@@ -56,20 +56,24 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size: int | None, world_size: int
-             ) -> dict[str, Any]:
+def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size: int | None, world_size: int,
+             filter_range: tuple[float, float] | None = None) -> dict[str, Any]:
     """The dump's ``manifest.json``: the keys of `MUST_MATCH`, then the sampling settings (not checked)."""
     return {"format": FORMAT_VERSION, "model_name": model_name, "tokenizer": tokenizer_fingerprint(tokenizer),
             "responses_per_prompt": config.responses_per_prompt, "batch_size": batch_size, "world_size": world_size,
             "engine": config.engine, "temperature": config.temperature, "top_p": config.top_p,
             "top_k": config.top_k, "max_new_tokens": config.max_new_tokens, "max_turns": config.max_turns,
-            "seed": config.seed, "filter_range": config.filter_range}
+            "seed": config.seed, "filter_range": filter_range}
 
 
-def run_manifest(trainer: Any, task: Any, config: RolloutConfig) -> dict[str, Any]:
-    """The `manifest` of the run `trainer` fits `task` (the PPO task: ``model_name``, ``tokenizer``) in."""
+def run_manifest(trainer: Any, task: Any, config: RolloutConfig, filter_range: tuple[float, float] | None = None
+                 ) -> dict[str, Any]:
+    """The `manifest` of the run `trainer` fits `task` (the PPO task: ``model_name``, ``tokenizer``) in.
+
+    `filter_range` is ``model.dapo.filter_range`` (dynamic sampling: the rollouts hold refilled prompts).
+    """
     batch_size = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("batch_size")
-    return manifest(task.model_name, task.tokenizer, config, batch_size, trainer.world_size)
+    return manifest(task.model_name, task.tokenizer, config, batch_size, trainer.world_size, filter_range)
 
 
 def trajectory_record(trajectory: Trajectory, position: int, rollout: Rollout) -> dict[str, Any]:
@@ -119,7 +123,8 @@ class ReplayDump:
         self.lines = _read_rollouts(self.dirpath, rank)
 
     @classmethod
-    def start(cls, trainer: Any, task: Any, config: RolloutConfig) -> ReplayDump:
+    def start(cls, trainer: Any, task: Any, config: RolloutConfig, filter_range: tuple[float, float] | None = None
+              ) -> ReplayDump:
         """This rank's dump for the run `trainer` fits `task` in, checked at start-up (before any model loads).
 
         Raises:
@@ -131,7 +136,7 @@ class ReplayDump:
             raise ConfigError(f"model.rollout.replay={dirpath} builds no engine, so held-out prompts cannot be "
                               "scored: set trainer.limit_val_batches: 0 or drop data.val_path/val_paths")
         dump = cls(dirpath, trainer.global_rank)
-        dump.check(run_manifest(trainer, task, config), [], config.filter_range is not None)
+        dump.check(run_manifest(trainer, task, config, filter_range), [], filter_range is not None)
         return dump
 
     def check(self, current: dict[str, Any], rollouts: Iterable[int], filtered: bool) -> None:

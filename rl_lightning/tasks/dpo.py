@@ -13,7 +13,6 @@ micro-batch), then the usual pass; it is averaged over the global number of exam
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -23,10 +22,11 @@ from typing_extensions import override
 from rl_lightning.algorithms import kto_reference_point
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.phases import phase
+from rl_lightning.models.config import LMConfig, lm_config
 from rl_lightning.models.loading import load_causal_lm
-from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
-from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, apply_lora, lora_config
-from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, run_length, typed
+from rl_lightning.models.logprobs import target_logprobs
+from rl_lightning.models.lora import AdaptersDisabled, apply_lora
+from rl_lightning.models.optim import SkippedStepsState, configure_adamw, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import data_parallel_sum, local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.parallel.strategy import ParallelStrategy
@@ -56,8 +56,11 @@ class DPO(SkippedStepsState, L.LightningModule):
     """DPO-family preference optimisation of a causal LM (against a frozen reference, or none), SimPO, ORPO and KTO.
 
     Args:
-        model_name: policy to train (HF folder or hub name); also the tokenizer (linked to ``data.tokenizer_name``).
-        ref_model_name: frozen reference; defaults to `model_name` (the usual SFT starting point).
+        lm: the policy, its adapters, memory switches and optimizer (``model.lm.*``, see
+            `rl_lightning.models.config.LMConfig`; the optimizer's default here is AdamW at lr 5e-7, cosine schedule).
+            With ``model.lm.lora`` the reference is the policy with its adapters disabled (no second model;
+            `ref_model_name` and `reference_offload` must be left unset).
+        ref_model_name: frozen reference; defaults to ``model.lm.name`` (the usual SFT starting point).
         beta: implicit-reward inverse temperature (IPO's tau; SimPO's reward scale, 2 to 10 in its paper; ORPO's
             lambda, the weight of the odds-ratio term).
         loss_type: ``sigmoid`` (DPO), ``robust`` (rDPO), ``ipo``, ``hinge``; ``simpo`` and ``orpo`` (reference-free,
@@ -69,26 +72,11 @@ class DPO(SkippedStepsState, L.LightningModule):
         desirable_weight: KTO's weight on desirable examples (``loss_type: kto``; > 0).
         undesirable_weight: KTO's weight on undesirable examples (``loss_type: kto``; > 0).
         reference_offload: keep the reference on the CPU between steps (saves accelerator memory).
-        optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
-        gradient_checkpointing: recompute activations in the backward pass to save memory.
-        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
-            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
-        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
-            transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
-        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
-            the reference is then the policy with its adapters disabled (no second model; `ref_model_name` and
-            `reference_offload` must be left unset). Null: full fine-tuning.
-        lm_head_chunk: positions per chunk of the output head (policy and reference): the (tokens x vocabulary)
-            logits are never built whole, only (lm_head_chunk x vocabulary) at a time, in the forward and the backward
-            (same values); null: the full logits (more memory, sometimes faster on small batches).
-        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
-            line naming the keys that would fit; the plan is printed either way, see
-            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
     """
 
     def __init__(
         self,
-        model_name: str,
+        lm: LMConfig,
         ref_model_name: str | None = None,
         beta: float = 0.1,
         loss_type: str = "sigmoid",
@@ -98,32 +86,24 @@ class DPO(SkippedStepsState, L.LightningModule):
         desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0,
         reference_offload: bool = False,
-        optim: OptimConfig = OptimConfig(lr=5e-7),
-        gradient_checkpointing: bool = False,
-        lean_activations: bool = True,
-        attn_implementation: str = "rl_varlen",
-        lora: LoRAConfig | None = None,
-        lm_head_chunk: int | None = 1024,
-        memory_check: bool = True,
     ) -> None:
         super().__init__()
-        check_lm_head_chunk(lm_head_chunk)
+        self.lm = lm_config(lm).for_task(lr=5e-7, lr_schedule="cosine")
+        self.optim, self.lora = self.lm.optim, self.lm.lora
         errors = loss_config_errors(loss_type, reference_free, label_smoothing, simpo_gamma, desirable_weight,
                                     undesirable_weight)
         if beta <= 0:
             errors.append(f"model.beta must be > 0, got {beta}")
         if not 0.0 <= label_smoothing < 0.5:
             errors.append(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        if lora is not None and (reference_offload or ref_model_name not in (None, model_name)):
-            errors.append(f"model.lora: the reference is the policy with its adapters disabled, so "
+        if self.lora is not None and (reference_offload or ref_model_name not in (None, self.lm.name)):
+            errors.append(f"model.lm.lora: the reference is the policy with its adapters disabled, so "
                           f"model.ref_model_name ({ref_model_name}) and model.reference_offload ({reference_offload}) "
                           "must be left unset")
         if errors:
             raise ConfigError("; ".join(errors))
-        self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
         self.save_hyperparameters(logger=False)
-        self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
-        self.hparams.lora = None if self.lora is None else asdict(self.lora)
+        self.hparams.lm = self.lm.as_dict()  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         # Not a registered submodule: frozen weights stay out of the optimizer and checkpoints, and their device is
@@ -137,11 +117,11 @@ class DPO(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        hp = self.hparams
+        hp, lm = self.hparams, self.lm
         if self.model is None:
-            self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
-                                        gradient_checkpointing=hp.gradient_checkpointing,
-                                        lean_activations=hp.lean_activations)
+            self.model = load_causal_lm(lm.name, attn_implementation=lm.attn_implementation,
+                                        gradient_checkpointing=lm.gradient_checkpointing,
+                                        lean_activations=lm.lean_activations)
             if self.lora is not None:
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
@@ -151,7 +131,7 @@ class DPO(SkippedStepsState, L.LightningModule):
             if hp.reference_offload and isinstance(self.trainer.strategy, ParallelStrategy):
                 raise ConfigError("model.reference_offload moves a whole model between devices; under ParallelStrategy "
                                   "use strategy.cpu_offload instead")
-            reference = load_causal_lm(hp.ref_model_name or hp.model_name, attn_implementation=hp.attn_implementation)
+            reference = load_causal_lm(hp.ref_model_name or lm.name, attn_implementation=lm.attn_implementation)
             # object.__setattr__: nn.Module would register it as a submodule (checkpointed, moved, mode-switched).
             object.__setattr__(self, "_reference", parallelize_for(self, reference.eval().requires_grad_(False),
                                                                    trainable=False))
@@ -177,7 +157,7 @@ class DPO(SkippedStepsState, L.LightningModule):
         if self.hparams.reference_offload:
             self._reference.to(self.device)
         layout = parallel_layout(self.trainer)
-        logprobs = [completion_logprobs(self._reference, local_micro_batch(layout, mb), self.hparams.lm_head_chunk)
+        logprobs = [completion_logprobs(self._reference, local_micro_batch(layout, mb), self.lm.lm_head_chunk)
                     for mb in micro_batches]
         if self.hparams.reference_offload:
             self._reference.to("cpu")
@@ -195,7 +175,7 @@ class DPO(SkippedStepsState, L.LightningModule):
         layout, logratio_sum = parallel_layout(self.trainer), torch.zeros((), device=self.device)
         for micro_batch, ref_logprobs in zip(micro_batches, reference, strict=True):
             local = local_micro_batch(layout, micro_batch)
-            logprobs = completion_logprobs(self.model, local, self.hparams.lm_head_chunk)  # (S,)
+            logprobs = completion_logprobs(self.model, local, self.lm.lm_head_chunk)  # (S,)
             _, mismatched = pair_slices(logprobs - ref_logprobs, int(micro_batch["num_units"]))  # (U,)
             logratio_sum += mismatched.sum()
         num_examples = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
@@ -210,7 +190,7 @@ class DPO(SkippedStepsState, L.LightningModule):
     def _pair_loss(self, micro_batch: dict, extra: tuple, normaliser: Any) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
         local = local_micro_batch(parallel_layout(self.trainer), micro_batch)
-        logprobs = completion_logprobs(self.model, local, hp.lm_head_chunk)  # (S,)
+        logprobs = completion_logprobs(self.model, local, self.lm.lm_head_chunk)  # (S,)
         num_tokens = completion_token_counts(local) if hp.loss_type in REFERENCE_FREE_LOSSES else None
         loss, metrics = preference_objective(hp, logprobs, extra[0], num_tokens, micro_batch, normaliser, extra[1])
         if int(micro_batch["num_units"]) == 0:  # a filler micro-batch: keep the graph, every rank runs a backward

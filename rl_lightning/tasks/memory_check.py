@@ -4,7 +4,7 @@ It reads the model's config (no weights: `rl_lightning.memory.model_shape`), the
 (precision, strategy, device) and the prepared data (token budget, the share of tokens the output head runs on, the
 longest packing unit), asks `rl_lightning.memory.plan.plan_memory` for the peak per device, prints the plan
 once (global rank 0) and refuses, in one line naming the keys that would fit (`rl_lightning.memory.fit`), a
-run whose predicted peak exceeds the device's memory, unless ``model.memory_check: false``. PPO's
+run whose predicted peak exceeds the device's memory, unless ``model.lm.memory_check: false``. PPO's
 ``max_length_per_device: auto`` becomes the largest budget whose predicted peak fits in `SAFETY` of the device.
 
 The device's memory: on CUDA the free memory (``torch.cuda.mem_get_info``) plus what this process holds already; on
@@ -122,14 +122,14 @@ def _ppo_fields(module: Any, trainer: Any) -> tuple[dict[str, Any], int]:
     return {"tokens": module.max_length_per_device, "tokens_cap": cap,
             "target_fraction": completion / (min(prompts) + completion) if single_turn else 1.0,
             "entropy": "grad" if module.objective.entropy_needs_grad else "value",
-            "reference": ("adapters" if hp.lora is not None else "model") if module.needs_reference else "none",
+            "reference": ("adapters" if module.lm.lora is not None else "model") if module.needs_reference else "none",
             "critic": hp.advantage_estimator in CRITIC_ESTIMATORS, "host_trim": True,
             "accumulates": cap > module.max_length_per_device,
             "engine": None if rollout.replay else engine}, longest  # a replay builds no engine
 
 
 def _lora_fields(lora: Any, shape: ModelShape) -> dict[str, Any]:
-    """LoRA's `TrainSetup` fields (``model.lora`` as a dict or dataclass, or None)."""
+    """LoRA's `TrainSetup` fields (``model.lm.lora`` as a dict or dataclass, or None)."""
     from rl_lightning.models.lora import lora_config
 
     if lora is None:
@@ -154,13 +154,14 @@ def plan_for(module: Any, task: str, shape: ModelShape) -> tuple[TrainSetup, Key
         fields, minimum = _data_fields(module, trainer, pairs=task != "sft")
         keys = Keys() if trainer.datamodule.hparams.packing else Keys(budget="data.micro_batch_size")
     if task == "dpo" and not hp.reference_free:
-        fields.update(reference="adapters" if hp.lora is not None else "model", reference_offload=hp.reference_offload)
-    checkpointing = hp.gradient_checkpointing or getattr(trainer.strategy, "activation_checkpointing", False)
+        fields.update(reference="adapters" if module.lm.lora is not None else "model",
+                      reference_offload=hp.reference_offload)
     setup = TrainSetup(
         model=shape, device=trainer.strategy.root_device.type, device_memory=limit, baseline=baseline,
-        precision=str(trainer.precision), fsdp_bf16=fsdp_bf16, lm_head_chunk=hp.get("lm_head_chunk"),
-        gradient_checkpointing=checkpointing, lm_head=task != "reward", layout=layout,
-        **_lora_fields(hp.get("lora"), shape), **fields)
+        precision=str(trainer.precision), fsdp_bf16=fsdp_bf16,
+        lm_head_chunk=None if task == "reward" else module.lm.lm_head_chunk,
+        gradient_checkpointing=module.lm.gradient_checkpointing, lm_head=task != "reward", layout=layout,
+        **_lora_fields(module.lm.lora, shape), **fields)
     return setup, keys, minimum
 
 
@@ -168,7 +169,7 @@ def check_memory(module: Any, stage: str, task: str) -> int | None:
     """Plan the run's memory, print the plan, refuse one that cannot fit; PPO ``auto``: the budget to use.
 
     Args:
-        module: the task (its ``hparams``, trainer and DataModule are read).
+        module: the task (its ``lm`` group, ``hparams``, trainer and DataModule are read).
         stage: Lightning's stage: only ``fit`` is planned.
         task: ``sft``, ``dpo``, ``reward`` or ``ppo``.
 
@@ -176,18 +177,18 @@ def check_memory(module: Any, stage: str, task: str) -> int | None:
         The token budget ``max_length_per_device: auto`` resolves to (PPO), else None.
 
     Raises:
-        ConfigError: the predicted peak exceeds the device's memory and ``model.memory_check`` is true.
+        ConfigError: the predicted peak exceeds the device's memory and ``model.lm.memory_check`` is true.
     """
     if stage != "fit" or getattr(module.trainer, "datamodule", None) is None:
         return None
     try:
-        shape = load_model_shape(module.hparams.model_name)
+        shape = load_model_shape(module.lm.name)
     except UserError:
         raise
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:  # the loader reports a bad name itself
         from lightning.pytorch.utilities import rank_zero_warn
 
-        rank_zero_warn(f"no memory plan for {module.hparams.model_name}: {str(e).splitlines()[0] if str(e) else e!r}")
+        rank_zero_warn(f"no memory plan for {module.lm.name}: {str(e).splitlines()[0] if str(e) else e!r}")
         return None
     setup, keys, minimum = plan_for(module, task, shape)
     budget = None
@@ -197,7 +198,7 @@ def check_memory(module: Any, stage: str, task: str) -> int | None:
     plan = plan_memory(setup)
     module.memory_plan = plan  # for callbacks and tests: what was predicted
     report(plan, budget)
-    if not plan.fits and module.hparams.get("memory_check", True):
+    if not plan.fits and module.lm.memory_check:
         raise ConfigError(refusal(plan, keys, minimum))
     return budget
 

@@ -8,7 +8,6 @@ packed together; the loss is averaged over the global number of pairs in the ste
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -16,10 +15,12 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.algorithms import bradley_terry_loss
+from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LM_HEAD_CHUNK, LMConfig, lm_config
 from rl_lightning.models.loading import load_reward_model
 from rl_lightning.models.logprobs import model_inputs
-from rl_lightning.models.lora import LoRAConfig, apply_lora, base_model, lora_config
-from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, run_length, typed
+from rl_lightning.models.lora import apply_lora, base_model
+from rl_lightning.models.optim import SkippedStepsState, configure_adamw, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
 from rl_lightning.tasks.memory_check import check_memory
@@ -38,36 +39,25 @@ class RewardModel(SkippedStepsState, L.LightningModule):
     """Bradley–Terry reward model.
 
     Args:
-        model_name: Hugging Face causal-LM folder or hub name for the backbone (a fresh scalar head is added) or an
-            existing sequence-classification reward model; also the tokenizer (linked to ``data.tokenizer_name``).
-        optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
-        gradient_checkpointing: recompute activations in the backward pass to save memory.
-        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
-            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
-        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
-            transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
-        lora: train low-rank adapters on the frozen backbone, and the scalar head in full (``model.lora.*``, see
-            `rl_lightning.models.lora.LoRAConfig`); null: full fine-tuning.
-        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
-            line naming the keys that would fit; the plan is printed either way, see
-            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
+        lm: the backbone, its adapters, memory switches and optimizer (``model.lm.*``, see
+            `rl_lightning.models.config.LMConfig`): ``name`` is a causal LM (a fresh scalar head is added) or an
+            existing sequence-classification reward model; with ``lora`` the scalar head trains in full; the
+            optimizer's default here is AdamW at lr 5e-6, cosine schedule. The scalar head has no output head to
+            chunk: ``lm_head_chunk`` other than its default or null is refused.
     """
 
     def __init__(
         self,
-        model_name: str,
-        optim: OptimConfig = OptimConfig(lr=5e-6),
-        gradient_checkpointing: bool = False,
-        lean_activations: bool = True,
-        attn_implementation: str = "rl_varlen",
-        lora: LoRAConfig | None = None,
-        memory_check: bool = True,
+        lm: LMConfig,
     ) -> None:
         super().__init__()
-        self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
+        self.lm = lm_config(lm).for_task(lr=5e-6, lr_schedule="cosine")
+        if self.lm.lm_head_chunk not in (None, LM_HEAD_CHUNK):
+            raise ConfigError(f"model.lm.lm_head_chunk={self.lm.lm_head_chunk}: the RewardModel has a scalar head, no "
+                              "output head to chunk; leave model.lm.lm_head_chunk unset")
+        self.optim, self.lora = self.lm.optim, self.lm.lora
         self.save_hyperparameters(logger=False)
-        self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
-        self.hparams.lora = None if self.lora is None else asdict(self.lora)
+        self.hparams.lm = self.lm.as_dict()  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         self._val: list[dict[str, torch.Tensor]] = []
@@ -79,10 +69,10 @@ class RewardModel(SkippedStepsState, L.LightningModule):
     @override
     def configure_model(self) -> None:
         if self.model is None:
-            hp = self.hparams
-            self.model = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
-                                           gradient_checkpointing=hp.gradient_checkpointing,
-                                           lean_activations=hp.lean_activations)
+            lm = self.lm
+            self.model = load_reward_model(lm.name, attn_implementation=lm.attn_implementation,
+                                           gradient_checkpointing=lm.gradient_checkpointing,
+                                           lean_activations=lm.lean_activations)
             if self.lora is not None:  # PEFT trains the sequence-classification head in full (modules_to_save)
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)

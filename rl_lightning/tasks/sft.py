@@ -4,13 +4,12 @@ One training batch is one optimizer step on this rank (a list of packed micro-ba
 micro-batch is normalised by the number of assistant tokens in the whole step across all data-parallel ranks, so the
 update is the gradient of the mean token NLL of the global batch, whatever the packing, micro-batch split or number
 of ranks. Optimisation is manual for that reason (gradient accumulation happens here, not in the Trainer): use
-``model.optim.max_grad_norm`` instead of ``trainer.gradient_clip_val`` and ``data.max_length_per_device`` instead of
+``model.lm.optim.max_grad_norm`` instead of ``trainer.gradient_clip_val`` and ``data.max_length_per_device`` instead of
 ``trainer.accumulate_grad_batches``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -19,10 +18,11 @@ from typing_extensions import override
 
 from rl_lightning.algorithms import sft_loss
 from rl_lightning.memory.phases import phase
+from rl_lightning.models.config import LMConfig, lm_config
 from rl_lightning.models.loading import load_causal_lm
-from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
-from rl_lightning.models.lora import LoRAConfig, apply_lora, lora_config
-from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, optimizer_step, run_length, typed
+from rl_lightning.models.logprobs import target_logprobs
+from rl_lightning.models.lora import apply_lora
+from rl_lightning.models.optim import SkippedStepsState, configure_adamw, optimizer_step, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
     data_parallel_sum,
@@ -38,40 +38,16 @@ class SFT(SkippedStepsState, L.LightningModule):
     """Supervised fine-tuning of a causal LM.
 
     Args:
-        model_name: Hugging Face model folder or hub name (also the tokenizer, linked to ``data.tokenizer_name``).
-        optim: AdamW, its schedule over the run's optimizer steps, gradient clipping (``model.optim.*``).
-        gradient_checkpointing: recompute activations in the backward pass to save memory.
-        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
-            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
-        attn_implementation: ``rl_varlen`` (exact per-sequence attention for packed micro-batches, any device) or a
-            transformers implementation (``sdpa``, ``eager``, ``flash_attention_2``).
-        lora: train low-rank adapters on the frozen model instead of every weight (``model.lora.*``, see
-            `rl_lightning.models.lora.LoRAConfig`); null: full fine-tuning.
-        lm_head_chunk: positions per chunk of the output head: the (tokens x vocabulary) logits are never built
-            whole, only (lm_head_chunk x vocabulary) at a time, in the forward and the backward (same values); null:
-            the full logits (more memory, sometimes faster on small batches).
-        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
-            line naming the keys that would fit; the plan is printed either way, see
-            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
+        lm: the model, its adapters, memory switches and optimizer (``model.lm.*``, see
+            `rl_lightning.models.config.LMConfig`); the optimizer's default here is AdamW at lr 1e-5, cosine schedule.
     """
 
-    def __init__(
-        self,
-        model_name: str,
-        optim: OptimConfig = OptimConfig(lr=1e-5),
-        gradient_checkpointing: bool = False,
-        lean_activations: bool = True,
-        attn_implementation: str = "rl_varlen",
-        lora: LoRAConfig | None = None,
-        lm_head_chunk: int | None = 1024,
-        memory_check: bool = True,
-    ) -> None:
+    def __init__(self, lm: LMConfig) -> None:
         super().__init__()
-        check_lm_head_chunk(lm_head_chunk)
-        self.optim, self.lora = typed(OptimConfig, optim), lora_config(lora)
+        self.lm = lm_config(lm).for_task(lr=1e-5, lr_schedule="cosine")
+        self.optim, self.lora = self.lm.optim, self.lm.lora
         self.save_hyperparameters(logger=False)
-        self.hparams.optim = asdict(self.optim)  # checkpoints keep plain data
-        self.hparams.lora = None if self.lora is None else asdict(self.lora)
+        self.hparams.lm = self.lm.as_dict()  # checkpoints keep plain data
         self.automatic_optimization = False
         self.model: Any = None
         self._val_sums: list[torch.Tensor] = []
@@ -83,10 +59,10 @@ class SFT(SkippedStepsState, L.LightningModule):
     @override
     def configure_model(self) -> None:
         if self.model is None:
-            hp = self.hparams
-            self.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
-                                        gradient_checkpointing=hp.gradient_checkpointing,
-                                        lean_activations=hp.lean_activations)
+            lm = self.lm
+            self.model = load_causal_lm(lm.name, attn_implementation=lm.attn_implementation,
+                                        gradient_checkpointing=lm.gradient_checkpointing,
+                                        lean_activations=lm.lean_activations)
             if self.lora is not None:
                 self.model = apply_lora(self.model, self.lora)
         self.model = parallelize_for(self, self.model)
@@ -105,7 +81,7 @@ class SFT(SkippedStepsState, L.LightningModule):
         for micro_batch in micro_batches:
             local = local_micro_batch(layout, micro_batch)
             with phase("train/forward"):
-                logprobs = target_logprobs(self.model, local, chunk_size=self.hparams.lm_head_chunk)[0]
+                logprobs = target_logprobs(self.model, local, chunk_size=self.lm.lm_head_chunk)[0]
                 loss, metrics = sft_loss(logprobs, local["target_mask"], normaliser)
             with phase("train/backward"):
                 self.manual_backward(loss)
@@ -121,7 +97,7 @@ class SFT(SkippedStepsState, L.LightningModule):
         layout = parallel_layout(self.trainer)
         for micro_batch in batch["micro_batches"]:
             local = local_micro_batch(layout, micro_batch)
-            logprobs = target_logprobs(self.model, local, chunk_size=self.hparams.lm_head_chunk)[0]
+            logprobs = target_logprobs(self.model, local, chunk_size=self.lm.lm_head_chunk)[0]
             _, metrics = sft_loss(logprobs, local["target_mask"], 1.0)
             self._val_sums.append(torch.stack([metrics["nll_sum"], metrics["num_tokens"]]))
 

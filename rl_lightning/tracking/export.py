@@ -124,7 +124,7 @@ def _ordinary_permissions(dirpath: Path) -> None:
 class HFExport(L.Callback):
     """Export the task's model in Hugging Face format when training ends, and log it to MLflow (global rank 0).
 
-    The module must have ``model`` (a transformers ``PreTrainedModel``) and ``hparams.model_name`` (its tokenizer).
+    The module must have ``model`` (a transformers ``PreTrainedModel``) and ``lm.name`` (its tokenizer).
     Every ``MLFlowLogger`` run gets the export as an MLflow logged model tagged with the run's lineage (recipe, data
     and environment hashes, git commit: `rl_lightning.tracking.lineage`).
 
@@ -159,7 +159,7 @@ class HFExport(L.Callback):
         from rl_lightning.tracking import lineage
 
         dirpath = self.dirpath or "exports/model"
-        export_hf(pl_module.model, pl_module.hparams.model_name, dirpath, trainer.is_global_zero)
+        export_hf(pl_module.model, pl_module.lm.name, dirpath, trainer.is_global_zero)
         if not trainer.is_global_zero:
             return
         loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]

@@ -4,7 +4,7 @@ Lineage tags (on the MLflow run at train start, and on the logged model and the 
 the MLflow UI shows them whole:
 
 - ``recipe``: the config file(s) given with ``--config``;
-- ``base_model``: the ``model_name`` training started from;
+- ``base_model``: the ``model.lm.name`` training started from;
 - ``data`` / ``data_sha256`` (and ``val_data`` / ``val_data_sha256``): the data and the SHA-256 of its content (a
   folder: of its files, in name order; a ``reasoning_gym:`` spec or a hub dataset name: of the string itself, since
   the rows come from a generator or the hub);
@@ -95,7 +95,7 @@ def collect(trainer: Any, pl_module: Any) -> dict[str, str]:
     if (files := recipe(trainer)) is not None:
         tags["recipe"] = files
     # the package's own files (a bundled recipe's model, data, environment) as rl_lightning/..., not this machine's path
-    if (model_name := getattr(pl_module.hparams, "model_name", None)) is not None:
+    if (model_name := getattr(getattr(pl_module, "lm", None), "name", None)) is not None:
         tags["base_model"] = shown_path(str(model_name))
     data = getattr(getattr(trainer, "datamodule", None), "hparams", {})
     for key, tag in (("path", "data"), ("val_path", "val_data")):

@@ -30,11 +30,12 @@ TASKS = {"SFT": ("supervised fine-tuning", "sft"), "DPO": ("preference optimisat
          "RewardModel": ("reward model (Bradley-Terry)", "reward-model"),
          "PPO": ("reinforcement learning", "reinforcement-learning")}  # task -> (what it does, its tag)
 # The settings a reader wants first, as CLI keys; the card shows those the run has (the full config is CONFIG_FILE).
-MODEL_SETTINGS = ("optim.lr", "optim.lr_schedule", "optim.warmup_steps", "optim.weight_decay", "max_rollouts",
+MODEL_SETTINGS = ("lm.optim.lr", "lm.optim.lr_schedule", "lm.optim.warmup_steps", "lm.optim.weight_decay",
+                  "max_rollouts",
                   "update_per_rollout", "advantage_estimator", "policy_loss", "aggregation", "clip_low", "clip_high",
                   "kl.coef", "entropy_coef", "beta", "loss_type", "label_smoothing", "rollout.responses_per_prompt",
                   "rollout.max_new_tokens", "rollout.temperature", "rollout.reward_weights", "rollout.env_path",
-                  "lora.r", "lora.alpha")
+                  "lm.lora.r", "lm.lora.alpha")
 DATA_SETTINGS = ("batch_size", "micro_batch_size", "max_length", "max_prompt_length")
 # Built assets (`rl_lightning.assets.real`): the hub model each is built from, its license, and how it was built.
 ASSET_ORIGINS = {"asset:SmolLM2-135M-Instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0",
@@ -234,7 +235,7 @@ def collect(trainer: Any, pl_module: Any, lineage: dict[str, str]) -> tuple[Card
     settings |= {f"trainer.{k}": v for k, v in run.items() if v not in (None, -1)}
     steps = f"{trainer.global_step} optimizer step{'s' if trainer.global_step != 1 else ''}"
     rollouts = getattr(pl_module, "rollouts", None) if task == "PPO" else None
-    base = shown_path(str(hparams.get("model_name")))  # a bundled model as rl_lightning/assets/..., not this machine's
+    base = shown_path(str(hparams.get("lm.name")))  # a bundled model as rl_lightning/assets/..., not this machine's
     hub_id, known_license, note = ASSET_ORIGINS.get(base, (base, base_license(base), None))
     info = CardInfo(base_model=hub_id, task=task, algorithm=algorithm(task, hparams),
                     length=f"{rollouts} rollouts ({steps})" if rollouts is not None else steps,

@@ -49,7 +49,7 @@ def test_missing_asset_names_the_build_command(tmp_path, monkeypatch):
 
 def test_missing_asset_is_one_line_from_the_cli(tmp_path, workdir):
     result = subprocess.run(
-        [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--model.model_name", ASSET],
+        [sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/sft.yaml", "--model.lm.name", ASSET],
         capture_output=True, text=True, env={**os.environ, "RL_LIGHTNING_CACHE": str(tmp_path)}, timeout=300,
     )
     lines = result.stderr.strip().splitlines()
@@ -164,7 +164,7 @@ def real_sft_run(real_model_dir, tmp_path_factory):
     for name in ("rl_lightning", "examples"):
         (workdir / name).symlink_to(REPO / name)
     _fit(workdir, "recipes/real/sft.yaml", "--data.path", f"{TASK}&train_size=16&test_size=8&format=sft",
-         "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.optim.lr", "5e-5", "--model.optim.warmup_steps", "0",
+         "--data.batch_size", "16", "--trainer.max_steps", "6", "--model.lm.optim.lr", "5e-5", "--model.lm.optim.warmup_steps", "0",
          "--trainer.val_check_interval", "3", "--trainer.enable_checkpointing", "false")  # GBs each; tested elsewhere
     yield workdir
     shutil.rmtree(workdir, ignore_errors=True)  # the export (0.5 GB): gone as soon as the module's tests are done
@@ -183,7 +183,7 @@ def test_real_dpo_raises_preference_accuracy(real_model_dir, workdir):
     """5 DPO steps on the same 8 pairs: at step 0 policy = reference (margin 0, accuracy 0); after, it prefers the
     right answers."""
     _fit(workdir, "recipes/real/dpo.yaml", "--data.path", f"{TASK}&train_size=8&test_size=8&format=preference",
-         "--data.batch_size", "8", "--trainer.max_steps", "5", "--model.optim.lr", "2e-5", "--model.optim.warmup_steps", "0",
+         "--data.batch_size", "8", "--trainer.max_steps", "5", "--model.lm.optim.lr", "2e-5", "--model.lm.optim.warmup_steps", "0",
          "--trainer.val_check_interval", "5", "--trainer.enable_checkpointing", "false")
     accuracy, losses = _history(workdir, "train/accuracy"), _history(workdir, "train/loss")
     assert accuracy[0] == 0.0 and abs(losses[0] - math.log(2)) < 1e-5, (accuracy, losses)  # policy = reference

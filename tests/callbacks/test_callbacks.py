@@ -19,6 +19,7 @@ from rl_lightning.callbacks.early_stop import EarlyStopOnReward
 from rl_lightning.callbacks.memory_stats import MemoryStats
 from rl_lightning.callbacks.rollout_samples import ARTIFACT_FILE, RolloutSamples
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py")  # two reward components: correct, format
 SFT_MODEL = str(REPO / "rl_lightning" / "assets" / "tiny-qwen2-sft")  # answers some prompts with a bare number
@@ -57,7 +58,7 @@ def grpo(rollouts, callbacks, logger=None):
     """A tiny GRPO run (2 prompts x 4 completions of 8 tokens per rollout); returns what it printed (stdout, stderr)
     too."""
     L.seed_everything(0)
-    model = ppo_task(ENV, model_name=SFT_MODEL, rollout=ROLLOUT, max_rollouts=rollouts, advantage_estimator="grpo")
+    model = ppo_task(ENV, lm={"name": SFT_MODEL}, rollout=ROLLOUT, max_rollouts=rollouts, advantage_estimator="grpo")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         trainer = fit(model, prompts(2), -1, callbacks, logger)
@@ -189,7 +190,7 @@ def test_sft_logs_memory_and_no_samples(tmp_path):
 
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8, max_length=64)
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     logger = mlflow_logger(tmp_path)
     fit(model, data, 2, [RolloutSamples(every_n_rollouts=1), MemoryStats(), EarlyStopOnReward(threshold=-1e9)],
         logger)

@@ -43,13 +43,13 @@ def test_recipe_parses_and_instantiates(recipe, workdir, capsys):
     assert printed["model"]["class_path"].startswith("rl_lightning.tasks.")
     assert printed["seed_everything"] == 42
     cli = _cli(["--config", str(recipe)])
-    assert cli.model.hparams.model_name == cli.datamodule.hparams.tokenizer_name  # linked
+    assert cli.model.lm.name == cli.datamodule.hparams.tokenizer_name  # linked
 
 
 def test_dotted_overrides_apply(workdir):
-    cli = _cli(["--config", "recipes/sft.yaml", "--model.optim.lr", "1e-5", "--trainer.max_steps", "5",
-                "--data.max_length", "77", "--model.model_name", str(TINY_MODEL)])
-    assert cli.model.optim.lr == 1e-5 and cli.model.optim.warmup_steps == 5  # the rest of the recipe's group stays
+    cli = _cli(["--config", "recipes/sft.yaml", "--model.lm.optim.lr", "1e-5", "--trainer.max_steps", "5",
+                "--data.max_length", "77", "--model.lm.name", str(TINY_MODEL)])
+    assert cli.model.lm.optim.lr == 1e-5 and cli.model.lm.optim.warmup_steps == 5  # the rest of the recipe's group stays
     assert cli.trainer.max_steps == 5
     assert cli.datamodule.hparams.max_length == 77
     assert cli.datamodule.hparams.tokenizer_name == str(TINY_MODEL)  # linked from the override
@@ -72,17 +72,21 @@ def test_top_level_help_names_the_program_and_every_command():
 
 @pytest.mark.parametrize(("flag", "cls"), [("--model.help", SFT), ("--model.help", PPO), ("--data.help", SFTDataModule)])
 def test_help_documents_every_argument(flag, cls, capsys):
-    """Every argument, and every field of an argument group (``model.optim.lr``), is listed with its description."""
+    """Every argument, and every field of an argument group (``model.lm.optim.lr``), is listed with its description."""
     with pytest.raises(SystemExit):
         main(["fit", flag, f"{cls.__module__}.{cls.__name__}"])
     text = capsys.readouterr().out
     prefix = flag.split(".")[0]
+    def keys(name, hint):  # a group's fields, and the fields of a group inside it (model.lm.optim.lr)
+        if not dataclasses.is_dataclass(hint):
+            return [name]
+        inner = typing.get_type_hints(hint)
+        return [key for f in dataclasses.fields(hint) for key in keys(f"{name}.{f.name}", inner[f.name])]
+
     names, hints = [], typing.get_type_hints(cls.__init__)
     for name in inspect.signature(cls.__init__).parameters:
-        if name == "self":
-            continue
-        group = hints[name] if dataclasses.is_dataclass(hints[name]) else None
-        names += [f"{name}.{f.name}" for f in dataclasses.fields(group)] if group else [name]
+        if name != "self":
+            names += keys(name, hints[name])
     assert len(names) >= 10
     for name in names:
         assert f"{prefix}.{name} " in text, name
@@ -138,8 +142,9 @@ def test_ppo_run_bounds_are_checked_at_start_up(args, expected, workdir, capsys)
 
 
 def test_flatten_config_drops_init_args():
-    flat = flatten_config({"model": {"class_path": "a.B", "init_args": {"optim": {"lr": 0.1, "betas": [0.9, 0.95]}}}})
-    assert flat == {"model.class_path": "a.B", "model.optim.lr": "0.1", "model.optim.betas": "[0.9, 0.95]"}
+    flat = flatten_config({"model": {"class_path": "a.B", "init_args": {"lm": {"optim": {"lr": 0.1,
+                                                                                 "betas": [0.9, 0.95]}}}}})
+    assert flat == {"model.class_path": "a.B", "model.lm.optim.lr": "0.1", "model.lm.optim.betas": "[0.9, 0.95]"}
 
 
 def _write(path, rows):

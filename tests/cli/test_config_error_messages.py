@@ -18,9 +18,9 @@ HELP_FIT = "`python -m rl_lightning fit --help`"
 NESTED_VALUE = (
     'Parser key "model":\n  Does not validate against any of the Union subtypes\n  Subtypes: [<class '
     "'lightning.pytorch.core.module.LightningModule'>, <class 'NoneType'>]\n  Errors:\n    - Problem with given "
-    "class_path 'rl_lightning.tasks.SFT':\n        Parser key \"optim.lr\":\n          Expected a <class 'float'>. "
+    "class_path 'rl_lightning.tasks.SFT':\n        Parser key \"lm.optim.lr\":\n          Expected a <class 'float'>. "
     "Got value: abc\n    - Expected a <class 'NoneType'>\n  Given value type: <class "
-    "'jsonargparse._util.NestedArg'>\n  Given value: NestedArg(key='optim.lr', val='abc')"
+    "'jsonargparse._util.NestedArg'>\n  Given value: NestedArg(key='lm.optim.lr', val='abc')"
 )
 CLASS_IMPORT = (
     'Parser key "trainer.logger":\n\n  - Expected a path but foo.Bar either not accessible or invalid\n  - Does not '
@@ -34,7 +34,7 @@ CLASS_IMPORT = (
 @pytest.mark.parametrize(
     ("message", "expected"),
     [
-        (NESTED_VALUE, Problem("model.optim.lr", "expected float", "abc", "value", "rl_lightning.tasks.SFT", "model")),
+        (NESTED_VALUE, Problem("model.lm.optim.lr", "expected float", "abc", "value", "rl_lightning.tasks.SFT", "model")),
         (CLASS_IMPORT, Problem("trainer.logger", "class not found: No module named 'foo'", "foo.Bar", "class")),
         ("unrecognized arguments: --trainr.max_steps 3", Problem("trainr.max_steps", "unknown option", "3", "option")),
         ("unrecognized arguments: --optim.lrr=1", Problem("optim.lrr", "unknown option", "1", "option")),
@@ -67,9 +67,9 @@ def test_unrecognised_message_is_its_first_line():
 
 
 def test_suggest():
-    keys = ["model.model_name", "model.optim.lr", "model.optim.warmup_steps", "trainer.max_steps"]
-    assert suggest("model.lrr", keys) == "model.optim.lr"
-    assert suggest("model.optim.lrr", keys) == "model.optim.lr"
+    keys = ["model.lm.name", "model.lm.optim.lr", "model.lm.optim.warmup_steps", "trainer.max_steps"]
+    assert suggest("model.lrr", keys) == "model.lm.optim.lr"
+    assert suggest("model.lm.optim.lrr", keys) == "model.lm.optim.lr"
     assert suggest("trainr.max_steps", keys) == "trainer.max_steps"
     assert suggest("completely.different", keys) is None
 
@@ -138,10 +138,10 @@ def _shapes():
     from lightning.pytorch.loggers import Logger
 
     model, sft = typing.Optional[LightningModule], rl_lightning.tasks.SFT  # noqa: UP045 - as LightningCLI adds it
-    task = ["--model", "rl_lightning.tasks.SFT", "--model.model_name", "x"]
+    task = ["--model", "rl_lightning.tasks.SFT", "--model.lm.name", "x"]
     return {
-        "nested-value": (lambda: _parser(model=model).parse_args([*task, "--model.optim.lr", "abc"]),
-                         Problem("model.optim.lr", "expected float", "abc", "value", "rl_lightning.tasks.SFT", "model")),
+        "nested-value": (lambda: _parser(model=model).parse_args([*task, "--model.lm.optim.lr", "abc"]),
+                         Problem("model.lm.optim.lr", "expected float", "abc", "value", "rl_lightning.tasks.SFT", "model")),
         "nested-option": (lambda: _parser(model=model).parse_args([*task, "--model.lrr", "1"]),
                           Problem("model.lrr", "unknown option", None, "option", "rl_lightning.tasks.SFT", "model")),
         "class-import": (lambda: _parser(logger=Logger | bool | None).parse_args(["--logger", "foo.Bar"]),
@@ -150,19 +150,19 @@ def _shapes():
                         Problem("model", "class not found", "SFTT", "class")),
         "help-class": (lambda: _parser(model=model).parse_args(["--model.help", "SFTT"]),
                        Problem("model.help", "class not found", "SFTT", "class")),
-        "unrecognized": (lambda: _class_parser(sft).parse_args(["--model_name", "x", "--nope", "3"]),
+        "unrecognized": (lambda: _class_parser(sft).parse_args(["--lm.name", "x", "--nope", "3"]),
                          Problem("nope", "unknown option", "3", "option")),
-        "group": (lambda: _class_parser(sft).parse_object({"model_name": "x", "optim": {"lrr": 1}}),
-                  Problem("optim.lrr", "unknown option", kind="option")),
-        "option": (lambda: _class_parser(sft).parse_object({"model_name": "x", "lrr": 1}),
+        "group": (lambda: _class_parser(sft).parse_object({"lm": {"name": "x", "optim": {"lrr": 1}}}),
+                  Problem("lm.optim.lrr", "unknown option", kind="option")),
+        "option": (lambda: _class_parser(sft).parse_object({"lm": {"name": "x"}, "lrr": 1}),
                    Problem("lrr", "unknown option", kind="option")),
         "subcommand": (lambda: _subcommand_parser().parse_object({"fit": {"trainr": {"max_steps": 3}}}),
                        Problem("trainr.max_steps", "unknown option", kind="option")),
-        "required": (lambda: _class_parser(sft).parse_args([]), Problem("model_name", "is required but not set")),
+        "required": (lambda: _class_parser(sft).parse_args([]), Problem("lm.name", "is required but not set")),
         "literals": (lambda: _parser(precision=typing.Literal[64, 32] | typing.Literal["bf16-true"] | None)
                      .parse_args(["--precision", "17"]), Problem("precision", "expected one of 64, 32, 'bf16-true'", "17")),
-        "no-value": (lambda: _class_parser(sft).parse_args(["--model_name"]),
-                     Problem("model_name", "expected one argument")),
+        "no-value": (lambda: _class_parser(sft).parse_args(["--lm.name"]),
+                     Problem("lm.name", "expected one argument")),
     }
 
 

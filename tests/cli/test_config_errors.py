@@ -36,10 +36,10 @@ def _error_line(args, capsys):
 
 # (args, the key and what is wrong, the value, the suggestion or None, the help command)
 COMMAND_LINE = {
-    "typo": (["--model.lrr", "1"], "model.lrr: not an option of SFT", "'1'", "model.optim.lr", HELP_SFT),
-    "typo-in-group": (["--model.optim.lrr", "1"], "model.optim.lrr: not an option of SFT", "'1'", "model.optim.lr",
+    "typo": (["--model.lrr", "1"], "model.lrr: not an option of SFT", "'1'", "model.lm.optim.lr", HELP_SFT),
+    "typo-in-group": (["--model.lm.optim.lrr", "1"], "model.lm.optim.lrr: not an option of SFT", "'1'", "model.lm.optim.lr",
                       HELP_SFT),
-    "bad-value": (["--model.optim.lr", "abc"], "model.optim.lr: expected float", "'abc'", None, HELP_SFT),
+    "bad-value": (["--model.lm.optim.lr", "abc"], "model.lm.optim.lr: expected float", "'abc'", None, HELP_SFT),
     "bad-data-value": (["--data.max_length", "abc"], "data.max_length: expected int", "'abc'", None,
                        "`python -m rl_lightning fit --data.help SFTDataModule`"),
     "unknown-top-level": (["--trainr.max_steps", "3"], "trainr.max_steps: unknown option", "'3'", "trainer.max_steps",
@@ -75,9 +75,9 @@ YAML = {
              "value 10", "data.max_length", "`python -m rl_lightning fit --data.help SFTDataModule`"),
     "typo-without-init-args": ({"data": {"max_lenght": 10}}, "data.max_lenght: not an option of SFTDataModule",
                                "value 10", "data.max_length", "`python -m rl_lightning fit --data.help SFTDataModule`"),
-    "typo-in-group": ({"model": {"init_args": {"optim": {"lrr": 1}}}}, "model.optim.lrr: not an option of SFT",
-                      "value 1", "model.optim.lr", HELP_SFT),
-    "bad-value": ({"model": {"init_args": {"optim": {"lr": "abc"}}}}, "model.optim.lr: expected float",
+    "typo-in-group": ({"model": {"init_args": {"lm": {"optim": {"lrr": 1}}}}}, "model.lm.optim.lrr: not an option of SFT",
+                      "value 1", "model.lm.optim.lr", HELP_SFT),
+    "bad-value": ({"model": {"init_args": {"lm": {"optim": {"lr": "abc"}}}}}, "model.lm.optim.lr: expected float",
                   "value 'abc'", None, HELP_SFT),
     "unknown-top-level": ({"trainr": {"max_steps": 3}}, "trainr.max_steps: unknown option", "value 3",
                           "trainer.max_steps", HELP_FIT),
@@ -101,7 +101,7 @@ def test_missing_required_argument_is_one_line(workdir, capsys):
         main(["fit", "--config", "bare.yaml"])
     assert info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"rl_lightning: error: model.model_name: is required but not set — see {HELP_SFT}"]
+    assert lines == [f"rl_lightning: error: model.lm.name: is required but not set — see {HELP_SFT}"]
 
 
 def test_typo_from_a_real_process_is_one_line(workdir):
@@ -113,7 +113,7 @@ def test_typo_from_a_real_process_is_one_line(workdir):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "usage:" not in result.stderr and "Traceback" not in result.stderr, lines[:5]
     assert lines[0] == ("rl_lightning: error: model.lrr: not an option of SFT (value '1' on the command line); "
-                        f"did you mean 'model.optim.lr'? — see {HELP_SFT}")
+                        f"did you mean 'model.lm.optim.lr'? — see {HELP_SFT}")
 
 
 def test_help_names_the_tasks_and_has_no_optimizer_flags(capsys):
@@ -143,11 +143,29 @@ def test_help_of_a_class_accepts_its_short_name(flag, short, dotted, capsys):
         assert info.value.code == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
-    assert f"{flag.removesuffix('.help')}.model_name " in outputs[0] or "--data.path " in outputs[0]
+    assert f"{flag.removesuffix('.help')}.lm.name " in outputs[0] or "--data.path " in outputs[0]
+
+
+def test_model_help_shows_the_groups(capsys):
+    """``--model.help PPO`` lists PPO's keys by group, each group under its own heading: the model (``model.lm``,
+    ``model.lm.optim``), the rollout, DAPO, the KL term."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--model.help", "PPO"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    headings = [line for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    for group, key in [("model.lm.*", "--model.lm.name "), ("model.lm.optim.*", "--model.lm.optim.lr "),
+                       ("model.rollout.*", "--model.rollout.responses_per_prompt "),
+                       ("model.dapo.*", "--model.dapo.filter_range "), ("model.kl.*", "--model.kl.coef ")]:
+        assert any(f"``{group}``" in heading for heading in headings) or f"``{group}``" in out, group
+        assert key in out, key
+    at = {key: out.index(key) for key in ("--model.lm.name ", "--model.dapo.filter_range ", "--model.kl.coef ")}
+    assert "--model.model_name" not in out and "--model.rollout.filter_range" not in out  # the old places are gone
+    assert len(set(at.values())) == 3
 
 
 def test_short_class_path_in_yaml_resolves(workdir, capsys):
-    (workdir / "short.yaml").write_text("model:\n  class_path: DPO\n  init_args:\n    model_name: tiny\n"
+    (workdir / "short.yaml").write_text("model:\n  class_path: DPO\n  init_args:\n    lm:\n      name: tiny\n"
                                         "data:\n  class_path: PreferenceDataModule\n  init_args:\n    path: x.jsonl\n")
     with pytest.raises(SystemExit) as info:
         main(["fit", "--config", "short.yaml", "--print_config"])
@@ -155,7 +173,7 @@ def test_short_class_path_in_yaml_resolves(workdir, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"] == "rl_lightning.tasks.DPO"
     assert printed["data"]["class_path"] == "rl_lightning.data.PreferenceDataModule"
-    assert printed["model"]["init_args"]["model_name"] == "tiny"
+    assert printed["model"]["init_args"]["lm"]["name"] == "tiny"
 
 
 # --- the line comes from the parser's structure, not from jsonargparse's message text ---------------------------------
@@ -204,9 +222,9 @@ def test_every_recipe_passes_the_structured_check(recipe, workdir, capsys, monke
     [
         (["--config", "missing.yaml"], "config: file does not exist (value 'missing.yaml' on the command line)"),
         (["--config", "list.yaml"], "config: not a mapping of keys (a YAML list) (value 'list.yaml' on the command line)"),
-        (["--model.model_name"], "model.model_name: expected one argument (on the command line)"),
-        (["--config", "nested.yaml"], "model.lora.rr: not an option of LoRAConfig (value 4 in nested.yaml); did you "
-                                      "mean 'model.lora.r'?"),
+        (["--model.lm.name"], "model.lm.name: expected one argument (on the command line)"),
+        (["--config", "nested.yaml"], "model.lm.lora.rr: not an option of LoRAConfig (value 4 in nested.yaml); did you "
+                                      "mean 'model.lm.lora.r'?"),
         (["--trainer.logger.init_args.run_namee", "x"], "trainer.logger.run_namee: not an option of "
          "MLFlowLogger (value 'x' on the command line); did you mean 'trainer.logger.run_name'?"),
         (["--config", "callback.yaml"], "trainer.callbacks[0].monitr: not an option of "

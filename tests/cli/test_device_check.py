@@ -107,7 +107,7 @@ def test_a_real_torchrun_with_the_wrong_node_count_stops_in_one_line_before_any_
 
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rl_lightning",
-         "fit", "--config", str(REPO / "rl_lightning" / "recipes" / "sft.yaml"), "--model.model_name",
+         "fit", "--config", str(REPO / "rl_lightning" / "recipes" / "sft.yaml"), "--model.lm.name",
          str(REPO / "rl_lightning" / "assets" / "tiny-qwen2"), "--data.path",
          str(REPO / "rl_lightning" / "assets" / "data" / "sft.jsonl"), "--trainer.devices", "1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,

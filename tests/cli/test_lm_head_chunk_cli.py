@@ -1,5 +1,5 @@
-"""``model.lm_head_chunk`` through the real CLI: SFT, DPO and GRPO (hf engine) fits with the default chunked output head
-log the same first-step loss (and gradient norm) as ``--model.lm_head_chunk null`` (the full logits); the key is in
+"""``model.lm.lm_head_chunk`` through the real CLI: SFT, DPO and GRPO (hf engine) fits with the default chunked output head
+log the same first-step loss (and gradient norm) as ``--model.lm.lm_head_chunk null`` (the full logits); the key is in
 every task's ``--model.help`` and a bad value is one line at start-up."""
 
 import json
@@ -41,8 +41,8 @@ def _first_step(workdir, recipe, args):
 def test_default_chunked_head_logs_the_full_logits_first_loss(recipe, workdir):
     """The default (1024 positions: one chunk at this size) and 5-position chunks (many) against null."""
     default = _first_step(workdir, recipe, RUNS[recipe])
-    small = _first_step(workdir, recipe, [*RUNS[recipe], "--model.lm_head_chunk", "5"])
-    full = _first_step(workdir, recipe, [*RUNS[recipe], "--model.lm_head_chunk", "null"])
+    small = _first_step(workdir, recipe, [*RUNS[recipe], "--model.lm.lm_head_chunk", "5"])
+    full = _first_step(workdir, recipe, [*RUNS[recipe], "--model.lm.lm_head_chunk", "null"])
     for key in KEYS[recipe]:
         # the entropy is a float32 mean of per-token log-sum-exps, reduced in another order per chunking: 24 ulps of
         # its 0.5 nats (1.4e-6) were seen; 1e-5 still catches a wrong chunk (one of ~60 positions moves the mean ~1e-2)
@@ -55,8 +55,8 @@ def test_default_chunked_head_logs_the_full_logits_first_loss(recipe, workdir):
 @pytest.mark.parametrize("recipe", ["sft", "dpo", "grpo"])
 def test_a_bad_chunk_is_one_line_at_start_up(recipe, workdir, capsys):
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", f"recipes/{recipe}.yaml", "--model.lm_head_chunk", "0"])
+        main(["fit", "--config", f"recipes/{recipe}.yaml", "--model.lm.lm_head_chunk", "0"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("rl_lightning: error: model.lm_head_chunk must be a number of positions >= 1 or null, got 0; "
+    assert err[-1] == ("rl_lightning: error: model.lm.lm_head_chunk must be a number of positions >= 1 or null, got 0; "
                        "use e.g. 1024 (the default), or null for the full-logits path"), err

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from rl_lightning.cli.outputs import RunOutputs, latest_run_dir, new_run_dir, read_run_file
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.tracking.export import HFExport
 from rl_lightning.tracking.mlflow_run import EXPERIMENT_KIND, MLflowTracking
 
@@ -24,7 +25,7 @@ def _sft_run(tmp_path, callbacks=(), max_steps=2, logger=None, dirpath=None):
     from rl_lightning.tasks import SFT
 
     L.seed_everything(0)
-    model = SFT(str(TINY_MODEL))
+    model = SFT(LMConfig(str(TINY_MODEL)))
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=64)
     outputs = RunOutputs("sft", root=str(tmp_path / "outputs"), dirpath=dirpath)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=logger or False,
@@ -64,7 +65,7 @@ def test_a_given_checkpoint_or_export_dirpath_is_kept(tmp_path):
                         enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[outputs, ModelCheckpoint(dirpath=str(mine), save_last=True),
                                    HFExport(str(tmp_path / "my_export"))])
-    trainer.fit(SFT(str(TINY_MODEL)), datamodule=SFTDataModule(str(DEMO_DATA / "sft.jsonl"),
+    trainer.fit(SFT(LMConfig(str(TINY_MODEL))), datamodule=SFTDataModule(str(DEMO_DATA / "sft.jsonl"),
                                                               tokenizer_name=str(TINY_MODEL), batch_size=4,
                                                               max_length=64))
     assert (mine / "last.ckpt").is_file() and (tmp_path / "my_export" / "config.json").is_file()

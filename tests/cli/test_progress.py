@@ -8,6 +8,7 @@ from conftest import DEMO_DATA, REPO, TINY_MODEL
 from helpers import ppo_task, prompts
 
 from rl_lightning.cli.progress import RunProgress, format_metrics
+from rl_lightning.models.config import LMConfig
 
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 
@@ -76,7 +77,7 @@ def test_sft_counts_optimizer_steps_not_epochs(capsys):
     from rl_lightning.tasks import SFT
 
     L.seed_everything(0)
-    model = SFT(str(TINY_MODEL))
+    model = SFT(LMConfig(str(TINY_MODEL)))
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=64)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=20, logger=False, enable_checkpointing=False,
                         enable_model_summary=False, callbacks=[RunProgress()], num_sanity_val_steps=0)

@@ -66,11 +66,11 @@ def test_package_paths_resolve_to_the_installed_files_unless_the_working_folder_
 def test_a_parsed_config_is_resolved_in_place_through_namespaces_and_lists(empty):
     from jsonargparse import Namespace
 
-    config = Namespace(model=Namespace(init_args=Namespace(model_name="rl_lightning/assets/tiny-qwen2", lr=0.1)),
+    config = Namespace(model=Namespace(init_args=Namespace(lm=Namespace(name="rl_lightning/assets/tiny-qwen2"), lr=0.1)),
                        trainer=Namespace(callbacks=[Namespace(init_args=Namespace(path="rl_lightning/cli/demo.yaml"))]),
                        data={"path": "rl_lightning/assets/data/easy.jsonl", "other": ["x"]})
     resolve_references(config)
-    assert config.model.init_args.model_name == str(PACKAGE / "assets" / "tiny-qwen2")
+    assert config.model.init_args.lm.name == str(PACKAGE / "assets" / "tiny-qwen2")
     assert config.model.init_args.lr == 0.1
     assert config.trainer.callbacks[0].init_args.path == str(PACKAGE / "cli" / "demo.yaml")
     assert config.data == {"path": str(PACKAGE / "assets" / "data" / "easy.jsonl"), "other": ["x"]}
@@ -116,7 +116,7 @@ def test_lineage_names_the_bundled_files_by_their_package_path_not_this_machines
 
     data, env = PACKAGE / "assets" / "data" / "easy.jsonl", RECIPES / "envs" / "arithmetic.py"
     trainer = types.SimpleNamespace(callbacks=[], datamodule=types.SimpleNamespace(hparams={"path": str(data)}))
-    module = types.SimpleNamespace(hparams=types.SimpleNamespace(model_name=str(PACKAGE / "assets" / "tiny-qwen2-sft")),
+    module = types.SimpleNamespace(lm=types.SimpleNamespace(name=str(PACKAGE / "assets" / "tiny-qwen2-sft")),
                                    rollout_config=types.SimpleNamespace(env_path=str(env)))
     tags = collect(trainer, module)
     assert (tags["base_model"], tags["data"], tags["env"]) == ("rl_lightning/assets/tiny-qwen2-sft",

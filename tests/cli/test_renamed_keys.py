@@ -80,3 +80,17 @@ def test_old_checkpoint_hparams_compare_under_the_new_names():
     assert rename_hparams(stored, TABLE) == {"_class_path": "rl_lightning.tasks.sft.SFT",
                                              "lm": {"name": "m", "lora": {"r": 8}}, "rollout": {"n": 2},
                                              "max_steps": 4}
+
+
+def test_a_checkpoint_saved_before_the_rename_resumes_as_the_same_run():
+    """`check_resume` compares an old checkpoint's hyperparameters under the new names: same model, no difference;
+    another model, named by its new key."""
+    from rl_lightning.cli.resume_check import compare
+
+    old = {"_class_path": "rl_lightning.tasks.ppo.PPO", "model_name": "m", "lora": None,
+           "rollout": {"engine": "hf", "async_steps": 0, "filter_range": [0.0, 1.0]}}
+    current = {"lm": {"name": "m", "lora": None}, "rollout": {"engine": "hf", "async_steps": 0},
+               "dapo": {"filter_range": [0.0, 1.0]}}
+    assert rename_hparams(old)["dapo"] == {"filter_range": [0.0, 1.0]}
+    assert compare(rename_hparams(old), current, "PPO") == []
+    assert compare(rename_hparams({**old, "model_name": "other"}), current, "PPO") == ["model.lm.name 'other' -> 'm'"]

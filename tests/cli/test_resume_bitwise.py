@@ -30,11 +30,11 @@ RUNS = {
                 "--model.rollout.pareto_archive_size", "2", "--data.batch_size", "2"], "--model.max_rollouts", 3),
     "lora": (["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--trainer.limit_val_batches", "0",
               "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
-              "--model.lora.r", "4", "--data.batch_size", "2"], "--model.max_rollouts", 3),
+              "--model.lm.lora.r", "4", "--data.batch_size", "2"], "--model.max_rollouts", 3),
     # LoRA with the colocated vLLM engine and adapter sync (the engine holds base + adapter): in spawned processes
     "lora-vllm-adapter-sync": (["--config", "recipes/grpo.yaml", "--trainer.limit_val_batches", "0",
                                 "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
-                                "--model.rollout.kv_cache_memory_bytes", str(64 << 20), "--model.lora.r", "4",
+                                "--model.rollout.kv_cache_memory_bytes", str(64 << 20), "--model.lm.lora.r", "4",
                                 "--model.rollout.weight_sync", "adapter", "--data.batch_size", "2"],
                                "--model.max_rollouts", 3),
 }

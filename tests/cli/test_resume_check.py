@@ -61,11 +61,11 @@ def _hint() -> str:
 def test_another_model_or_task_is_refused_and_other_settings_may_change(workdir, capsys):
     checkpoint = _train()
     sft = "rl_lightning/assets/tiny-qwen2-sft"
-    assert _refused(capsys, *SFT, "--ckpt_path", str(checkpoint), "--model.model_name", sft) == (
-        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.model_name 'rl_lightning/assets/tiny-qwen2' "
+    assert _refused(capsys, *SFT, "--ckpt_path", str(checkpoint), "--model.lm.name", sft) == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.lm.name 'rl_lightning/assets/tiny-qwen2' "
         f"-> '{sft}' {_hint()}")
-    lora = _refused(capsys, *SFT, "--ckpt_path", str(checkpoint), "--model.lora", "{r: 4}")
-    assert lora.startswith(f"--ckpt_path {checkpoint} is a checkpoint of another run: model.lora None -> {{'r': 4,")
+    lora = _refused(capsys, *SFT, "--ckpt_path", str(checkpoint), "--model.lm.lora", "{r: 4}")
+    assert lora.startswith(f"--ckpt_path {checkpoint} is a checkpoint of another run: model.lm.lora None -> {{'r': 4,")
     assert _refused(capsys, "fit", "--config", "recipes/dpo.yaml", "--ckpt_path", str(checkpoint)) == (
         f"--ckpt_path {checkpoint} is a checkpoint of another run: model.class_path SFT -> DPO {_hint()}")
     # a copy that also holds a pickle running code (issue 36.2) is refused in one line; nothing runs
@@ -76,30 +76,30 @@ def test_another_model_or_task_is_refused_and_other_settings_may_change(workdir,
         "refuses (unpickling it could run code); pass --trust_checkpoint true only for a checkpoint you trust as code")
     assert not Path("ran").exists()
     # trusted (the explicit opt-in), by the same model's absolute path, a new learning rate: resumed, on to step 3
-    main([*SFT, "--trainer.max_steps", "3", "--ckpt_path", str(crafted), "--model.model_name", str(TINY_MODEL),
-          "--model.optim.lr", "1e-3", "--trust_checkpoint", "true"])
+    main([*SFT, "--trainer.max_steps", "3", "--ckpt_path", str(crafted), "--model.lm.name", str(TINY_MODEL),
+          "--model.lm.optim.lr", "1e-3", "--trust_checkpoint", "true"])
     assert Path("ran").exists()
     resumed = torch.load(checkpoint.parent / "epoch=0-step=3.ckpt", weights_only=False)  # the same run folder
-    assert resumed["global_step"] == 3 and resumed["hyper_parameters"]["optim"]["lr"] == 1e-3
+    assert resumed["global_step"] == 3 and resumed["hyper_parameters"]["lm"]["optim"]["lr"] == 1e-3
 
 
 def test_a_changed_architecture_is_refused_and_its_weights_do_not_load(workdir, capsys):
     shutil.copytree(TINY_MODEL, "model")
-    checkpoint = _train("--model.model_name", "model")
+    checkpoint = _train("--model.lm.name", "model")
     config = json.loads(Path("model/config.json").read_text())
     old = f"{config['num_hidden_layers']} layers, hidden size {config['hidden_size']}, vocabulary {config['vocab_size']}"
     config["num_hidden_layers"] += 1
     config["layer_types"] = config.get("layer_types", ["full_attention"] * 2) + ["full_attention"]
     Path("model/config.json").write_text(json.dumps(config))
     new = f"{config['num_hidden_layers']} layers, hidden size {config['hidden_size']}, vocabulary {config['vocab_size']}"
-    assert _refused(capsys, *SFT, "--model.model_name", "model", "--ckpt_path", str(checkpoint)) == (
-        f"--ckpt_path {checkpoint} is a checkpoint of another run: architecture of model.model_name 'model': {old} -> "
+    assert _refused(capsys, *SFT, "--model.lm.name", "model", "--ckpt_path", str(checkpoint)) == (
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: architecture of model.lm.name 'model': {old} -> "
         f"{new} {_hint()}")
-    error = _refused(capsys, *SFT, "--model.model_name", "model", "--ckpt_path", str(checkpoint),
+    error = _refused(capsys, *SFT, "--model.lm.name", "model", "--ckpt_path", str(checkpoint),
                      "--load_weights_only", "true", "--trainer.max_steps", "1")
     assert error.startswith(f"--ckpt_path {checkpoint} with --load_weights_only: its weights do not fit this model "
                             "(missing model.model.layers.2.")  # the third layer's weights
-    assert error.endswith("); use a checkpoint of the same model (model.model_name, model.lora)")
+    assert error.endswith("); use a checkpoint of the same model (model.lm.name, model.lm.lora)")
 
 
 def test_weights_only_starts_a_new_run_from_the_checkpoints_weights(workdir, capsys):
@@ -107,8 +107,8 @@ def test_weights_only_starts_a_new_run_from_the_checkpoints_weights(workdir, cap
     Path("probe.py").write_text(WEIGHTS_AT_START)
     Path("probe.yaml").write_text("trainer:\n  callbacks:\n    - class_path: probe.WeightsAtStart\n")
     main([*SFT, "--config", "probe.yaml", "--trainer.logger.init_args.run_name", "sft", "--trainer.max_steps", "1",
-          "--ckpt_path", str(checkpoint), "--load_weights_only", "true", "--model.optim.lr", "1e-4",
-          "--model.optim.warmup_steps", "0"])
+          "--ckpt_path", str(checkpoint), "--load_weights_only", "true", "--model.lm.optim.lr", "1e-4",
+          "--model.lm.optim.warmup_steps", "0"])
     saved = torch.load(checkpoint, weights_only=False)
     loaded = torch.load("weights_at_start.pt")
     assert saved["state_dict"].keys() == loaded.keys()
@@ -116,7 +116,7 @@ def test_weights_only_starts_a_new_run_from_the_checkpoints_weights(workdir, cap
     runs = sorted(p for p in Path("outputs/sft").iterdir() if p.name != "latest")
     assert len(runs) == 2 and checkpoint.resolve().is_relative_to(runs[0].resolve())  # a new run folder
     new = torch.load(runs[1] / "checkpoints" / "last.ckpt", weights_only=False)
-    assert new["global_step"] == 1 and new["hyper_parameters"]["optim"]["lr"] == 1e-4  # from step 0, this config
+    assert new["global_step"] == 1 and new["hyper_parameters"]["lm"]["optim"]["lr"] == 1e-4  # from step 0, this config
     assert saved["global_step"] == 2  # the old run's checkpoint untouched
     assert _refused(capsys, *SFT, "--ckpt_path", "last", "--load_weights_only", "true") == (
         "--load_weights_only needs the checkpoint's path, got --ckpt_path last: name the file (or the sharded "
@@ -172,7 +172,7 @@ def test_a_sharded_checkpoint_is_checked_and_its_weights_load_alone(workdir):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     shutil.copytree(TINY_MODEL, "model")
-    assert _cli("--model.model_name", "model").returncode == 0
+    assert _cli("--model.lm.name", "model").returncode == 0
     checkpoint = Path("outputs/sft/latest/checkpoints/epoch=0-step=2.ckpt").resolve().relative_to(Path.cwd().resolve())
     assert checkpoint.is_dir()
     from rl_lightning.parallel.checkpoint_trust import damage
@@ -189,16 +189,16 @@ def test_a_sharded_checkpoint_is_checked_and_its_weights_load_alone(workdir):
     shard.write_bytes(bytes(data))
     config = json.loads(Path("model/config.json").read_text())
     Path("model/config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
-    refused = _cli("--model.model_name", "model", "--ckpt_path", str(checkpoint))
+    refused = _cli("--model.lm.name", "model", "--ckpt_path", str(checkpoint))
     assert refused.returncode == 2
-    assert f"architecture of model.model_name 'model': 2 layers, hidden size {config['hidden_size']}, vocabulary " \
+    assert f"architecture of model.lm.name 'model': 2 layers, hidden size {config['hidden_size']}, vocabulary " \
            f"{config['vocab_size']} -> 2 layers, hidden size {config['hidden_size']}, vocabulary " \
            f"{config['vocab_size'] + 64} " in refused.stderr
     Path("model/config.json").write_text(json.dumps(config))
     Path("probe.py").write_text(FULL_WEIGHTS_AT_START)
     Path("probe.yaml").write_text("trainer:\n  callbacks:\n    - class_path: probe.FullWeightsAtStart\n")
-    started = _cli("--config", "probe.yaml", "--model.model_name", "model", "--ckpt_path", str(checkpoint),
-                   "--load_weights_only", "true", "--model.optim.lr", "1e-4")
+    started = _cli("--config", "probe.yaml", "--model.lm.name", "model", "--ckpt_path", str(checkpoint),
+                   "--load_weights_only", "true", "--model.lm.optim.lr", "1e-4")
     assert started.returncode == 0, started.stderr[-3000:]
     dcp_to_torch_save(checkpoint, "saved.pt")
     saved, loaded = torch.load("saved.pt")["state_dict"], torch.load("weights_at_start.pt")

@@ -22,10 +22,10 @@ def test_an_overlay_adds_to_the_name_instead_of_replacing_it():
 
 
 def test_command_line_settings_skip_the_configs_outputs_and_flags():
-    argv = ["fit", "--config", "recipes/grpo.yaml", "--model.init_args.optim.lr=2e-5", "--print_config",
+    argv = ["fit", "--config", "recipes/grpo.yaml", "--model.init_args.lm.optim.lr=2e-5", "--print_config",
             "--ckpt_path", "last", "--trainer.logger.init_args.run_id", "abc", "--trainer.max_steps", "3",
             "--trainer.devices", "2", "--trainer.precision", "bf16-true", "--data.batch_size", "4"]
-    assert command_line_settings(argv) == [("model.optim.lr", "2e-5"), ("trainer.precision", "bf16-true"),
+    assert command_line_settings(argv) == [("model.lm.optim.lr", "2e-5"), ("trainer.precision", "bf16-true"),
                                            ("data.batch_size", "4")]
 
 
@@ -37,7 +37,7 @@ def test_values_read_as_python_prints_numbers_and_paths_by_their_stem(value, exp
 
 
 def test_two_runs_differing_in_lr_get_distinct_names_and_shared_keys_stay_whole():
-    argv = ["fit", "--config", "recipes/grpo.yaml", "--model.optim.lr", "1e-4"]
+    argv = ["fit", "--config", "recipes/grpo.yaml", "--model.lm.optim.lr", "1e-4"]
     assert run_name(["recipes/grpo.yaml"], argv) == "grpo lr=0.0001"
     assert run_name(["recipes/grpo.yaml"], [*argv[:-1], "2e-5"]) == "grpo lr=2e-05"
     both = ["--data.path", "a.jsonl", "--data.val_path", "b.jsonl", "--model.rollout.env_path", "e.py",
@@ -54,7 +54,7 @@ def test_logged_model_names_drop_what_mlflow_refuses():
 def test_the_cli_names_the_run_and_its_folder(tmp_path):
     from rl_lightning.cli.outputs import RunOutputs
 
-    cli = parse_cli(["--config", "recipes/grpo.yaml", "--config", "rl_lightning/cli/demo.yaml", "--model.optim.lr", "2e-5",
+    cli = parse_cli(["--config", "recipes/grpo.yaml", "--config", "rl_lightning/cli/demo.yaml", "--model.lm.optim.lr", "2e-5",
                      "--model.rollout.engine", "hf"])
     assert cli.trainer.logger._run_name == "grpo+demo lr=2e-05 engine=hf"
     (outputs,) = [c for c in cli.trainer.callbacks if isinstance(c, RunOutputs)]

@@ -60,8 +60,8 @@ def test_non_utf8_data_file_names_file_line_and_fix(workdir, capsys):
 
 
 def test_missing_local_model_folder_says_so(workdir, capsys):
-    error = _fit_error(workdir, capsys, "sft.yaml", "--model.model_name", "./models/never-downloaded")
-    assert error == (f"model.model_name './models/never-downloaded': the local folder does not exist (resolved to "
+    error = _fit_error(workdir, capsys, "sft.yaml", "--model.lm.name", "./models/never-downloaded")
+    assert error == (f"model.lm.name './models/never-downloaded': the local folder does not exist (resolved to "
                      f"{workdir / 'models' / 'never-downloaded'}); check the path, or give a Hugging Face hub id such "
                      "as Qwen/Qwen2.5-0.5B-Instruct")
 
@@ -128,7 +128,7 @@ MOVED_IN_YAML = {
                  "rl_lightning.tracking.export.HFExport"),
     "model-init-arg": ("model:\n  init_args:\n    lora:\n      class_path: rl_lightning.lora.LoRAConfig\n"
                        "      init_args:\n        r: 4\n",
-                       "model.lora.class_path: rl_lightning.lora.LoRAConfig moved to "
+                       "model.lm.lora.class_path: rl_lightning.lora.LoRAConfig moved to "
                        "rl_lightning.models.lora.LoRAConfig"),
     "second-callback": ("trainer:\n  callbacks:\n    - class_path: rl_lightning.cli.progress.RunProgress\n"
                         "    - class_path: rl_lightning.tracking.MLflowTracking\n",

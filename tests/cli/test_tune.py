@@ -16,7 +16,7 @@ from rl_lightning.cli.tune import Pruning, _Current, run
 from rl_lightning.errors import ConfigError
 
 optuna = pytest.importorskip("optuna")
-LR_SPACE = {"model.optim.lr": {"type": "categorical", "choices": [1.0e-6, 3.0e-3]}}  # hopeless vs good, 8 steps
+LR_SPACE = {"model.lm.optim.lr": {"type": "categorical", "choices": [1.0e-6, 3.0e-3]}}  # hopeless vs good, 8 steps
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +48,11 @@ def test_space_errors_are_collected():
 
 
 def test_space_parses_and_grids():
-    space = parse_space({"model.optim.lr": {"type": "float", "low": 1e-5, "high": 1e-2, "log": True},
+    space = parse_space({"model.lm.optim.lr": {"type": "float", "low": 1e-5, "high": 1e-2, "log": True},
                          "model.update_per_rollout": {"type": "int", "low": 1, "high": 4},
                          "data.max_length": {"type": "float", "low": 0.1, "high": 0.3, "step": 0.1},
                          "model.advantage_estimator": {"type": "categorical", "choices": ["drgrpo", "grpo"]}})
-    assert [p.key for p in space] == ["model.optim.lr", "model.update_per_rollout", "data.max_length",
+    assert [p.key for p in space] == ["model.lm.optim.lr", "model.update_per_rollout", "data.max_length",
                                       "model.advantage_estimator"]
     assert space[1].grid() == [1, 2, 3, 4] and space[2].grid() == [0.1, 0.2, 0.3]
     assert space[3].grid() == ["drgrpo", "grpo"] and space[0].first() == 1e-5
@@ -105,14 +105,14 @@ def _runs(study_name: str):
 @pytest.mark.slow
 def test_study_finds_the_better_learning_rate(workdir):
     study = _tune("--study-name", "lr-grid")
-    assert study.best_params == {"model.optim.lr": 3.0e-3}
+    assert study.best_params == {"model.lm.optim.lr": 3.0e-3}
     client, parent, children = _runs("lr-grid")
-    assert parent.data.params["best.model.optim.lr"] == "0.003"
+    assert parent.data.params["best.model.lm.optim.lr"] == "0.003"
     assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
-    assert parent.data.params["space.model.optim.lr"] == '{"type": "categorical", "choices": [1e-06, 0.003]}'
+    assert parent.data.params["space.model.lm.optim.lr"] == '{"type": "categorical", "choices": [1e-06, 0.003]}'
     assert parent.info.status == "FINISHED"
     assert [c.info.run_name for c in children] == ["trial-0", "trial-1"]
-    losses = {float(c.data.params["model.optim.lr"]): c.data.metrics["train/loss"] for c in children}
+    losses = {float(c.data.params["model.lm.optim.lr"]): c.data.metrics["train/loss"] for c in children}
     assert losses[3.0e-3] < losses[1.0e-6] - 1.0, losses  # clearly different, not a coin flip
     assert all(c.info.status == "FINISHED" and c.data.tags["optuna.state"] == "COMPLETE" for c in children)
     assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["search_space.yaml"]
@@ -122,22 +122,22 @@ def test_study_finds_the_better_learning_rate(workdir):
 def test_median_pruner_prunes_the_worse_trial(workdir):
     # grid order with seed 0: 3e-3 first (completes), then 1e-6, whose loss sits above the median from step 2 on
     study = _tune("--study-name", "lr-pruned", "--pruner", "median", "--pruner-startup-trials", "1")
-    states = {t.params["model.optim.lr"]: t.state for t in study.trials}
+    states = {t.params["model.lm.optim.lr"]: t.state for t in study.trials}
     assert states == {3.0e-3: optuna.trial.TrialState.COMPLETE, 1.0e-6: optuna.trial.TrialState.PRUNED}
     client, parent, children = _runs("lr-pruned")
-    pruned = next(c for c in children if c.data.params["model.optim.lr"] == "1e-06")
+    pruned = next(c for c in children if c.data.params["model.lm.optim.lr"] == "1e-06")
     assert pruned.data.tags["optuna.state"] == "PRUNED" and pruned.info.status == "KILLED"
     assert len(client.get_metric_history(pruned.info.run_id, "train/loss")) < 8  # stopped early
-    assert parent.data.tags["trials.pruned"] == "1" and parent.data.params["best.model.optim.lr"] == "0.003"
+    assert parent.data.tags["trials.pruned"] == "1" and parent.data.params["best.model.lm.optim.lr"] == "0.003"
 
 
 def test_bad_key_fails_before_any_trial(workdir, capsys):
-    (workdir / "space.yaml").write_text("model.optim.lrr: {type: categorical, choices: [0.1, 0.2]}\n")
+    (workdir / "space.yaml").write_text("model.lm.optim.lrr: {type: categorical, choices: [0.1, 0.2]}\n")
     with pytest.raises(SystemExit) as info:
         run(["--config", "recipes/sft.yaml", "--search", "space.yaml", "--sampler", "grid"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("rl_lightning: error: model.optim.lrr: ") and "did you mean 'model.optim.lr'" in lines[0]
+    assert lines[0].startswith("rl_lightning: error: model.lm.optim.lrr: ") and "did you mean 'model.lm.optim.lr'" in lines[0]
     assert not (workdir / "outputs").exists() and not (workdir / "mlflow.db").exists()  # no run, no parent
 
 

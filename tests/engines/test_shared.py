@@ -69,14 +69,17 @@ def test_a_layout_the_engine_cannot_serve_fails_at_start_up_in_one_line(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     callback.setup(_trainer("cuda:0", [0, 1], 2), None, "fit")
     assert callback.engine_devices == [2]
-    refills = RolloutCallback(RolloutConfig(ENV, engine="vllm_process", async_steps=1, filter_range=(0.0, 1.0)))
-    refills.setup(_trainer("cpu", [0], 1), None, "fit")  # one trainer rank: its engine, its refills
-    with pytest.raises(ConfigError) as caught:
-        refills.setup(_trainer("cpu", [0], 2), None, "fit")
-    assert str(caught.value) == (
-        "model.rollout.filter_range=(0.0, 1.0) with async_steps: 1 refills each rank on its own, but the 2 trainer "
-        "ranks share one engine process (engine: vllm_process), which needs them to generate equally often: set "
-        "async_steps: 0, filter_range: null, or engine: vllm")
+    # DAPO's refill (model.dapo) with one-step-off rollouts: one trainer rank has its engine and its refills; two
+    # share the one engine process, which needs them to generate equally often (PPO's start-up check)
+    from rl_lightning.algorithms.dapo import DAPOConfig
+    from rl_lightning.tasks.ppo.config import dapo_errors
+
+    dapo, rollout = DAPOConfig(filter_range=(0.0, 1.0)), RolloutConfig(ENV, engine="vllm_process", async_steps=1)
+    assert dapo_errors(dapo, rollout, world_size=1) == []
+    assert dapo_errors(dapo, rollout, world_size=2) == [
+        "model.dapo.filter_range=(0.0, 1.0) with model.rollout.async_steps: 1 refills each rank on its own, but the 2 "
+        "trainer ranks share one engine process (engine: vllm_process), which needs them to generate equally often: "
+        "set async_steps: 0, model.dapo.filter_range: null, or engine: vllm"]
 
 
 class Recorder(L.Callback):

@@ -188,9 +188,15 @@ def test_unsupported_cpu_head_dim(vllm_installed):
 def test_bad_engine_settings_fail_at_construction(vllm_installed):
     with pytest.raises(ConfigError, match="engine must be one of hf, vllm, vllm_process, got 'sglang'"):
         RolloutConfig(ENV, engine="sglang")
-    with pytest.raises(ConfigError, match=r"engine_tp_size=2 does not support multi-turn rollouts \(max_turns=1\) or "
-                                          r"dynamic sampling \(filter_range=\(0.0, 1.0\)\) yet"):
-        RolloutConfig(ENV, engine="vllm", engine_tp_size=2, filter_range=(0.0, 1.0))
+    with pytest.raises(ConfigError, match=r"engine_tp_size=2 does not support multi-turn rollouts \(max_turns=2\) "
+                                          r"yet"):
+        RolloutConfig(ENV, engine="vllm", engine_tp_size=2, max_turns=2)
+    from rl_lightning.algorithms.dapo import DAPOConfig
+    from rl_lightning.tasks.ppo.config import dapo_errors
+
+    assert dapo_errors(DAPOConfig(filter_range=(0.0, 1.0)), RolloutConfig(ENV, engine="vllm", engine_tp_size=2)) == [
+        "model.dapo.filter_range=(0.0, 1.0) (dynamic sampling) with model.rollout.engine_tp_size=2 is not supported "
+        "yet; use engine_tp_size: 1"]
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         RolloutConfig(ENV, engine="vllm", gpu_memory_utilization=1.5)
 

@@ -17,6 +17,7 @@ from rl_lightning.engines.protocol import SamplingParams
 from rl_lightning.envs.environment import load_environment
 from rl_lightning.envs.workers import RewardPool
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.loading import load_causal_lm
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.rollout.config import RolloutConfig
@@ -165,7 +166,7 @@ def test_ppo_logs_the_counts_once_a_tool_misbehaves(parts, tmp_path):
     env = _env(tmp_path, data.prompts["train"][1:2], "hang", workers=0)
     config = RolloutConfig(env.path, responses_per_prompt=4, max_new_tokens=48, max_turns=2, on_error="zero",
                            reward_workers=2, interact_timeout_s=0.3)
-    model = PPO(str(SFT_MODEL), rollout=config, max_rollouts=2, optim=OptimConfig(lr=1e-6, lr_schedule="constant"))
+    model = PPO(LMConfig(str(SFT_MODEL), optim=OptimConfig(lr=1e-6, lr_schedule="constant")), rollout=config, max_rollouts=2)
     metrics = _Metrics()
     L.seed_everything(0)
     fit(model, data, -1, [metrics], max_epochs=-1)

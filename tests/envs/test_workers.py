@@ -13,6 +13,7 @@ from rl_lightning.data import PromptDataModule
 from rl_lightning.envs.environment import load_environment
 from rl_lightning.envs.workers import RewardFailure, RewardPool
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.rollout.callback import RolloutConfig
 from rl_lightning.tasks import PPO
@@ -126,7 +127,7 @@ def _hanging_reward(tmp_path, on_error):
     env.write_text("def reward_fn(messages, answer):\n    while True:\n        pass\n")
     rollout = RolloutConfig(str(env), responses_per_prompt=4, max_new_tokens=4, on_error=on_error, reward_workers=4,
                             reward_timeout_s=0.3)
-    return PPO(str(TINY_MODEL), rollout=rollout, max_rollouts=2, optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    return PPO(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")), rollout=rollout, max_rollouts=2)
 
 
 def _fit(model):

@@ -141,7 +141,7 @@ def test_auto_from_the_command_line(workdir, monkeypatch):
     from conftest import TINY_MODEL
 
     monkeypatch.setattr(sys, "argv", ["rl_lightning"])  # LightningCLI warns when pytest's own argv is present
-    args = ["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--model.model_name", str(TINY_MODEL)]
+    args = ["--config", "recipes/grpo.yaml", "--model.rollout.engine", "hf", "--model.lm.name", str(TINY_MODEL)]
     assert parse_cli([*args, "--model.max_length_per_device", "auto"]).model.max_length_per_device == AUTO_BUDGET
     assert parse_cli([*args, "--model.max_length_per_device", "300"]).model.max_length_per_device == 300
     with pytest.raises(SystemExit):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl_lightning.memory.phases import PhaseProfiler, phase, release_host_memory, rss_mib
+from rl_lightning.models.config import LMConfig
 
 MIB = 1 << 20
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/clear_refs and glibc are Linux's")
@@ -170,7 +171,7 @@ def test_sft_fit_profiles_lightning_hooks_checkpoint_and_export(tmp_path):
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     fit(model, data, 2, [MemoryProfile(dirpath=str(tmp_path)), HFExport(str(tmp_path / "export"), log_model=False)])
     table = (tmp_path / "memory_phases.md").read_text()
     counts = {line.split(" | ")[0].removeprefix("| "): int(line.split(" | ")[1]) for line in table.splitlines()[2:]}

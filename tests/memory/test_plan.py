@@ -28,6 +28,7 @@ from rl_lightning.memory.plan import (
     layer_activation_bytes,
     plan_memory,
 )
+from rl_lightning.models.config import LMConfig
 
 H, INTER, Q, KV, V, LAYERS, HEADS = 64, 128, 64, 32, 100, 2, 4
 LINEARS = (("q_proj", H, Q), ("k_proj", H, KV), ("v_proj", H, KV), ("o_proj", Q, H), ("gate_proj", H, INTER),
@@ -204,16 +205,16 @@ def test_refusal_is_one_line_with_the_keys_that_fit():
     assert message.startswith(f"predicted peak memory {plan.peak / GIB:.2f} GiB per device exceeds the device's "
                               f"free CUDA memory, {s.device_memory / GIB:.2f} GiB (8192 tokens per micro-batch); "
                               "to fit, set data.max_length_per_device: 2048 (")
-    assert message.endswith("(model.memory_check: false runs it anyway)")
+    assert message.endswith("(model.lm.memory_check: false runs it anyway)")
     roomy = replace(s, device_memory=plan_memory(replace(s, lm_head_chunk=1024)).peak)  # the chunked head fits
     budget = largest_budget(roomy, roomy.device_memory)
     assert fit_suggestions(roomy, Keys(budget="model.max_length_per_device")) == [
-        f"model.max_length_per_device: {budget}", "model.gradient_checkpointing: true", "model.lm_head_chunk: 1024"]
+        f"model.max_length_per_device: {budget}", "model.lm.gradient_checkpointing: true", "model.lm.lm_head_chunk: 1024"]
     assert budget == 7424 and plan_memory(replace(roomy, tokens=budget)).fits
     tight = replace(s, device_memory=int(plan_memory(replace(s, tokens=512, gradient_checkpointing=True,
                                                              lm_head_chunk=1024)).peak))
     assert fit_suggestions(tight, Keys(), minimum=512) == [
-        "model.gradient_checkpointing: true with model.lm_head_chunk: 1024 with data.max_length_per_device: 512"]
+        "model.lm.gradient_checkpointing: true with model.lm.lm_head_chunk: 1024 with data.max_length_per_device: 512"]
     assert "even 8192 tokens" in refusal(plan_memory(replace(tight, device_memory=1)), Keys(), minimum=8192)
 
 
@@ -242,7 +243,7 @@ def _sft(tmp_path, **kwargs):
 
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
-    return SFT(str(TINY_MODEL), **kwargs), data
+    return SFT(LMConfig(str(TINY_MODEL), **kwargs)), data
 
 
 def _small_device(monkeypatch, limit):

@@ -288,15 +288,16 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own_modules():
 
 @pytest.mark.parametrize("lean", [True, False])
 def test_every_task_has_the_lean_activations_key(lean, parity_env):
-    """``model.lean_activations`` (default true) reaches the loader: patched forwards, or the model's own."""
+    """``model.lm.lean_activations`` (default true) reaches the loader: patched forwards, or the model's own."""
     from functools import partial
 
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.lean import LeanForward
     from rl_lightning.rollout.config import RolloutConfig
     from rl_lightning.tasks import DPO, PPO, SFT, RewardModel
 
     for task in (SFT, DPO, RewardModel, partial(PPO, rollout=RolloutConfig(parity_env))):
-        module = task(str(TINY_MODEL), lean_activations=lean)
+        module = task(LMConfig(str(TINY_MODEL), lean_activations=lean))
         module.configure_model()
         patched = sum(isinstance(vars(m).get("forward"), LeanForward) for m in module.model.modules())
         layers = module.model.config.num_hidden_layers

@@ -1,4 +1,4 @@
-"""`target_logprobs` with a chunked output head (``model.lm_head_chunk``) on the tiny model (tied embeddings, fp32):
+"""`target_logprobs` with a chunked output head (``model.lm.lm_head_chunk``) on the tiny model (tied embeddings, fp32):
 the same log-probs, entropies and parameter gradients as the full-logits path, plain and with LoRA (adapters on the
 decoder, on the head itself, the head in ``modules_to_save``), packed and padded micro-batches, the LoRA reference;
 no head tensor larger than one (chunk, V) chunk in the forward or the backward; and its errors."""
@@ -142,7 +142,7 @@ def test_no_head_tensor_larger_than_a_chunk(lora):
 def test_a_forward_that_changes_the_head_output_is_refused():
     model = _model()
     model.register_forward_hook(lambda module, args, out: out.__class__(logits=out.logits * 2.0))  # soft-capping-like
-    with pytest.raises(ConfigError, match=r"^model.lm_head_chunk=8: .* set model.lm_head_chunk: null$"):
+    with pytest.raises(ConfigError, match=r"^model.lm.lm_head_chunk=8: .* set model.lm.lm_head_chunk: null$"):
         target_logprobs(model, pack(_sequences(), 257), chunk_size=8)
     assert type(model.lm_head) is torch.nn.Linear  # put back
 
@@ -151,7 +151,7 @@ def test_a_forward_that_changes_the_head_output_is_refused():
 def test_bad_chunk_sizes_are_one_line(value):
     with pytest.raises(ConfigError) as info:
         check_lm_head_chunk(value)
-    assert str(info.value) == (f"model.lm_head_chunk must be a number of positions >= 1 or null, got {value!r}; use "
+    assert str(info.value) == (f"model.lm.lm_head_chunk must be a number of positions >= 1 or null, got {value!r}; use "
                                "e.g. 1024 (the default), or null for the full-logits path")
     check_lm_head_chunk(None)
     check_lm_head_chunk(1)

@@ -12,6 +12,7 @@ from helpers import fit, ppo_task, prompts, run_on_cpu_ranks
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.lora import AdaptersDisabled, LoRAConfig, base_model, parameter_counts
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.tasks import DPO, SFT
@@ -55,7 +56,7 @@ def assert_only_adapters_moved(model):
 @pytest.fixture(scope="module")
 def sft_run():
     L.seed_everything(0)
-    model = SFT(str(TINY_MODEL), optim=OPTIM, lora=LORA)
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OPTIM, lora=LORA))
     fit(model, _sft_data(), 3)
     return model
 
@@ -77,7 +78,7 @@ def test_gradient_checkpointing_with_a_frozen_base_gives_the_same_adapters(sft_r
     """Non-reentrant checkpointing still reaches the adapters when no input of a block requires grad (frozen
     embeddings): the same 3 steps give bitwise the same adapter weights."""
     L.seed_everything(0)
-    checkpointed = SFT(str(TINY_MODEL), optim=OPTIM, lora=LORA, gradient_checkpointing=True)
+    checkpointed = SFT(LMConfig(str(TINY_MODEL), optim=OPTIM, lora=LORA, gradient_checkpointing=True))
     fit(checkpointed, _sft_data(), 3)
     assert base_model(checkpointed.model).model.gradient_checkpointing
     expected = dict(sft_run.model.named_parameters())
@@ -113,7 +114,7 @@ def test_dpo_reference_is_the_base_without_a_second_copy():
     from rl_lightning.tasks.dpo import completion_logprobs
 
     L.seed_everything(0)
-    model = DPO(str(TINY_MODEL), optim=OPTIM, lora=LORA)
+    model = DPO(LMConfig(str(TINY_MODEL), optim=OPTIM, lora=LORA))
     data = _pairs()
     trainer = fit(model, data, 1)
     assert_close(trainer.callback_metrics["train/loss"], torch.tensor(math.log(2)), atol=1e-6)
@@ -131,7 +132,7 @@ def test_dpo_reference_is_the_base_without_a_second_copy():
 
 
 def test_ppo_reference_is_the_base_and_only_adapters_move(parity_env):
-    model = ppo_task(parity_env, max_rollouts=2, kl={"coef": 0.1}, lora={"r": 4, "alpha": 8.0})
+    model = ppo_task(parity_env, max_rollouts=2, kl={"coef": 0.1}, lm={"lora": {"r": 4, "alpha": 8.0}})
     L.seed_everything(0)
     trainer = fit(model, prompts(), -1)
     assert isinstance(model._reference, AdaptersDisabled)
@@ -154,7 +155,7 @@ def test_reward_model_trains_adapters_and_head_and_its_export_scores_like_traini
     from rl_lightning.tracking.export import export_hf
 
     L.seed_everything(0)
-    module = RewardModel(str(TINY_MODEL), optim=OPTIM, lora=LORA)
+    module = RewardModel(LMConfig(str(TINY_MODEL), optim=OPTIM, lora=LORA))
     data = _pairs()
     fit(module, data, 2)
     fresh, params = load_reward_model(str(TINY_MODEL)).state_dict(), dict(module.model.named_parameters())
@@ -179,10 +180,10 @@ def test_reward_model_trains_adapters_and_head_and_its_export_scores_like_traini
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"r": 0}, "model.lora.r must be >= 1, got 0"),
-    ({"alpha": -1.0}, "model.lora.alpha must be > 0"),
-    ({"dropout": 1.0}, r"model.lora.dropout must be in \[0, 1\)"),
-    ({"target_modules": "attention"}, "model.lora.target_modules must be a list of module names or 'all-linear'"),
+    ({"r": 0}, "model.lm.lora.r must be >= 1, got 0"),
+    ({"alpha": -1.0}, "model.lm.lora.alpha must be > 0"),
+    ({"dropout": 1.0}, r"model.lm.lora.dropout must be in \[0, 1\)"),
+    ({"target_modules": "attention"}, "model.lm.lora.target_modules must be a list of module names or 'all-linear'"),
 ])
 def test_bad_lora_config_is_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -194,15 +195,15 @@ def test_tensor_parallel_is_refused_in_one_line():
     from rl_lightning.parallel import ParallelStrategy
 
     check_lora_strategy(ParallelStrategy(data_parallel_size=2, context_parallel_size=2))
-    with pytest.raises(ConfigError, match="^model.lora does not support strategy.tensor_parallel_size=2 "):
+    with pytest.raises(ConfigError, match="^model.lm.lora does not support strategy.tensor_parallel_size=2 "):
         check_lora_strategy(ParallelStrategy(tensor_parallel_size=2))
 
 
 def test_unknown_target_and_lora_with_a_separate_reference_fail_at_start_up():
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['nope'\]"):
-        fit(SFT(str(TINY_MODEL), lora=LoRAConfig(target_modules=("nope",))), _sft_data(), 1)
+    with pytest.raises(ConfigError, match=r"model.lm.lora.target_modules=\['nope'\]"):
+        fit(SFT(LMConfig(str(TINY_MODEL), lora=LoRAConfig(target_modules=("nope",)))), _sft_data(), 1)
     with pytest.raises(ConfigError, match="model.ref_model_name"):
-        DPO(str(TINY_MODEL), ref_model_name="other", lora=LORA)
+        DPO(LMConfig(str(TINY_MODEL), lora=LORA), ref_model_name="other")
 
 
 class LossRecorder(L.Callback):
@@ -225,7 +226,7 @@ def _sft_fit(dp, root, ckpt_path=None, export=None):
     callbacks = [recorder]
     if ckpt_path is None:
         callbacks.append(ModelCheckpoint(dirpath=f"{root}/ckpt", every_n_train_steps=2, save_top_k=-1))
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-2, warmup_steps=1, lr_schedule="cosine"), lora=LORA)
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-2, warmup_steps=1, lr_schedule="cosine"), lora=LORA))
     trainer = L.Trainer(accelerator="cpu", devices=dp, max_steps=4, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, default_root_dir=str(root),
                         strategy=ParallelStrategy(data_parallel_size=dp) if dp > 1 else "auto")
@@ -280,7 +281,7 @@ def _latest(workdir, task):
 
 @pytest.mark.slow
 def test_sft_dpo_and_grpo_recipes_run_with_lora_from_the_command_line_and_yaml(workdir, capsys, monkeypatch):
-    """``--model.lora.r 8`` on the command line (SFT, then resumed with ``--ckpt_path last``), a ``lora`` group in a
+    """``--model.lm.lora.r 8`` on the command line (SFT, then resumed with ``--ckpt_path last``), a ``lora`` group in a
     YAML overlay (DPO) and GRPO with the hf engine: each run exports the merged model and the adapter folder with the
     configured adapters."""
     from transformers import AutoModelForCausalLM
@@ -289,10 +290,10 @@ def test_sft_dpo_and_grpo_recipes_run_with_lora_from_the_command_line_and_yaml(w
 
     monkeypatch.setattr("sys.argv", ["rl_lightning"])
     quiet = ["--trainer.limit_val_batches", "0"]
-    main(["fit", "--config", "recipes/sft.yaml", "--model.lora.r", "8", "--trainer.max_steps", "2", *quiet])
-    main(["fit", "--config", "recipes/sft.yaml", "--model.lora.r", "8", "--trainer.max_steps", "3", "--ckpt_path",
+    main(["fit", "--config", "recipes/sft.yaml", "--model.lm.lora.r", "8", "--trainer.max_steps", "2", *quiet])
+    main(["fit", "--config", "recipes/sft.yaml", "--model.lm.lora.r", "8", "--trainer.max_steps", "3", "--ckpt_path",
           "last", *quiet])
-    assert "sft r=8 finished: 3 steps" in capsys.readouterr().out  # named after the recipe and --model.lora.r
+    assert "sft r=8 finished: 3 steps" in capsys.readouterr().out  # named after the recipe and --model.lm.lora.r
     sft = _latest(workdir, "sft")
     assert _adapter_config(sft)["r"] == 8 and AutoModelForCausalLM.from_pretrained(sft / "export") is not None
 
@@ -305,7 +306,7 @@ def test_sft_dpo_and_grpo_recipes_run_with_lora_from_the_command_line_and_yaml(w
     assert config["r"] == 4 and config["lora_alpha"] == 4 and targets == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                             "gate_proj", "up_proj", "down_proj"}
 
-    main(["fit", "--config", "recipes/grpo.yaml", "--model.lora.r", "4", "--model.rollout.engine", "hf",
+    main(["fit", "--config", "recipes/grpo.yaml", "--model.lm.lora.r", "4", "--model.rollout.engine", "hf",
           "--model.max_rollouts", "1", "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens",
           "8", "--data.batch_size", "2", "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false", *quiet])
     assert "PPO finished: 1 rollout in" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Learning-rate schedule closed forms, `model.optim` validation and the run length a schedule spans."""
+"""Learning-rate schedule closed forms, `model.lm.optim` validation and the run length a schedule spans."""
 
 import math
 import types
@@ -28,19 +28,19 @@ def test_bad_optim_args_are_reported_together_in_one_line():
     with pytest.raises(ConfigError) as error:
         OptimConfig(lr=0.0, warmup_steps=-1, lr_schedule="exp", min_lr_ratio=1.5)
     assert str(error.value) == (
-        "model.optim.lr must be > 0, got 0.0; model.optim.warmup_steps must be >= 0, got -1; "
-        "model.optim.lr_schedule must be one of cosine, linear, constant, got 'exp'; "
-        "model.optim.min_lr_ratio must be in [0, 1], got 1.5"
+        "model.lm.optim.lr must be > 0, got 0.0; model.lm.optim.warmup_steps must be >= 0, got -1; "
+        "model.lm.optim.lr_schedule must be one of cosine, linear, constant, got 'exp'; "
+        "model.lm.optim.min_lr_ratio must be in [0, 1], got 1.5"
     )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"lr": -1e-3}, "model.optim.lr must be > 0, got -0.001"),
-        ({"warmup_steps": -2}, "model.optim.warmup_steps must be >= 0, got -2"),
-        ({"lr_schedule": "step"}, "model.optim.lr_schedule must be one of cosine, linear, constant, got 'step'"),
-        ({"min_lr_ratio": -0.1}, "model.optim.min_lr_ratio must be in [0, 1], got -0.1"),
+        ({"lr": -1e-3}, "model.lm.optim.lr must be > 0, got -0.001"),
+        ({"warmup_steps": -2}, "model.lm.optim.warmup_steps must be >= 0, got -2"),
+        ({"lr_schedule": "step"}, "model.lm.optim.lr_schedule must be one of cosine, linear, constant, got 'step'"),
+        ({"min_lr_ratio": -0.1}, "model.lm.optim.min_lr_ratio must be in [0, 1], got -0.1"),
     ],
     ids=["lr", "warmup_steps", "lr_schedule", "min_lr_ratio"],
 )
@@ -74,9 +74,9 @@ def test_unbounded_run_refuses_a_decaying_schedule_in_one_line(schedule):
         run_length(_trainer(float("inf")), OptimConfig(lr_schedule=schedule))
     message = str(error.value)
     assert "\n" not in message
-    assert message == (f"model.optim.lr_schedule={schedule} decays over the run, but the run is unbounded "
+    assert message == (f"model.lm.optim.lr_schedule={schedule} decays over the run, but the run is unbounded "
                        "(trainer.max_steps=-1 and trainer.max_epochs=-1): set trainer.max_steps or "
-                       "trainer.max_epochs, or model.optim.lr_schedule: constant")
+                       "trainer.max_epochs, or model.lm.optim.lr_schedule: constant")
 
 
 def test_unbounded_run_with_a_constant_schedule_has_no_length():

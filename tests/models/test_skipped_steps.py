@@ -1,6 +1,6 @@
 """A NaN/Inf loss or gradient skips that optimizer step (`rl_lightning.models.optim.optimizer_step`): parameters,
 optimizer state, schedule and global step stay as they were, ``train/skipped_steps`` counts it and the run goes on,
-in every task and with data parallelism (where one rank's NaN makes every rank skip); ``model.optim.max_skipped_steps``
+in every task and with data parallelism (where one rank's NaN makes every rank skip); ``model.lm.optim.max_skipped_steps``
 in a row stop the run with one line."""
 
 import lightning as L
@@ -13,6 +13,7 @@ from helpers import fit, run_on_cpu_ranks, run_ppo
 from rl_lightning.cli.main import main
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.tasks import DPO, SFT, RewardModel
@@ -59,7 +60,7 @@ def _sft(callbacks, max_steps=3, **trainer_kwargs):
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
-    return fit(SFT(str(TINY_MODEL), optim=OptimConfig(**OPTIM)), data, max_steps, callbacks, **trainer_kwargs)
+    return fit(SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(**OPTIM))), data, max_steps, callbacks, **trainer_kwargs)
 
 
 def _pairs(task):
@@ -67,7 +68,7 @@ def _pairs(task):
         L.seed_everything(0)
         data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4,
                                     max_length=128, shuffle=False)
-        return fit(task(str(TINY_MODEL), optim=OptimConfig(**OPTIM)), data, 3, callbacks)
+        return fit(task(LMConfig(str(TINY_MODEL), optim=OptimConfig(**OPTIM))), data, 3, callbacks)
     return run
 
 
@@ -107,7 +108,7 @@ def test_one_ranks_nan_makes_every_data_parallel_rank_skip(tmp_path):
 
 @pytest.mark.parametrize("value", [0, -1, True, 2.5])
 def test_max_skipped_steps_must_be_a_positive_integer(value):
-    with pytest.raises(ConfigError, match=rf"model.optim.max_skipped_steps must be an integer >= 1, got {value!r}"):
+    with pytest.raises(ConfigError, match=rf"model.lm.optim.max_skipped_steps must be an integer >= 1, got {value!r}"):
         OptimConfig(max_skipped_steps=value)
 
 
@@ -115,14 +116,14 @@ def test_k_skipped_steps_in_a_row_stop_the_cli_run_with_one_line(workdir, capsys
     overlay = workdir / "nan.yaml"
     overlay.write_text("trainer:\n  callbacks:\n    - class_path: faults.NaNLoss\n")
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", "recipes/sft.yaml", "--config", str(overlay), "--model.optim.max_skipped_steps", "3",
+        main(["fit", "--config", "recipes/sft.yaml", "--config", str(overlay), "--model.lm.optim.max_skipped_steps", "3",
               "--trainer.max_steps", "10", "--trainer.limit_val_batches", "0"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("rl_lightning: error:")]
     assert errors == ["rl_lightning: error: 3 optimizer steps in a row had a non-finite loss or gradient (grad norm "
-                      "nan) and were skipped (model.optim.max_skipped_steps=3); lower model.optim.lr, check the data, "
-                      "or raise model.optim.max_skipped_steps"], err[-3000:]
+                      "nan) and were skipped (model.lm.optim.max_skipped_steps=3); lower model.lm.optim.lr, check the data, "
+                      "or raise model.lm.optim.max_skipped_steps"], err[-3000:]
     assert "Traceback" not in err
 
 
@@ -151,7 +152,7 @@ def test_skipped_step_counts_survive_a_checkpoint(task, tmp_path):
         L.seed_everything(0)
         data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4,
                              max_length=96, max_length_per_device=256)
-        resumed = _resume(SFT(str(TINY_MODEL), optim=OptimConfig(**OPTIM)), data, path, max_steps=3)
+        resumed = _resume(SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(**OPTIM))), data, path, max_steps=3)
     else:
         first = run_ppo(rollouts=2, callbacks=[NaNGradient(batches=[1]), SaveAfterTheSkip()], optim=OPTIM)[1]
         L.seed_everything(0)

@@ -20,6 +20,7 @@ from helpers import fit, run_on_cpu_ranks
 
 from rl_lightning.data import SFTDataModule
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.lora import LoRAConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
@@ -54,7 +55,7 @@ def _sft(dp=1, strategy_kwargs=None, model_kwargs=None):
     recorder = Recorder()
     kwargs = {} if strategy_kwargs is None else {"strategy": ParallelStrategy(data_parallel_size=dp, **strategy_kwargs)}
     devices = dp * (strategy_kwargs or {}).get("context_parallel_size", 1)
-    trainer = fit(SFT(str(TINY_MODEL), optim=optim, **(model_kwargs or {})), data, STEPS, [recorder], devices=devices,
+    trainer = fit(SFT(LMConfig(str(TINY_MODEL), optim=optim, **(model_kwargs or {}))), data, STEPS, [recorder], devices=devices,
                   **kwargs)
     return recorder, trainer
 
@@ -96,7 +97,7 @@ def test_compiled_dp1_matches_eager(compiled_dp1, eager):
 
 
 def test_compiled_with_activation_checkpointing_matches_eager(compiled_dp1, eager):
-    recorder, trainer = _sft(strategy_kwargs={"compile": True, "activation_checkpointing": True})
+    recorder, trainer = _sft(strategy_kwargs={"compile": True}, model_kwargs={"gradient_checkpointing": True})
     assert trainer.lightning_module.model.is_gradient_checkpointing
     _assert_matches(recorder, eager)
 
@@ -108,19 +109,19 @@ def test_compiled_with_activation_offload_matches_eager(compiled_dp1, eager):
     _assert_matches(recorder, eager)
 
 
-def _spawned_worker(rank, dp, strategy_kwargs, out_path):
-    recorder, _ = _sft(dp=dp, strategy_kwargs={"compile": True, **strategy_kwargs})
+def _spawned_worker(rank, dp, strategy_kwargs, model_kwargs, out_path):
+    recorder, _ = _sft(dp=dp, strategy_kwargs={"compile": True, **strategy_kwargs}, model_kwargs=model_kwargs)
     if rank == 0:
         torch.save({"losses": recorder.losses, "grads": recorder.grads}, out_path)
 
 
-@pytest.mark.parametrize(("dp", "strategy_kwargs"), [(2, {"activation_checkpointing": True}),
-                                                     (1, {"context_parallel_size": 2})],
+@pytest.mark.parametrize(("dp", "strategy_kwargs", "model_kwargs"), [(2, {}, {"gradient_checkpointing": True}),
+                                                                     (1, {"context_parallel_size": 2}, {})],
                          ids=["fsdp2-dp2-checkpointing", "ring-attention-cp2"])
-def test_compiled_on_two_ranks_matches_eager(dp, strategy_kwargs, eager, tmp_path):
+def test_compiled_on_two_ranks_matches_eager(dp, strategy_kwargs, model_kwargs, eager, tmp_path):
     """FSDP2 over two data-parallel ranks with checkpointing; two context-parallel ranks (ring attention stays eager
     between the compiled halves of each block)."""
-    run_on_cpu_ranks(_spawned_worker, 2, dp, strategy_kwargs, tmp_path / "run.pt")
+    run_on_cpu_ranks(_spawned_worker, 2, dp, strategy_kwargs, model_kwargs, tmp_path / "run.pt")
     saved = torch.load(tmp_path / "run.pt", weights_only=False)
     recorder = Recorder()
     recorder.losses, recorder.grads = saved["losses"], saved["grads"]

@@ -1,4 +1,4 @@
-"""The chunked output head (``model.lm_head_chunk``) under ParallelStrategy on CPU/gloo: FSDP2 dp=2 (the tied head is
+"""The chunked output head (``model.lm.lm_head_chunk``) under ParallelStrategy on CPU/gloo: FSDP2 dp=2 (the tied head is
 part of the root unit, gathered around the root's forward the chunked head runs inside), TP=2 and CP=2 (SFT), and
 DPO under dp=2 (its FSDP2-sharded frozen reference too): a run with 16-position chunks logs the full-logits run's
 losses and gradient norms, step by step. Every run of the module shares one spawned pair of processes. A vocabulary-sharded head (not in the
@@ -11,6 +11,7 @@ from conftest import DEMO_DATA, TINY_MODEL
 from helpers import Metrics, fit, run_on_cpu_ranks
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.logprobs import ChunkedHead
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
@@ -27,11 +28,11 @@ def _run(task, sizes, chunk):
     if task == "sft":
         data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8 // dp,
                              shuffle=True, max_length=96, max_length_per_device=256)
-        model = SFT(str(TINY_MODEL), optim=optim, lm_head_chunk=chunk)
+        model = SFT(LMConfig(str(TINY_MODEL), optim=optim, lm_head_chunk=chunk))
     else:
         data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL),
                                     batch_size=8 // dp, max_length=96, max_length_per_device=512)
-        model = DPO(str(TINY_MODEL), optim=optim, beta=0.5, lm_head_chunk=chunk)
+        model = DPO(LMConfig(str(TINY_MODEL), optim=optim, lm_head_chunk=chunk), beta=0.5)
     metrics = Metrics(KEYS)
     strategy = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp, tensor_parallel_size=tp)
     fit(model, data, 3, [metrics], devices=dp * cp * tp, strategy=strategy)
@@ -163,7 +164,7 @@ def test_a_vocabulary_sharded_head_is_gathered_per_chunk(spawned):
     assert out["reference"][3].abs().sum() > 0
     assert out["local_error"] == ("the output head returned 160 logits per position for a vocabulary of 320 (a local "
                                   "shard of a tensor-parallel head?); return a DTensor (use_local_output=False) or "
-                                  "set model.lm_head_chunk: null")
+                                  "set model.lm.lm_head_chunk: null")
 
 
 def _own_unit_worker(rank, out_path):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 ASSETS = REPO / "rl_lightning" / "assets"
 SFT = ["--config", str(REPO / "rl_lightning" / "recipes" / "sft.yaml"), *TINY_SFT]  # its one-node run: conftest.sft_on_two_processes
-GRPO = ["--config", str(REPO / "rl_lightning" / "recipes" / "grpo.yaml"), "--model.model_name", str(ASSETS / "tiny-qwen2-sft"),
+GRPO = ["--config", str(REPO / "rl_lightning" / "recipes" / "grpo.yaml"), "--model.lm.name", str(ASSETS / "tiny-qwen2-sft"),
         "--model.rollout.env_path", str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic_format.py"),
         "--data.path", str(ASSETS / "data" / "easy.jsonl"), "--data.val_path", "null", "--model.max_rollouts", "2",
         "--data.batch_size", "4", "--model.rollout.responses_per_prompt", "2", "--trainer.num_sanity_val_steps", "0"]

@@ -124,15 +124,30 @@ def test_optimizer_state_offload_resumes_from_a_state_dict():
     ({"optimizer_offload": True, "cpu_offload": True},
      "strategy.optimizer_offload=true with strategy.cpu_offload=true: cpu_offload keeps the optimizer state on the "
      "CPU already; set one of them"),
-    ({"activation_offload": True, "activation_checkpointing": True},
-     "strategy.activation_offload=true with strategy.activation_checkpointing=true: checkpointing keeps only each "
-     "block's input, leaving nothing to offload; set one of them"),
     ({"optimizer_offload": True, "offload_bucket_mb": 0}, "strategy.offload_bucket_mb must be an integer >= 1, got 0"),
 ])
 def test_offload_options_that_cannot_work_are_one_line(kwargs, message):
     with pytest.raises(ConfigError) as info:
         ParallelStrategy(**kwargs)
     assert str(info.value) == message
+
+
+def test_activation_offload_with_the_model_checkpointing_switch_is_one_line():
+    """``model.lm.gradient_checkpointing`` is the one checkpointing switch: the strategy applies it when it shards
+    the model, and refuses it with activation offload (nothing would be left to offload)."""
+    from conftest import TINY_MODEL
+
+    from rl_lightning.models.loading import load_causal_lm
+    from rl_lightning.parallel.parallelize import parallelize
+
+    model = load_causal_lm(str(TINY_MODEL))
+    assert not model.is_gradient_checkpointing
+    with pytest.raises(ConfigError) as info:
+        parallelize(model, ParallelStrategy(activation_offload=True), checkpointing=True)
+    assert model.is_gradient_checkpointing  # the switch was applied before the offload check
+    assert str(info.value) == ("strategy.activation_offload=true with model.lm.gradient_checkpointing=true: "
+                               "checkpointing keeps only each block's input, leaving nothing to offload; set one of "
+                               "them")
 
 
 def _held_after_steps(offload: bool, shard: bool) -> tuple[int, list[str], list[bool]]:

@@ -15,6 +15,7 @@ from helpers import fit, run_on_cpu_ranks
 
 from rl_lightning.data import PreferenceDataModule, SFTDataModule
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.parallel.local_group import loopback_interface
@@ -49,11 +50,13 @@ def _sft(dp=1, cp=1, tp=1, max_steps=3, callbacks=(), strategy_kwargs=None, **tr
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=GLOBAL_ROWS // dp,
                          shuffle=True, max_length=96, max_length_per_device=256)
     optim = OptimConfig(lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=1.0)
-    model = SFT(str(TINY_MODEL), optim=optim)
+    strategy_kwargs = dict(strategy_kwargs or {})
+    checkpointing = strategy_kwargs.pop("gradient_checkpointing", False)  # the model's switch: model.lm
+    model = SFT(LMConfig(str(TINY_MODEL), optim=optim, gradient_checkpointing=checkpointing))
     world = dp * cp * tp
     if world > 1:
         trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
-                                                      tensor_parallel_size=tp, **(strategy_kwargs or {}))
+                                                      tensor_parallel_size=tp, **strategy_kwargs)
     return fit(model, data, max_steps, callbacks, devices=world, **trainer_kwargs)
 
 
@@ -65,14 +68,17 @@ def _sft_worker(rank, sizes, out_path, strategy_kwargs=None):
         strategy = trainer.strategy
         offload = getattr(strategy, "activation_offloader", None)
         states = [getattr(o, "rl_lightning_state_offload", None) for o in strategy.optimizers]
+        from rl_lightning.models.lora import base_model
+
         torch.save({"losses": recorder.losses, "activations": offload.stats if offload else None,
+                    "checkpointing": base_model(trainer.lightning_module.model).is_gradient_checkpointing,
                     "optimizer": [s.stats for s in states if s is not None]}, out_path)
 
 
 SFT_SIZES = {"dp2": (2, 1, 1), "cp2": (1, 2, 1), "tp2": (1, 1, 2), "dp2-cp2": (2, 2, 1), "cp2-tp2": (1, 2, 2)}
 STRATEGY_OPTIONS = {
     "hsdp-replicate2": {"replicate_size": 2}, "cpu-offload": {"cpu_offload": True},
-    "checkpointing-zero2": {"activation_checkpointing": True, "reshard_after_forward": False},
+    "checkpointing-zero2": {"gradient_checkpointing": True, "reshard_after_forward": False},  # model.lm's switch
     "activation-and-optimizer-offload": {"activation_offload": True, "optimizer_offload": True,
                                          "offload_bucket_mb": 1},
 }
@@ -84,7 +90,7 @@ MISCONFIGURED = {
                        "but the job has 2 processes (trainer.devices x trainer.num_nodes); make the product equal "
                        "the world size"),
     "cp-needs-rl_varlen": ({"context_parallel_size": 2}, {"attn_implementation": "sdpa"},
-                           "strategy.context_parallel_size=2 needs model.attn_implementation: rl_varlen (ring "
+                           "strategy.context_parallel_size=2 needs model.lm.attn_implementation: rl_varlen (ring "
                            "attention over packed sequences), got 'sdpa'"),
 }
 
@@ -167,6 +173,9 @@ def test_sft_parallel_losses_equal_single_process(name, single_process_losses, s
 def test_sft_strategy_options_keep_single_process_losses(name, single_process_losses, spawned):
     result = torch.load(_output(spawned, name, "losses.pt"), weights_only=False)
     losses = result["losses"]
+    # model.lm.gradient_checkpointing, the one switch, reaches the sharded model (strategy.activation_checkpointing
+    # is gone)
+    assert result["checkpointing"] is bool(STRATEGY_OPTIONS[name].get("gradient_checkpointing"))
     if STRATEGY_OPTIONS[name].get("activation_offload"):
         assert result["activations"].tensors > 0 and result["activations"].kept_on_device > 0  # params stay
         (optimizer,) = result["optimizer"]
@@ -180,9 +189,9 @@ def _pairs(task, dp=1, cp=1, tp=1, callbacks=(), **trainer_kwargs):
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL),
                                 batch_size=GLOBAL_ROWS // dp, max_length=96, max_length_per_device=512)
     if task == "dpo":
-        model = DPO(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"), beta=0.5)
+        model = DPO(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")), beta=0.5)
     else:
-        model = RewardModel(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+        model = RewardModel(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     if dp * cp * tp > 1:
         trainer_kwargs["strategy"] = ParallelStrategy(data_parallel_size=dp, context_parallel_size=cp,
                                                       tensor_parallel_size=tp)
@@ -230,7 +239,7 @@ def _resume_worker(rank, root, ckpt_path, out_path):
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, warmup_steps=1, lr_schedule="cosine"))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, warmup_steps=1, lr_schedule="cosine")))
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, default_root_dir=str(root),
                         strategy=ParallelStrategy(data_parallel_size=2))
@@ -257,7 +266,7 @@ def _export_worker(rank, out_dir):
     from rl_lightning.tracking.export import export_hf
 
     L.seed_everything(0)
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
     trainer = fit(model, data, 2, devices=2, strategy=ParallelStrategy(tensor_parallel_size=2))
@@ -269,7 +278,7 @@ def test_hf_export_gathers_full_weights_from_shards(spawned):
     from transformers import AutoModelForCausalLM
 
     exported_dir = _output(spawned, "export-tp2", "model/config.json").parent
-    single = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    single = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
@@ -291,7 +300,7 @@ def _misconfig_worker(rank, kwargs, model_kwargs, out_path):
 
 def _sft_with(strategy_kwargs, model_kwargs):
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4)
-    model = SFT(str(TINY_MODEL), **model_kwargs)
+    model = SFT(LMConfig(str(TINY_MODEL), **model_kwargs))
     fit(model, data, 1, devices=2, strategy=ParallelStrategy(**strategy_kwargs))
 
 

@@ -16,6 +16,7 @@ from helpers import Metrics, fit, free_port, ppo_task, prompts, start_vllm_serve
 
 from rl_lightning.envs.environment import load_environment
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.rewards.reward_model import (
     LocalRewardModel,
     RewardModelClient,
@@ -46,7 +47,7 @@ def rm_folder(tmp_path_factory):
     L.seed_everything(0)
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8,
                                 shuffle=False, max_length=128)
-    module = RewardModel(str(TINY_MODEL), optim=OptimConfig(lr=1e-2, lr_schedule="constant", max_grad_norm=0.0))
+    module = RewardModel(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-2, lr_schedule="constant", max_grad_norm=0.0)))
     fit(module, data, max_steps=2)
     path = tmp_path_factory.mktemp("rm") / "rm"
     export_hf(module.model, str(TINY_MODEL), path)

@@ -33,7 +33,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 def _grpo(env, rollouts, callbacks, rollout=None, model_name=None, batch_size=2, data=None, trainer=None, **task):
     L.seed_everything(0)
-    model = ppo_task(env, rollout={**ROLLOUT, **(rollout or {})}, model_name=model_name, max_rollouts=rollouts,
+    model = ppo_task(env, rollout={**ROLLOUT, **(rollout or {})}, lm={"name": model_name or TINY_MODEL}, max_rollouts=rollouts,
                      **{**TASK, **task})
     trainer = fit(model, data or prompts(batch_size), -1, callbacks, **(trainer or {}))
     return model, trainer
@@ -131,7 +131,7 @@ def _refused(tmp_path, dirpath, raising, message, **kwargs):
 def test_a_dump_of_another_model_or_shape_is_refused_at_start_up(dumped, tmp_path):
     dirpath, raising, *_ = dumped
     key = f"model.rollout.replay={dirpath} cannot be replayed: "
-    message = _refused(tmp_path, dirpath, raising, key + f"model.model_name is '{SFT_MODEL}' but the dump has "
+    message = _refused(tmp_path, dirpath, raising, key + f"model.lm.name is '{SFT_MODEL}' but the dump has "
                        f"'{TINY_MODEL}'", model_name=str(SFT_MODEL))
     assert message.endswith("replay with the dumped run's settings, or dump this run "
                             "(rl_lightning.callbacks.rollout_dump.RolloutDump, keep_files: 0)")
@@ -154,7 +154,7 @@ def test_a_cut_dump_an_old_dump_and_a_foreign_tokenizer_are_refused(dumped, tmp_
     _refused(tmp_path, cut, raising, "rollout 3 of rank 0 holds 5 of its 8 trajectories")
     manifest = json.loads((cut / "manifest.json").read_text())
     (cut / "manifest.json").write_text(json.dumps({**manifest, "tokenizer": "0" * 64}))
-    _refused(tmp_path, cut, raising, "the tokenizer of model.model_name is")
+    _refused(tmp_path, cut, raising, "the tokenizer of model.lm.name is")
     (cut / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
     _refused(tmp_path, cut, raising, f"model.rollout.replay={cut}: dump format 1, this version replays format 2; "
                                      "dump the run again with this version")

@@ -58,7 +58,7 @@ def run(tmp_path_factory):
     means, metrics = ComponentMeans(), Metrics(["train/hypervolume", "train/pareto_size"])
     (root / "trade_off.py").write_text(TRADE_OFF_ENV)
     L.seed_everything(0)
-    model = ppo_task(root / "trade_off.py", model_name=SFT_MODEL, rollout=ROLLOUT, max_rollouts=4, advantage_estimator="grpo")
+    model = ppo_task(root / "trade_off.py", lm={"name": SFT_MODEL}, rollout=ROLLOUT, max_rollouts=4, advantage_estimator="grpo")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=-1, logger=logger, log_every_n_steps=1,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[means, metrics])
@@ -122,7 +122,7 @@ def test_a_resumed_run_continues_the_archive(run):
     assert state["pareto"]["entries"] == model.rollout_callback.pareto.entries
     resumed_means, metrics = ComponentMeans(), Metrics(["train/hypervolume", "train/pareto_size"])
     L.seed_everything(0)
-    resumed = ppo_task(root / "trade_off.py", model_name=SFT_MODEL, rollout=ROLLOUT, max_rollouts=5,
+    resumed = ppo_task(root / "trade_off.py", lm={"name": SFT_MODEL}, rollout=ROLLOUT, max_rollouts=5,
                        advantage_estimator="grpo")
     L.Trainer(accelerator="cpu", devices=1, max_steps=-1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=[resumed_means, metrics],

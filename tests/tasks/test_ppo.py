@@ -174,7 +174,7 @@ def test_gae_critic_trains_and_its_value_loss_falls():
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
 
 
-def _parity_run(env, **rollout_kwargs):
+def _parity_run(env, **dapo):
     metrics, captured = Metrics(), []
 
     class Capture(L.Callback):
@@ -182,7 +182,7 @@ def _parity_run(env, **rollout_kwargs):
             captured.append(batch["rollout"].trajectories)
 
     model, _ = _ppo(env, rollouts=2, batch_size=4, callbacks=[Capture(), metrics], update_per_rollout=2,
-                    rollout={"responses_per_prompt": 2, "max_new_tokens": 6, **rollout_kwargs})
+                    rollout={"responses_per_prompt": 2, "max_new_tokens": 6}, dapo=dapo)
     return model, metrics, captured
 
 
@@ -235,7 +235,7 @@ def test_aggregations_scale_the_gradient_as_documented(aggregation, parity_env):
     runs = {}
     for name in ("token_mean", aggregation):
         grads, metrics = GradientRecorder(), Metrics()
-        _ppo(parity_env, callbacks=[grads, metrics], aggregation=name, model_name=str(TINY_MODEL) + "-sft", batch_size=4,
+        _ppo(parity_env, callbacks=[grads, metrics], aggregation=name, lm={"name": str(TINY_MODEL) + "-sft"}, batch_size=4,
              rollout={"max_new_tokens": 16})
         runs[name] = grads.grads[0], metrics.history[0]
     (reference, h), (grads, _) = runs["token_mean"], runs[aggregation]
@@ -252,5 +252,5 @@ def test_task_owns_its_rollout_callback():
     model = ppo_task(ENV, rollout={"responses_per_prompt": 3, "engine": "hf"}, advantage_estimator="gae")
     (callback,) = model.configure_callbacks()
     assert callback is model.rollout_callback and callback.config.responses_per_prompt == 3
-    assert isinstance(model, PPO) and model.model_name == str(TINY_MODEL)
+    assert isinstance(model, PPO) and model.lm.name == str(TINY_MODEL)
     assert model.hparams.rollout["responses_per_prompt"] == 3  # checkpoints keep plain data

@@ -96,10 +96,10 @@ def test_loss_mode_adds_gkd_jsd_equal_to_trls_on_the_same_tokens(zero_env):
 
 @pytest.mark.parametrize("kind", ["reward", "loss"])
 def test_a_lora_student_of_its_own_base_is_taught_by_the_base_with_adapters_disabled(zero_env, kind):
-    """teacher = model.model_name under LoRA: the teacher is the policy with its adapters off (no second model);
+    """teacher = model.lm.name under LoRA: the teacher is the policy with its adapters off (no second model);
     before the first step B = 0, so student and teacher agree exactly: reverse KL 0, zero advantages, JSD 0."""
     metrics = Metrics()
-    model, _ = run_ppo(zero_env, callbacks=[metrics], lora={"r": 4},
+    model, _ = run_ppo(zero_env, callbacks=[metrics], lm={"lora": {"r": 4}},
                        distill=DistillConfig(str(TINY_MODEL), type=kind))
     assert isinstance(model._teacher, AdaptersDisabled) and model._teacher.model is model.model
     assert abs(metrics.history[0]["train/distill_reverse_kl"]) < 1e-6
@@ -122,7 +122,7 @@ def _other_tokenizer(folder):
     [
         ({"teacher": "./no/such/teacher"}, r"^model.distill.teacher './no/such/teacher': no such model folder .*; set "
                                            r"model.distill.teacher to a causal LM folder"),
-        ({"teacher": "OTHER"}, r"^model.distill.teacher '.*' has a different tokenizer from model.model_name .*"
+        ({"teacher": "OTHER"}, r"^model.distill.teacher '.*' has a different tokenizer from model.lm.name .*"
                                r"\((\d+) vs \1 tokens, 4 entries differ\).*same tokenizer"),
         ({"teacher": "no-such-org/no-such-teacher"}, r"^model.distill.teacher 'no-such-org/no-such-teacher': cannot "
                                                      r"load its tokenizer \(.*\); set model.distill.teacher to"),

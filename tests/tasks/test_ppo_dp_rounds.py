@@ -41,8 +41,8 @@ def reward_fn(messages, answer):
     return float(len(messages[-1]["content"]) % 2)
 '''
 SETTINGS = {"multi_turn": {"max_turns": 3, "max_new_tokens": 6},
-            "refill": {"filter_range": (0.0, 1.0), "max_refill_rounds": 4, "responses_per_prompt": 2,
-                       "max_new_tokens": 6}}
+            "refill": {"responses_per_prompt": 2, "max_new_tokens": 6}}
+DAPO = {"refill": {"filter_range": (0.0, 1.0), "max_refill_rounds": 4}}  # model.dapo of each setting
 
 
 class Capture(L.Callback):
@@ -62,7 +62,7 @@ def _ppo(env, setting, dp=1, engine="hf"):
     vllm = {"engine": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1} if engine == "vllm" else {}
     if engine == "vllm" and setting == "multi_turn":  # its samples differ from HF's: longer turns so some stop
         vllm["max_new_tokens"] = 16
-    model = ppo_task(env, rollout={**SETTINGS[setting], **vllm}, optim={"lr": 2e-3, "max_grad_norm": 1.0}, update_per_rollout=2,
+    model = ppo_task(env, rollout={**SETTINGS[setting], **vllm}, dapo=DAPO.get(setting), optim={"lr": 2e-3, "max_grad_norm": 1.0}, update_per_rollout=2,
                      max_length_per_device=256, max_rollouts=3)
     metrics, capture = Metrics(COMPARED), Capture()
     strategy = {} if dp == 1 else {"strategy": ParallelStrategy(data_parallel_size=dp)}

@@ -17,6 +17,7 @@ from rl_lightning.data import PreferenceDataModule
 from rl_lightning.data.loading import load_rows
 from rl_lightning.data.tokenization import tokenize_messages
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.tasks import DPO
 
 SFT_MODEL = TINY_MODEL.parent / "tiny-qwen2-sft"
@@ -191,7 +192,7 @@ def test_unpaired_rows_for_a_paired_loss_or_a_bad_label_are_one_line(tmp_path):
 )
 def test_inconsistent_loss_settings_are_one_line_naming_the_key(kwargs, message):
     with pytest.raises(ConfigError) as info:
-        DPO(str(TINY_MODEL), **kwargs)
+        DPO(LMConfig(str(TINY_MODEL)), **kwargs)
     assert str(info.value) == message
 
 
@@ -212,8 +213,7 @@ def test_kto_first_step_closed_form_at_the_reference():
 
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8,
                                 shuffle=False, max_length=128)
-    model = DPO(str(TINY_MODEL), loss_type="kto", desirable_weight=2.0,
-                optim=OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0))
+    model = DPO(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0)), loss_type="kto", desirable_weight=2.0)
     trainer = fit(model, data)
     assert_close(trainer.callback_metrics["train/loss"], torch.tensor(0.75))
     assert trainer.callback_metrics["train/kl"].item() == 0.0
@@ -235,8 +235,7 @@ def test_packing_and_micro_batch_split_leave_the_gradient_unchanged(loss_type):
         torch.manual_seed(0)
         data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=8,
                                     shuffle=False, max_length=128, **data_kwargs)
-        model = DPO(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0),
-                    **model_kwargs)
+        model = DPO(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0)), **model_kwargs)
         recorders.append(GradientRecorder())
         trainers.append(fit(model, data, callbacks=[recorders[-1]]))
     assert recorders[0].micro_batches == [8] and recorders[1].micro_batches[0] > 1

@@ -15,6 +15,7 @@ from rl_lightning.data import PreferenceDataModule
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.tasks import DPO, RewardModel
 from rl_lightning.tasks.reward import sequence_rewards
@@ -27,7 +28,7 @@ def fit_pairs(task, max_steps=1, data_kwargs=None, model_kwargs=None, callbacks=
     data_kwargs = {"batch_size": 8, "shuffle": False, "max_length": 128, **(data_kwargs or {})}
     data = PreferenceDataModule(str(DEMO_DATA / "preference.jsonl"), tokenizer_name=str(TINY_MODEL), **data_kwargs)
     optim = OptimConfig(lr=1e-3, lr_schedule="constant", max_grad_norm=0.0)
-    model = TASKS[task](str(TINY_MODEL), optim=optim, **(model_kwargs or {}))
+    model = TASKS[task](LMConfig(str(TINY_MODEL), optim=optim), **(model_kwargs or {}))
     return model, data, fit(model, data, max_steps, callbacks, **trainer_kwargs)
 
 

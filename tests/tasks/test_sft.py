@@ -11,6 +11,7 @@ from helpers import GradientRecorder, assert_same_grads, fit, run_on_cpu_ranks
 
 from rl_lightning.data import SFTDataModule
 from rl_lightning.errors import ConfigError, DataError
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.tasks import SFT
 
@@ -20,20 +21,23 @@ def fit_sft(max_steps=1, data_kwargs=None, model_kwargs=None, precision="32-true
     data_kwargs = {"batch_size": 8, "shuffle": False, "max_length": 64, **(data_kwargs or {})}
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), **data_kwargs)
     optim = OptimConfig(lr=1e-3, warmup_steps=0, lr_schedule="constant", max_grad_norm=0.0)
-    model = SFT(str(TINY_MODEL), optim=optim, **(model_kwargs or {}))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=optim, **(model_kwargs or {})))
     return model, data, fit(model, data, max_steps, callbacks, precision, **trainer_kwargs)
 
 
 def test_optim_group_is_typed_on_the_task_and_plain_data_in_its_hyperparameters():
-    """``model.optim`` reaches the task as an `OptimConfig`; checkpoints keep it as a plain dict (no class to
-    import when loading)."""
+    """``model.lm.optim`` reaches the task as an `OptimConfig` (unset fields: the task's defaults); checkpoints keep
+    the whole ``model.lm`` group as a plain dict (no class to import when loading), and it loads back."""
     optim = OptimConfig(lr=1e-3, warmup_steps=3, max_grad_norm=0.5)
-    task = SFT(str(TINY_MODEL), optim=optim)
-    assert task.optim is optim
-    assert task.hparams.optim == {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8,
-                                  "warmup_steps": 3, "lr_schedule": "cosine", "min_lr_ratio": 0.1,
-                                  "max_grad_norm": 0.5, "max_skipped_steps": 10}
-    assert SFT(str(TINY_MODEL)).optim == OptimConfig(lr=1e-5)  # the default: cosine, as before the optim group
+    task = SFT(LMConfig(str(TINY_MODEL), optim=optim))
+    assert task.optim == OptimConfig(lr=1e-3, warmup_steps=3, max_grad_norm=0.5, lr_schedule="cosine")
+    assert task.hparams.lm["optim"] == {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8,
+                                        "warmup_steps": 3, "lr_schedule": "cosine", "min_lr_ratio": 0.1,
+                                        "max_grad_norm": 0.5, "max_skipped_steps": 10}
+    assert task.hparams.lm["name"] == str(TINY_MODEL) and task.hparams.lm["lora"] is None
+    assert SFT(**dict(task.hparams)).lm == task.lm  # load_from_checkpoint passes the plain dict back
+    # the defaults: cosine, as before the optim group; each task its own learning rate
+    assert SFT(LMConfig(str(TINY_MODEL))).optim == OptimConfig(lr=1e-5, lr_schedule="cosine")
 
 
 def test_logged_loss_is_cross_entropy_over_assistant_tokens():

@@ -9,6 +9,7 @@ from conftest import DEMO_DATA, TINY_MODEL
 from helpers import fit, run_on_cpu_ranks
 
 from rl_lightning.data import SFTDataModule
+from rl_lightning.models.config import LMConfig
 from rl_lightning.models.optim import OptimConfig
 from rl_lightning.parallel import ParallelStrategy
 from rl_lightning.tasks import SFT
@@ -21,7 +22,7 @@ def _gather_worker(rank, out_dir):
     from rl_lightning.tracking.export import full_state_dict
 
     L.seed_everything(0)
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
                          max_length_per_device=256)
     fit(model, data, 1, devices=2, strategy=ParallelStrategy(data_parallel_size=2))

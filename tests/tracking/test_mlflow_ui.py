@@ -1,6 +1,6 @@
 """Comparing runs in the real MLflow UI, in a real browser (headless Chromium through Playwright).
 
-Two tiny GRPO runs through the CLI, the same recipe and overlay, differing only in ``--model.optim.lr``: the store
+Two tiny GRPO runs through the CLI, the same recipe and overlay, differing only in ``--model.lm.optim.lr``: the store
 holds them under distinct names, every value on the run's step (the rollout count the terminal and
 ``rollout_samples.json`` show), no constant counter charts and short tag keys; then ``mlflow ui`` serves the store
 and Chromium opens the compare page (both names, the ``val/`` metrics), the runs' charts view from the link the
@@ -65,7 +65,7 @@ def two_runs(workdir, monkeypatch):
     monkeypatch.setattr("sys.argv", ["rl_lightning"])  # the CLI gets its arguments, not pytest's
     (workdir / "tiny.yaml").write_text(OVERLAY)
     for lr in LRS:
-        main(["fit", "--config", "recipes/grpo.yaml", "--config", "tiny.yaml", "--model.optim.lr", lr])
+        main(["fit", "--config", "recipes/grpo.yaml", "--config", "tiny.yaml", "--model.lm.optim.lr", lr])
     client = MlflowClient("sqlite:///mlflow.db")
     experiment = client.get_experiment_by_name("rl_lightning/rl")
     runs = client.search_runs([experiment.experiment_id])

@@ -49,7 +49,7 @@ def test_sft_export_has_a_model_card_and_still_loads(workdir):
     val = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda m: m.timestamp)]
     assert len(val) == 2
     assert f"| `val/loss` | {val[0]:.4g} (step 1) | {val[1]:.4g} (step 2) |" in text  # before and after
-    assert "| recipe | `rl_lightning/recipes/sft.yaml` |" in text and "| `model.optim.lr` | `0.003` |" in text
+    assert "| recipe | `rl_lightning/recipes/sft.yaml` |" in text and "| `model.lm.optim.lr` | `0.003` |" in text
     assert "| `trainer.max_steps` | `2` |" in text and "| `data.batch_size` | `4` |" in text
     bundled = [arg.replace("recipes/", "rl_lightning/recipes/") for arg in SFT]  # the recipe the CLI found
     assert format_command(bundled) in text and "python -m rl_lightning fit \\\n    --config rl_lightning/recipes/sft.yaml" in text

@@ -11,6 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from rl_lightning.cli.main import main
+from rl_lightning.models.config import LMConfig
 from rl_lightning.tracking.history import Point, Series, all_series, first_and_last, read_history
 from rl_lightning.tracking.plots import (
     PAIR_PANELS,
@@ -236,7 +237,7 @@ def test_a_crashed_run_still_gets_its_plots(workdir):
                 raise RuntimeError("out of luck at step 3")
 
     logger = MLFlowLogger(experiment_name="crash", tracking_uri="sqlite:///mlflow.db")
-    model = SFT(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant"))
+    model = SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(lr=1e-3, lr_schedule="constant")))
     chats = (DEMO_DATA / "sft.jsonl").read_text().splitlines()
     (workdir / "chats.jsonl").write_text("\n".join(chats[:32]) + "\n")
     data = SFTDataModule(str(workdir / "chats.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,

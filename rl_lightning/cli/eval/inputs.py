@@ -60,7 +60,7 @@ def load_tokenizer_for(name: str, folder: str) -> Any:
     try:
         return load_tokenizer(folder)
     except ConfigError as e:
-        raise ConfigError(f"--model '{name}': {e}".replace("; check model.model_name", f"; {MODEL_FIX}")) from None
+        raise ConfigError(f"--model '{name}': {e}".replace("; check model.lm.name", f"; {MODEL_FIX}")) from None
 
 
 def load_prompts(data: str, tokenizer: Any, split: str = "train", limit: int | None = None,

@@ -12,6 +12,7 @@ from typing import Any
 from rl_lightning.algorithms.advantages import ESTIMATORS, GROUP_ESTIMATORS
 from rl_lightning.algorithms.controllers import Controllers
 from rl_lightning.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
+from rl_lightning.algorithms.dapo import DAPOConfig
 from rl_lightning.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from rl_lightning.algorithms.policy import AGGREGATIONS
 from rl_lightning.errors import ConfigError
@@ -227,6 +228,31 @@ def start_up_errors(trainer: Any, stage: str, rollout: RolloutConfig, max_rollou
     if per_rank % update_per_rollout:
         errors.append(f"model.update_per_rollout={update_per_rollout} must divide the {per_rank} trajectories "
                       "per rank (data.batch_size x model.rollout.responses_per_prompt)")
+    return errors
+
+
+def dapo_errors(dapo: DAPOConfig, rollout: RolloutConfig, world_size: int = 1) -> list[str]:
+    """What ``model.dapo`` cannot be combined with in ``model.rollout`` (and, at start-up, the trainer's ranks).
+
+    Args:
+        dapo: ``model.dapo`` (its own keys checked already).
+        rollout: ``model.rollout``.
+        world_size: the trainer's processes (1 before the trainer exists).
+
+    Returns:
+        The messages (empty: all good).
+    """
+    errors = dapo.errors_with(rollout.max_new_tokens)
+    if dapo.filter_range is not None and rollout.engine == "vllm" and rollout.engine_tp_size > 1:
+        # the ranks of an engine generate together, but the refill decides per rank how often to generate
+        errors.append(f"model.dapo.filter_range={dapo.filter_range} (dynamic sampling) with "
+                      f"model.rollout.engine_tp_size={rollout.engine_tp_size} is not supported yet; use "
+                      "engine_tp_size: 1")
+    if world_size > 1 and rollout.engine == "vllm_process" and rollout.async_steps and dapo.filter_range is not None:
+        errors.append(f"model.dapo.filter_range={dapo.filter_range} with model.rollout.async_steps: 1 refills each "
+                      f"rank on its own, but the {world_size} trainer ranks share one engine process (engine: "
+                      "vllm_process), which needs them to generate equally often: set async_steps: 0, "
+                      "model.dapo.filter_range: null, or engine: vllm")
     return errors
 
 

@@ -21,7 +21,7 @@ The student (the policy) samples; a frozen teacher scores the student's own toke
 
 The teacher is any causal LM folder (hub name, ``asset:``) with the student's tokenizer, colocated: loaded frozen
 (no gradients, no optimizer state, not in checkpoints), sharded like the reference. When it names the policy's own
-``model_name`` under LoRA, it is the policy with its adapters disabled (no second copy). Either way
+``model.lm.name`` under LoRA, it is the policy with its adapters disabled (no second copy). Either way
 ``train/distill_reverse_kl`` logs the per-token mean of log pi_student - log pi_teacher of the sampled tokens (the
 k1 estimate of KL(student || teacher) of the sampling policy). A served teacher is not built.
 """
@@ -57,7 +57,7 @@ class DistillConfig:
 
     Args:
         teacher: the teacher: a causal LM folder, hub name or ``asset:<name>`` with the student's tokenizer; the
-            policy's own ``model.model_name`` under ``model.lora`` means the base model (adapters disabled).
+            policy's own ``model.lm.name`` under ``model.lm.lora`` means the base model (adapters disabled).
         coef: weight of the distillation term (reward or loss).
         type: ``reward`` (per-token reverse-KL reward added to the advantages) or ``loss`` (GKD's generalised JSD
             over the vocabulary, added to the policy loss).
@@ -116,12 +116,12 @@ def check_teacher(config: DistillConfig, student_tokenizer: Any, model_name: str
     try:
         teacher_vocab = load_tokenizer(path).get_vocab()
     except ConfigError as e:
-        reason = str(e).split(": ", 1)[-1].removesuffix("; check model.model_name")
+        reason = str(e).split(": ", 1)[-1].removesuffix("; check model.lm.name")
         raise ConfigError(f"model.distill.teacher '{name}': cannot load its tokenizer ({reason}); {fix}") from None
     student_vocab = student_tokenizer.get_vocab()
     if teacher_vocab != student_vocab:
         differ = len(set(teacher_vocab.items()) ^ set(student_vocab.items()))
-        raise ConfigError(f"model.distill.teacher '{name}' has a different tokenizer from model.model_name "
+        raise ConfigError(f"model.distill.teacher '{name}' has a different tokenizer from model.lm.name "
                           f"'{model_name}' ({len(teacher_vocab)} vs {len(student_vocab)} tokens, {differ} entries "
                           "differ): the teacher scores the student's token ids, so pick a teacher with the same "
                           "tokenizer (token mappings are not supported)")
@@ -129,10 +129,10 @@ def check_teacher(config: DistillConfig, student_tokenizer: Any, model_name: str
 
 def load_teacher(task: Any, config: DistillConfig) -> Any:
     """The frozen teacher of `task` (a `rl_lightning.tasks.PPO`): the base under LoRA, else a loaded, sharded copy."""
-    hp = task.hparams
-    if config.teacher == hp.model_name and hp.lora is not None:
+    lm = task.lm
+    if config.teacher == lm.name and lm.lora is not None:
         return AdaptersDisabled(task.model)
-    teacher = load_causal_lm(config.teacher, attn_implementation=hp.attn_implementation)
+    teacher = load_causal_lm(config.teacher, attn_implementation=lm.attn_implementation)
     student_vocab, teacher_vocab = task.model.get_output_embeddings().weight.shape[0], teacher.config.vocab_size
     if config.type == "loss" and student_vocab != teacher_vocab:
         raise ConfigError(f"model.distill.type=loss compares full distributions, but the teacher "

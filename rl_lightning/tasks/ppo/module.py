@@ -20,10 +20,10 @@ from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.backoff import initial_budget
 from rl_lightning.memory.phases import phase
+from rl_lightning.models.config import LMConfig, lm_config
 from rl_lightning.models.loading import load_tokenizer
-from rl_lightning.models.logprobs import check_lm_head_chunk, target_logprobs
-from rl_lightning.models.lora import LoRAConfig
-from rl_lightning.models.optim import OptimConfig, SkippedStepsState, configure_adamw, typed
+from rl_lightning.models.logprobs import target_logprobs
+from rl_lightning.models.optim import SkippedStepsState, configure_adamw, typed
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.memory_check import check_memory
@@ -32,8 +32,10 @@ from rl_lightning.tasks.ppo import metrics, minibatches, networks, scoring, upda
 from rl_lightning.tasks.ppo.config import (
     ConstraintConfig,
     CorrectionConfig,
+    DAPOConfig,
     KLConfig,
     argument_errors,
+    dapo_errors,
     make_controllers,
     start_up_errors,
 )
@@ -44,7 +46,10 @@ class PPO(SkippedStepsState, L.LightningModule):
     """PPO-family policy optimisation.
 
     Args:
-        model_name: policy to train (HF folder, hub name, ``asset:<name>``); also the tokenizer and the reference.
+        lm: the policy, its adapters, memory switches and optimizer (``model.lm.*``, see
+            `rl_lightning.models.config.LMConfig`): also the tokenizer and the reference; the optimizer's default here
+            is AdamW at lr 1e-6, constant schedule, in actor optimizer steps. With ``lora`` the reference is the
+            policy with its adapters disabled (no second model is loaded); a critic stays a full model, fully trained.
         rollout: how trajectories are sampled and scored (``model.rollout.*``, see
             `rl_lightning.rollout.callback.RolloutConfig`).
         max_rollouts: length of the run in rollouts (it stops there); sizes the learning-rate schedules. Null: the
@@ -84,7 +89,7 @@ class PPO(SkippedStepsState, L.LightningModule):
         vtrace_rho_bar: ``vtrace`` clip of the importance weights of the TD errors (rho-bar).
         vtrace_c_bar: ``vtrace`` clip of the importance weights of the traces (c-bar, 0 < c-bar <= rho-bar).
         nstep: steps n of ``nstep`` returns (>= 1).
-        critic_lr: peak learning rate of the critic (the critic estimators; it follows `optim`'s schedule).
+        critic_lr: peak learning rate of the critic (the critic estimators; it follows ``model.lm.optim``'s schedule).
         value_clip: clip of the value update around the rollout-time value (critic); null disables.
         freeze_steps: rollouts during which only the critic is trained (critic warm-up).
         max_length_per_device: token budget of one packed micro-batch, or ``auto`` (the largest multiple of 256
@@ -92,28 +97,15 @@ class PPO(SkippedStepsState, L.LightningModule):
             `rl_lightning.tasks.memory_check`; single process only). In a single process a micro-batch that runs out
             of memory halves the budget, is re-packed and redone (``train/oom_retries``,
             ``train/max_length_per_device``); see `rl_lightning.memory.backoff`.
-        optim: AdamW and its schedule, in actor optimizer steps (``model.optim.*``).
-        gradient_checkpointing: recompute activations in the backward pass.
-        lean_activations: memory-lean SwiGLU MLP and RMSNorm forwards (the same values and gradients, about a third
-            fewer saved activations; `rl_lightning.models.lean`); false: the model's own forwards.
-        attn_implementation: ``rl_varlen`` or a transformers implementation.
-        lora: train low-rank adapters on the frozen policy (``model.lora.*``, see `rl_lightning.models.lora.LoRAConfig`);
-            the reference is then the policy with its adapters disabled (no second model is loaded). A critic
-            stays a full model, fully trained. Null: full fine-tuning.
-        lm_head_chunk: positions per chunk of the output head (training, old-policy and reference passes): the
-            (tokens x vocabulary) logits are never built whole, only (lm_head_chunk x vocabulary) at a time, in the
-            forward and the backward (same values); null: the full logits (more memory, sometimes faster on small
-            batches).
-        memory_check: refuse, at start-up, a run whose predicted peak memory per device exceeds the device's (one
-            line naming the keys that would fit; the plan is printed either way, see
-            `rl_lightning.tasks.memory_check`); false: print the plan and run anyway.
+        dapo: DAPO's sampling-side settings (``model.dapo.*``, see `rl_lightning.algorithms.dapo.DAPOConfig`):
+            dynamic sampling, soft overlong punishment, overlong filtering; all off by default.
         distill: on-policy distillation from a frozen teacher (``model.distill.*``, see
             `rl_lightning.tasks.ppo.distill.DistillConfig`): its per-token reverse KL as a reward or GKD's JSD as a loss.
     """
 
     def __init__(
         self,
-        model_name: str,
+        lm: LMConfig,
         rollout: RolloutConfig,
         max_rollouts: int | None = None,
         advantage_estimator: str = "drgrpo",
@@ -137,40 +129,35 @@ class PPO(SkippedStepsState, L.LightningModule):
         value_clip: float | None = 0.2,
         freeze_steps: int = 0,
         max_length_per_device: int | Literal["auto"] = 8192,
-        optim: OptimConfig = OptimConfig(lr=1e-6, lr_schedule="constant"),
-        gradient_checkpointing: bool = False,
-        lean_activations: bool = True,
-        attn_implementation: str = "rl_varlen",
-        lora: LoRAConfig | None = None,
-        lm_head_chunk: int | None = 1024,
-        memory_check: bool = True,
+        dapo: DAPOConfig = DAPOConfig(),
         distill: distillation.DistillConfig | None = None,
     ) -> None:
         super().__init__()
-        check_lm_head_chunk(lm_head_chunk)
+        self.lm = lm_config(lm).for_task(lr=1e-6, lr_schedule="constant")
         rollout, kl = typed(RolloutConfig, rollout), typed(KLConfig, kl)
-        constraints, optim = typed(ConstraintConfig, constraints), typed(OptimConfig, optim)
+        constraints, optim, dapo = typed(ConstraintConfig, constraints), self.lm.optim, typed(DAPOConfig, dapo)
         correction, self.distill = typed(CorrectionConfig, correction), distillation.distill_config(distill)
         errors = argument_errors(
             rollout=rollout, max_rollouts=max_rollouts, advantage_estimator=advantage_estimator,
             update_per_rollout=update_per_rollout, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
             aggregation=aggregation, policy_loss=policy_loss, skip_threshold=skip_threshold,
             vtrace_rho_bar=vtrace_rho_bar, vtrace_c_bar=vtrace_c_bar, nstep=nstep,
-            max_length_per_device=max_length_per_device)
+            max_length_per_device=max_length_per_device) + dapo_errors(dapo, rollout)
         if errors:
             raise ConfigError("; ".join(errors))
         self.save_hyperparameters(logger=False)
         # checkpoints keep plain data: the argument groups as dicts (turned back into dataclasses above on loading)
         self.hparams.update({k: asdict(v) for k, v in self.hparams.items() if is_dataclass(v)})
-        self.rollout_config, self.kl_config, self.optim = rollout, kl, optim
+        self.hparams.lm = self.lm.as_dict()  # the optimizer's task defaults filled in
+        self.rollout_config, self.kl_config, self.optim, self.dapo_config = rollout, kl, optim, dapo
         self.correction: CorrectionConfig | None = correction
         self.objective = PolicyObjective(
             policy_loss, clip_low, clip_high, dual_clip, aggregation, entropy_coef, skip_threshold, correction,
             kl.estimator, kl_in_loss=kl.type == "loss", entropy_constrained=constraints.entropy_min is not None)
         self.automatic_optimization = False
-        self.tokenizer = load_tokenizer(model_name)
+        self.tokenizer = load_tokenizer(self.lm.name)
         if self.distill is not None:  # a missing teacher or another tokenizer: refused before anything loads
-            distillation.check_teacher(self.distill, self.tokenizer, model_name, aggregation)
+            distillation.check_teacher(self.distill, self.tokenizer, self.lm.name, aggregation)
         self.distill_reward = self.distill is not None and self.distill.type == "reward"  # in the advantages
         self.distill_mix = distillation.DatasetCompletions.create(self.distill, rollout, advantage_estimator, constraints)
         self.model: Any = None
@@ -180,14 +167,14 @@ class PPO(SkippedStepsState, L.LightningModule):
         self.rollouts = 0  # completed rollouts
         self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
         self.controllers = make_controllers(kl, constraints, max_rollouts)
-        self.rollout_callback = RolloutCallback(rollout)
+        self.rollout_callback = RolloutCallback(rollout, dapo)
         self.held_out = validation.HeldOutSums()  # this rank's reward sums of the held-out prompts
         self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
 
     @property
     def model_name(self) -> str:
-        """The policy's name or folder (``model.model_name``)."""
-        return self.hparams.model_name
+        """The policy's name or folder (``model.lm.name``)."""
+        return self.lm.name
 
     @property
     def needs_reference(self) -> bool:
@@ -204,6 +191,8 @@ class PPO(SkippedStepsState, L.LightningModule):
         hp = self.hparams
         errors = start_up_errors(self.trainer, stage, self.rollout_config, hp.max_rollouts, hp.update_per_rollout,
                                  hp.max_length_per_device, self.max_length_per_device)
+        errors += dapo_errors(self.dapo_config, self.rollout_config, self.trainer.world_size)[
+            len(dapo_errors(self.dapo_config, self.rollout_config)):]  # those of the ranks (the rest: at __init__)
         if errors:
             raise ConfigError("; ".join(errors))
         budget = check_memory(self, stage, "ppo")  # before any weights load; auto: the largest budget that fits
@@ -287,7 +276,7 @@ class PPO(SkippedStepsState, L.LightningModule):
         needed_now = kl_reward or self.hparams.advantage_estimator in OFF_POLICY_ESTIMATORS or self.distill_reward
         with phase("train/score"):
             scoring.score(packed, self.model, self._reference, self.critic, self.rollout_config.temperature,
-                          needed_now, self.hparams.lm_head_chunk, self._teacher)
+                          needed_now, self.lm.lm_head_chunk, self._teacher)
 
     def assign_advantages(self, rollout: Rollout, micro_batches: list[minibatches.MicroBatch]) -> torch.Tensor:
         """Per-token advantages (and returns) written into the micro-batches; their global (sum, sum sq, count)."""
@@ -311,7 +300,7 @@ class PPO(SkippedStepsState, L.LightningModule):
             return distillation.add_jsd(self, mb, normaliser)
         logprobs, entropy = target_logprobs(self.model, mb, self.rollout_config.temperature,
                                             entropy="grad" if self.objective.entropy_needs_grad else "value",
-                                            chunk_size=self.hparams.lm_head_chunk)
+                                            chunk_size=self.lm.lm_head_chunk)
         if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
             mb["old_logprobs"] = logprobs.detach()
         loss, sums = self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,

@@ -11,7 +11,7 @@ from typing import Any
 
 from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS
 from rl_lightning.models.loading import load_causal_lm, load_reward_model
-from rl_lightning.models.lora import AdaptersDisabled, apply_lora, lora_config
+from rl_lightning.models.lora import AdaptersDisabled, apply_lora
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.tasks.ppo import distill as distillation
@@ -24,24 +24,24 @@ def configure(task: Any) -> None:
     policy's weights; it is loaded only when a KL term or ceiling needs it (``task.needs_reference``). The critic
     exists for the critic estimators only.
     """
-    hp = task.hparams
+    hp, lm = task.hparams, task.lm
     if task.model is None:
-        task.model = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation,
-                                    gradient_checkpointing=hp.gradient_checkpointing,
-                                    lean_activations=hp.lean_activations)
-        if hp.lora is not None:
-            task.model = apply_lora(task.model, lora_config(hp.lora))
+        task.model = load_causal_lm(lm.name, attn_implementation=lm.attn_implementation,
+                                    gradient_checkpointing=lm.gradient_checkpointing,
+                                    lean_activations=lm.lean_activations)
+        if lm.lora is not None:
+            task.model = apply_lora(task.model, lm.lora)
     task.model = parallelize_for(task, task.model)
     if hp.advantage_estimator in CRITIC_ESTIMATORS:
         if task.critic is None:
-            task.critic = load_reward_model(hp.model_name, attn_implementation=hp.attn_implementation,
-                                            gradient_checkpointing=hp.gradient_checkpointing,
-                                            lean_activations=hp.lean_activations)
+            task.critic = load_reward_model(lm.name, attn_implementation=lm.attn_implementation,
+                                            gradient_checkpointing=lm.gradient_checkpointing,
+                                            lean_activations=lm.lean_activations)
         task.critic = parallelize_for(task, task.critic)
-    if hp.lora is not None and task.needs_reference:  # the base model: the policy with its adapters disabled
+    if lm.lora is not None and task.needs_reference:  # the base model: the policy with its adapters disabled
         object.__setattr__(task, "_reference", AdaptersDisabled(task.model))
     if task._reference is None and task.needs_reference:
-        reference = load_causal_lm(hp.model_name, attn_implementation=hp.attn_implementation)
+        reference = load_causal_lm(lm.name, attn_implementation=lm.attn_implementation)
         object.__setattr__(task, "_reference", parallelize_for(task, reference.eval().requires_grad_(False),
                                                                trainable=False))
     if task._teacher is None and task.distill is not None:
