@@ -115,14 +115,36 @@ def _spawned_worker(rank, dp, strategy_kwargs, model_kwargs, out_path):
         torch.save({"losses": recorder.losses, "grads": recorder.grads}, out_path)
 
 
-@pytest.mark.parametrize(("dp", "strategy_kwargs", "model_kwargs"), [(2, {}, {"gradient_checkpointing": True}),
-                                                                     (1, {"context_parallel_size": 2}, {})],
-                         ids=["fsdp2-dp2-checkpointing", "ring-attention-cp2"])
-def test_compiled_on_two_ranks_matches_eager(dp, strategy_kwargs, model_kwargs, eager, tmp_path):
+TWO_RANKS = {"fsdp2-dp2-checkpointing": (2, {}, {"gradient_checkpointing": True}),
+             "ring-attention-cp2": (1, {"context_parallel_size": 2}, {})}
+
+
+def _two_ranks_worker(rank, root):
+    for name, (dp, strategy_kwargs, model_kwargs) in TWO_RANKS.items():  # one spawned pair: torch imports once
+        print(f"rank {rank}: {name}", flush=True)  # in the group's failure output: which run it was on
+        _spawned_worker(rank, dp, strategy_kwargs, model_kwargs, root / f"{name}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """``(root, error)``: ``root/<id>.pt`` from `_two_ranks_worker`, and the pair's error if it failed."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    try:
+        run_on_cpu_ranks(_two_ranks_worker, 2, root)
+        error = None
+    except Exception as e:  # noqa: BLE001 - kept for the tests, each fails naming it
+        error = f"{type(e).__name__}: {e}"
+    return root, error
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_compiled_on_two_ranks_matches_eager(name, eager, two_rank_runs):
     """FSDP2 over two data-parallel ranks with checkpointing; two context-parallel ranks (ring attention stays eager
     between the compiled halves of each block)."""
-    run_on_cpu_ranks(_spawned_worker, 2, dp, strategy_kwargs, model_kwargs, tmp_path / "run.pt")
-    saved = torch.load(tmp_path / "run.pt", weights_only=False)
+    root, error = two_rank_runs
+    if not (root / f"{name}.pt").exists():
+        pytest.fail(f"{name}: no output; the spawned pair failed: {error}")
+    saved = torch.load(root / f"{name}.pt", weights_only=False)
     recorder = Recorder()
     recorder.losses, recorder.grads = saved["losses"], saved["grads"]
     _assert_matches(recorder, eager)

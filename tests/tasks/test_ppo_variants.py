@@ -185,15 +185,38 @@ def _layout_worker(rank, env, dp, cp, out_path):
         torch.save(history, out_path)
 
 
+LAYOUTS = {"dp2": (2, 1), "cp2": (1, 2)}
+
+
+def _layouts_worker(rank, env, root):
+    for name, (dp, cp) in LAYOUTS.items():  # both layouts in one spawned pair: each rank imports torch once
+        print(f"rank {rank}: {name}", flush=True)  # in the group's failure output: which run it was on
+        _layout_worker(rank, env, dp, cp, root / f"{name}.pt")
+
+
+@pytest.fixture(scope="module")
+def layout_runs(parity_env, tmp_path_factory):
+    """``(root, error)``: ``root/<layout>.pt`` from `_layouts_worker`, and the pair's error if it failed."""
+    root = tmp_path_factory.mktemp("layouts")
+    try:
+        run_on_cpu_ranks(_layouts_worker, 2, parity_env, root)
+        error = None
+    except Exception as e:  # noqa: BLE001 - kept for the tests, each fails naming it
+        error = f"{type(e).__name__}: {e}"
+    return root, error
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)], ids=["dp2", "cp2"])
-def test_gspo_with_a_sequence_correction_is_layout_invariant(dp, cp, parity_env, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gspo_with_a_sequence_correction_is_layout_invariant(layout, parity_env, layout_runs):
     """GSPO-token with a geometric-mean sequence mask on the shifted engine: the data- and context-parallel runs log
     the single process's gradient norms, clipped fractions, losses and mismatch metrics."""
     if not SINGLE:
         SINGLE.extend(_layout_run(parity_env))
-    run_on_cpu_ranks(_layout_worker, dp * cp, parity_env, dp, cp, tmp_path / "h.pt")
-    parallel = torch.load(tmp_path / "h.pt")
+    root, error = layout_runs
+    if not (root / f"{layout}.pt").exists():
+        pytest.fail(f"{layout}: no output; the spawned pair failed: {error}")
+    parallel = torch.load(root / f"{layout}.pt")
     assert len(parallel) == len(SINGLE) == 2 and set(parallel[0]) == set(LAYOUT_COMPARED)
     for step, (a, b) in enumerate(zip(parallel, SINGLE, strict=True)):
         for name in a:
