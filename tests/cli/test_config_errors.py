@@ -238,7 +238,7 @@ def test_every_recipe_passes_the_structured_check(recipe, workdir, capsys, monke
 )
 def test_more_mistakes_from_the_structure(args, expected, workdir, capsys, monkeypatch):
     (workdir / "list.yaml").write_text("- 1\n- 2\n")
-    (workdir / "nested.yaml").write_text("model:\n  init_args:\n    lora:\n      rr: 4\n")
+    (workdir / "nested.yaml").write_text("model:\n  init_args:\n    lm:\n      lora:\n        rr: 4\n")
     (workdir / "callback.yaml").write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks."
                                            "EarlyStopping\n      init_args:\n        monitr: x\n")
     calls = _without_message_text(monkeypatch)

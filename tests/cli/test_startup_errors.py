@@ -126,8 +126,8 @@ MOVED_IN_YAML = {
     "callback": ("trainer:\n  callbacks:\n    - class_path: rl_lightning.export.HFExport\n",
                  "trainer.callbacks[0].class_path: rl_lightning.export.HFExport moved to "
                  "rl_lightning.tracking.export.HFExport"),
-    "model-init-arg": ("model:\n  init_args:\n    lora:\n      class_path: rl_lightning.lora.LoRAConfig\n"
-                       "      init_args:\n        r: 4\n",
+    "model-init-arg": ("model:\n  init_args:\n    lm:\n      lora:\n        class_path: rl_lightning.lora.LoRAConfig\n"
+                       "        init_args:\n          r: 4\n",
                        "model.lm.lora.class_path: rl_lightning.lora.LoRAConfig moved to "
                        "rl_lightning.models.lora.LoRAConfig"),
     "second-callback": ("trainer:\n  callbacks:\n    - class_path: rl_lightning.cli.progress.RunProgress\n"

@@ -283,11 +283,9 @@ seed_everything: 0
 model:
   class_path: rl_lightning.tasks.PPO
   init_args:
-    model_name: {model}
+    lm: {{name: {model}, optim: {{lr: 1.0e-2}}, lora: {{r: 8, alpha: 16}}}}
     max_rollouts: 2
     update_per_rollout: 1
-    optim: {{lr: 1.0e-2}}
-    lora: {{r: 8, alpha: 16}}
     rollout: {{env_path: {env}, engine: vllm, weight_sync: adapter, kv_cache_memory_bytes: {kv},
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}
 data:

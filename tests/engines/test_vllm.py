@@ -293,11 +293,10 @@ seed_everything: 0
 model:
   class_path: rl_lightning.tasks.PPO
   init_args:
-    model_name: {model}
+    lm: {{name: {model}, optim: {{lr: 1.0e-3}}}}
     max_rollouts: 3
     update_per_rollout: 1
     correction: {{level: token, mode: truncate, high: 2.0}}
-    optim: {{lr: 1.0e-3}}
     rollout: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1,
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}
 data:

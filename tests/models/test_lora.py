@@ -298,7 +298,7 @@ def test_sft_dpo_and_grpo_recipes_run_with_lora_from_the_command_line_and_yaml(w
     assert _adapter_config(sft)["r"] == 8 and AutoModelForCausalLM.from_pretrained(sft / "export") is not None
 
     overlay = workdir / "dpo-lora.yaml"  # the run folder is named after its config files: dpo+dpo-lora
-    overlay.write_text("model:\n  init_args:\n    lora: {r: 4, alpha: 4, target_modules: all-linear}\n")
+    overlay.write_text("model:\n  init_args:\n    lm:\n      lora: {r: 4, alpha: 4, target_modules: all-linear}\n")
     main(["fit", "--config", "recipes/dpo.yaml", "--config", str(overlay), "--trainer.max_steps", "2",
           "--data.batch_size", "4", *quiet])
     config = _adapter_config(_latest(workdir, "dpo+dpo-lora"))

@@ -172,11 +172,10 @@ seed_everything: 0
 model:
   class_path: rl_lightning.tasks.PPO
   init_args:
-    model_name: {model}
+    lm: {{name: {model}, optim: {{lr: 1.0e-3, max_grad_norm: 1.0}}}}
     max_rollouts: 3
     advantage_estimator: grpo
     update_per_rollout: 2
-    optim: {{lr: 1.0e-3, max_grad_norm: 1.0}}
     rollout: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1, reward_workers: 0,
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8{replay}}}
 data:
