@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+from rl_lightning.compat.torch import flash_attention_backward, flash_attention_forward
+
 _HALF = (torch.float16, torch.bfloat16)
 _TILE = 1024  # query rows per score tile of the fp32 kernels: (H, 1024, l) scores instead of (H, l, l)
 
@@ -113,7 +115,7 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     # The call torch.nn.attention.varlen makes (dropout 0, no debug mask); causal also as window (-1, 0) as it does.
-    out, lse, _rng_state, _unused, _debug = torch.ops.aten._flash_attention_forward(
+    out, lse, _rng_state, _unused, _debug = flash_attention_forward(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
         window_size_left=-1, window_size_right=0 if causal else -1,
     )
@@ -123,7 +125,7 @@ def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the philox state is never read
     unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    dq, dk, dv = flash_attention_backward(
         dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
         lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
         window_size_left=-1, window_size_right=0 if causal else -1,

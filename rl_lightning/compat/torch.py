@@ -1,7 +1,9 @@
 """torch's private names, behind named functions (tested on torch 2.9-2.13).
 
 torch exposes a gloo group's device and timeout only through ``ProcessGroupGloo._Options`` (private, stable since
-torch 1.x); a tensor's in-place modification counter only as ``tensor._version``.
+torch 1.x); a tensor's in-place modification counter only as ``tensor._version``; a module's hooks, a compiled
+module's original, a device mesh's flattening, the fused ``_foreach`` ops and ATen's varlen flash-attention kernels
+only under private names too.
 """
 
 from __future__ import annotations
@@ -25,3 +27,49 @@ def gloo_options(hostname: str, timeout: timedelta) -> Any:
 def tensor_version(tensor: Any) -> int:
     """`tensor`'s in-place modification counter (``tensor._version``; it moves on every in-place write)."""
     return int(tensor._version)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """The 1-D mesh of all of `mesh`'s dims, named `name` (``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def has_own_hooks(module: Any) -> bool:
+    """Whether `module` has forward or backward hooks of its own (``_forward_hooks`` and the three others)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def global_module_hooks() -> bool:
+    """Whether module hooks are registered for every module (``register_module_forward_hook`` and the like)."""
+    from torch.nn.modules import module as module_impl
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    return any(getattr(module_impl, name, None) for name in names)
+
+
+def compiled_original(module: Any) -> Any:
+    """The module ``torch.compile`` wrapped (``_orig_mod``), or `module` itself when it is not a compiled wrapper."""
+    return getattr(module, "_orig_mod", module)
+
+
+def foreach_mul_(tensors: list[Any], factor: Any) -> None:
+    """Multiply every tensor of `tensors` by `factor` in place, in one fused launch (``torch._foreach_mul_``)."""
+    import torch
+
+    torch._foreach_mul_(tensors, factor)
+
+
+def flash_attention_forward(*args: Any, **kwargs: Any) -> Any:
+    """ATen's variable-length flash-attention forward (``torch.ops.aten._flash_attention_forward``)."""
+    import torch
+
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+def flash_attention_backward(*args: Any, **kwargs: Any) -> Any:
+    """ATen's variable-length flash-attention backward (``torch.ops.aten._flash_attention_backward``)."""
+    import torch
+
+    return torch.ops.aten._flash_attention_backward(*args, **kwargs)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rl_lightning.compat.torch import compiled_original
 from rl_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_peft(model: torch.nn.Module) -> bool:
     """Whether `model` is a PEFT model (it carries a ``peft_config``), possibly inside wrappers."""
-    return hasattr(model, "peft_config") or hasattr(getattr(model, "_orig_mod", None), "peft_config")
+    return hasattr(model, "peft_config") or hasattr(compiled_original(model), "peft_config")
 
 
 @dataclass
@@ -186,13 +187,13 @@ def adapter_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def adapter_name(model: torch.nn.Module) -> str:
     """The PEFT model's active adapter (``default`` unless renamed)."""
-    peft_model: Any = getattr(model, "_orig_mod", model)  # a PeftModel: `peft_config` is a dict, not a submodule
+    peft_model: Any = compiled_original(model)  # a PeftModel: `peft_config` is a dict, not a submodule
     return getattr(peft_model, "active_adapter", None) or next(iter(peft_model.peft_config))
 
 
 def adapter_config(model: torch.nn.Module) -> dict[str, Any]:
     """The active adapter's ``adapter_config.json`` content (what ``save_pretrained`` writes; sets as sorted lists)."""
-    peft_model: Any = getattr(model, "_orig_mod", model)  # a PeftModel: `peft_config` is a dict, not a submodule
+    peft_model: Any = compiled_original(model)  # a PeftModel: `peft_config` is a dict, not a submodule
     config = peft_model.peft_config[adapter_name(peft_model)].to_dict()
     return {k: sorted(v) if isinstance(v, set) else (v.value if hasattr(v, "value") else v) for k, v in config.items()}
 

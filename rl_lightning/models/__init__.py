@@ -5,5 +5,5 @@ chunked output head (`loading`), LoRA (`lora`), the optimizer and schedule (`opt
 every task (`config`), memory-lean MLP and RMSNorm forwards (`lean`). Packed and ring attention are
 `rl_lightning.attention`; the memory plan is `rl_lightning.memory`.
 
-May import: memory, attention, assets, algorithms.
+May import: memory, attention, assets, algorithms, compat.
 """

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from rl_lightning.compat.torch import global_module_hooks, has_own_hooks
+
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
@@ -155,17 +157,12 @@ def _plain(tensor: torch.Tensor | None) -> bool:
 
 def _has_hooks(module: nn.Module) -> bool:
     """Whether `module` has forward or backward hooks of its own."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+    return has_own_hooks(module)
 
 
 def _global_hooks() -> bool:
     """Whether module hooks are registered for every module (``register_module_forward_hook`` and the like)."""
-    from torch.nn.modules import module as module_impl
-
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks")
-    return any(getattr(module_impl, name, None) for name in names)
+    return global_module_hooks()
 
 
 def _is_silu(act: Any) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from rl_lightning.compat.torch import has_own_hooks
 from rl_lightning.errors import ConfigError
 
 
@@ -147,8 +148,7 @@ class ChunkedHead(torch.nn.Module):
                                f"{tuple(self.labels.shape)}; set model.lm.lm_head_chunk: null for this model")
         flat, labels = hidden.reshape(-1, hidden.shape[-1]), self.labels.reshape(-1)
         head: Any = self.head
-        plain = (type(head) is torch.nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
-                 and not _is_dtensor(head.weight))
+        plain = type(head) is torch.nn.Linear and not has_own_hooks(head) and not _is_dtensor(head.weight)
         if plain:
             logprobs, entropy = chunked_token_logprobs(flat, head.weight, head.bias, labels, self.temperature,
                                                        self.chunk_size, self.entropy)

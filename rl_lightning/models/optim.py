@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rl_lightning.compat.torch import foreach_mul_
 from rl_lightning.errors import ConfigError, TrainingError
 from rl_lightning.memory.phases import phase
 
@@ -229,5 +230,5 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     coef = max_norm / (float(total) + 1e-6) if max_norm > 0 else 1.0
     if coef < 1.0:
         for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
+            foreach_mul_(grads, coef)
     return total

@@ -42,6 +42,7 @@ from rl_lightning.compat.lightning import (
     set_device_mesh,
     setup_distributed,
 )
+from rl_lightning.compat.torch import flatten_mesh
 from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_io import AtomicCheckpointIO, publish_folder
 from rl_lightning.parallel.checkpoint_trust import (
@@ -249,8 +250,8 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
             mesh_dim_names=("replicate", "shard", "context_parallel", "tensor_parallel"),
         )
         set_device_mesh(self, mesh)
-        self.dp_mesh = mesh["replicate", "shard"]._flatten("data_parallel")
-        fsdp_shard = mesh["shard", "context_parallel"]._flatten("fsdp_shard")
+        self.dp_mesh = flatten_mesh(mesh["replicate", "shard"], "data_parallel")
+        fsdp_shard = flatten_mesh(mesh["shard", "context_parallel"], "fsdp_shard")
         self.cp_mesh, self.tp_mesh = mesh["context_parallel"], mesh["tensor_parallel"]
         if self.replicate_size > 1:
             with warnings.catch_warnings():  # slicing a flattened dim back out of the root mesh; still supported
