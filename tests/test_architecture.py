@@ -248,8 +248,7 @@ FOREIGN = {
     "_experiment_id", "_experiment_name", "_tracking_uri", "_initialized", "_mlflow_client", "_attn_implementation",
 }
 # Private names of other libraries (torch, the standard library, OpenEnv) on objects of unknown type: listed to decide.
-OTHER_LIBRARIES = {"_exit", "_base", "_spec", "_wrapped_by_lr_sched", "_base_executable", "_fields", "_rubric_list",
-                   "_weights", "_vf_weight"}
+OTHER_LIBRARIES = {"_exit", "_base_executable", "_fields", "_rubric_list", "_weights", "_vf_weight"}
 
 
 def _is_private(name: str) -> bool:

@@ -73,3 +73,21 @@ def flash_attention_backward(*args: Any, **kwargs: Any) -> Any:
     import torch
 
     return torch.ops.aten._flash_attention_backward(*args, **kwargs)
+
+
+def view_base(tensor: Any) -> Any:
+    """The tensor `tensor` is a view of (``tensor._base``), or `tensor` itself when it is not a view."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+def dtensor_spec(dtensor: Any) -> Any:
+    """A DTensor's sharding spec (mesh, placements, global shape; ``DTensor._spec``), to build one like it."""
+    return dtensor._spec
+
+
+def keep_lr_scheduler_mark(new_step: Any, old_step: Any) -> None:
+    """Carry an LR scheduler's mark from an optimizer's `old_step` to the `new_step` replacing it.
+
+    A scheduler built before the replacement checks for it (``_wrapped_by_lr_sched``), else it warns on every run.
+    """
+    new_step._wrapped_by_lr_sched = getattr(old_step, "_wrapped_by_lr_sched", False)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from rl_lightning.compat.torch import dtensor_spec, keep_lr_scheduler_mark, view_base
+
 BUCKET_BYTES = 256 << 20
 MIN_OFFLOAD_BYTES = 1 << 16
 
@@ -152,7 +154,7 @@ class ActivationOffload:
     def pack(self, tensor: torch.Tensor) -> Any:
         """Forward: a host copy of an activation, or the tensor itself (parameters, small tensors)."""
         size = tensor.numel() * tensor.element_size()
-        base = tensor._base if tensor._base is not None else tensor  # a linear saves its weight as a transposed view
+        base = view_base(tensor)  # a linear saves its weight as a transposed view
         if isinstance(base, torch.nn.Parameter) or size < self.min_bytes or tensor.is_sparse:
             self.stats.kept_on_device += 1
             return tensor
@@ -223,7 +225,7 @@ def _rewrap(like: Any, local: torch.Tensor) -> Any:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, like._spec, requires_grad=False)
+    return DTensor(local, dtensor_spec(like), requires_grad=False)
 
 
 class OptimizerStateOffload:
@@ -247,8 +249,7 @@ class OptimizerStateOffload:
         def step(closure: Callable[[], Any] | None = None) -> Any:
             return self.step(closure)
 
-        # An LR scheduler built before this wrapped the step and checks for its mark (else it warns on every run).
-        step._wrapped_by_lr_sched = getattr(self._step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
+        keep_lr_scheduler_mark(step, self._step)  # an LR scheduler built before this wrapped the step
         optimizer.step = step  # type: ignore[method-assign]
         optimizer.rl_lightning_state_offload = self  # type: ignore[attr-defined]
         self.copies: SideStreamCopies | None = None

@@ -71,3 +71,21 @@ def test_a_meshs_flattening_and_the_flash_kernels_schemas():
         _pinned(op is not None, f"torch.ops.aten.{name}")
         found = [argument.name for argument in op.default._schema.arguments]
         _pinned(set(arguments) <= set(found), f"torch.ops.aten.{name}", f"takes {found}")
+
+
+def test_a_views_base_a_dtensors_spec_and_the_lr_scheduler_mark():
+    weight = torch.zeros(2, 3)
+    _pinned(compat.view_base(weight.T) is weight, "Tensor._base")
+    assert compat.view_base(weight) is weight
+    from torch.distributed.tensor import DTensor
+
+    _pinned("_spec" in DTensor.__slots__ or "_spec" in getattr(DTensor, "__annotations__", {}), "DTensor._spec")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    _pinned(getattr(optimizer.step, "_wrapped_by_lr_sched", False), "Optimizer.step._wrapped_by_lr_sched")
+
+    def step(closure=None):
+        return None
+
+    compat.keep_lr_scheduler_mark(step, optimizer.step)
+    assert step._wrapped_by_lr_sched is True
