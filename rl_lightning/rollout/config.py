@@ -114,6 +114,12 @@ class RolloutConfig:
             sampling and scoring (no engine is built, no reward function runs; the engine settings are ignored): the
             same seed on the same device makes the dumped run's updates bit for bit (see
             `rl_lightning.rollout.replay`); null: sample.
+        shaping_window: rollouts over which the reward-hacking monitor compares the trend of the total reward with
+            that of correctness (`rl_lightning.rollout.shaping_monitor`): ``train/shaping_dominates`` is 1 when the
+            total rose while correctness fell, each beyond noise.
+        correctness_component: the reward component that says the answer is right (default: ``correct`` if the
+            environment has one); the other components and the length punishment are the shaping.
+        stop_on_shaping: stop the run, in one line, the first time the shaping dominates.
 
     Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
     completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the
@@ -155,6 +161,9 @@ class RolloutConfig:
     async_steps: int = 0
     inflight_segment_tokens: int | None = None
     replay: str | None = None
+    shaping_window: int = 8
+    correctness_component: str | None = None
+    stop_on_shaping: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.reward_model, dict):  # from a checkpoint's hyperparameters
@@ -168,6 +177,8 @@ class RolloutConfig:
             errors.append(f"responses_per_prompt must be >= 1, got {self.responses_per_prompt}")
         if self.max_turns < 1:
             errors.append(f"max_turns must be >= 1, got {self.max_turns}")
+        if isinstance(self.shaping_window, bool) or not isinstance(self.shaping_window, int) or self.shaping_window < 3:
+            errors.append(f"shaping_window must be a number of rollouts >= 3, got {self.shaping_window!r}")
         if self.engine not in ENGINES:
             errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
         errors += _vllm_errors(self) + _process_errors(self) + _pareto_errors(self) + async_errors(self)

@@ -16,6 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
 from rl_lightning.algorithms.reward_trends import ShapingVerdict, shaping_verdict
 
 DEFAULT_CORRECTNESS = "correct"
@@ -79,3 +83,71 @@ class ShapingMonitor:
         self.held_out = list(state["held_out"])
         self.parts = {k: list(v) for k, v in state["parts"].items()}
         self.alarmed_at = state["alarmed_at"]
+
+
+class ShapingMonitorCallback(L.Callback):
+    """The PPO task's monitor: after each rollout's update, the verdict on its logged global means.
+
+    Logs ``train/shaping_dominates``; the first alarm prints one line (rank 0); with ``stop_on_shaping`` the run
+    stops there (every rank reads the same global means, so all stop together). A held-out correctness
+    (``val/reward/<correctness component>``) is taken at each validation.
+
+    Args:
+        config: the ``model.rollout`` settings (weights, the correctness component, window, stop switch).
+        length_shaping: DAPO's length punishment is added to the reward (``model.dapo.overlong_cache_length``).
+    """
+
+    def __init__(self, config: Any, length_shaping: bool) -> None:
+        self.config, self.length_shaping = config, length_shaping
+        self.monitor: ShapingMonitor | None = None
+        self._state: dict[str, Any] | None = None
+
+    def _monitor(self, components: list[str]) -> ShapingMonitor:
+        if self.monitor is None:
+            c = self.config
+            self.monitor = ShapingMonitor(components, c.reward_weights, c.correctness_component, c.shaping_window,
+                                          self.length_shaping)
+            if self._state is not None:
+                self.monitor.load_state_dict(self._state)
+        return self.monitor
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Observe the rollout's logged ``train/reward`` and components; log the verdict; stop if asked."""
+        rollout, logged = batch.get("rollout"), getattr(pl_module, "reward_means", None)
+        if rollout is None or not logged:  # the task keeps the rollout's global means (``train/reward...``)
+            return
+        monitor = self._monitor(list(rollout.reward_names))
+        if not monitor.enabled:
+            return
+        components = {name: float(logged[f"train/reward/{name}"]) for name in rollout.reward_names}
+        verdict = monitor.observe(trainer.global_step, float(logged["train/reward"]), components)
+        dominates = verdict is not None and verdict.dominates
+        pl_module.log("train/shaping_dominates", float(dominates), on_step=True, on_epoch=False)
+        if dominates and monitor.alarmed_at == trainer.global_step:
+            stop = self.config.stop_on_shaping
+            rank_zero_warn(f"rollout {trainer.global_step}: {verdict.line(monitor.correctness)}; "  # type: ignore[union-attr]
+                           + ("model.rollout.stop_on_shaping: stopping the run" if stop else
+                              "set model.rollout.stop_on_shaping: true to stop here, or lower the shaping weights"))
+            if stop:
+                trainer.should_stop = True
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Take the held-out correctness, when validation logs it."""
+        if self.monitor is None or trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get(f"val/reward/{self.monitor.correctness}")
+        if value is not None:
+            self.monitor.observe_held_out(float(value))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's series (a resumed run keeps its window)."""
+        return {} if self.monitor is None else self.monitor.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the series once the environment's components are known."""
+        self._state = state_dict or None

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from rl_lightning.rollout.shaping_monitor import ShapingMonitor
 
 
@@ -64,3 +66,41 @@ def test_a_resumed_monitor_keeps_its_window():
     verdicts = [second.observe(i, c + 0.5 * f + length, {"correct": c, "format": f})
                 for i, (c, f, length) in enumerate(rollouts) if i >= 5]
     assert verdicts[2].dominates and second.alarmed_at == 7
+
+
+GAMED_ENV = '''
+calls = 0
+
+
+def reward_fn(messages, answer):
+    """Scripted by rollout (8 completions each): correctness 0.5 -> falls 0.05 a rollout, format rises 0.1."""
+    global calls
+    rollout, calls = calls // 8, calls + 1
+    return {"correct": max(0.0, 0.5 - 0.05 * rollout), "format": min(1.0, 0.1 * rollout)}
+'''
+
+
+def test_a_ppo_fit_whose_shaping_is_gamed_logs_it_and_stops_at_the_first_alarm(tmp_path, recwarn):
+    """The real task and callback: rollouts 0-7 fill the window, the 8th rollout's verdict stops the run."""
+    from helpers import run_ppo
+
+    env = tmp_path / "gamed.py"
+    env.write_text(GAMED_ENV)
+    rollout = {"reward_weights": {"correct": 1.0, "format": 1.0}, "reward_workers": 0, "stop_on_shaping": True}
+    model, trainer = run_ppo(str(env), rollouts=12, rollout=rollout)
+    assert model.rollouts == 8 and trainer.should_stop  # stopped after the 8th rollout, not the 12th
+    assert trainer.callback_metrics["train/shaping_dominates"] == 1.0
+    assert model.reward_means["train/reward/correct"] == pytest.approx(0.15)
+    lines = [str(w.message) for w in recwarn if "shaping terms dominate" in str(w.message)]
+    assert len(lines) == 1 and "last 8 rollouts" in lines[0] and "format +" in lines[0]
+    assert "model.rollout.stop_on_shaping: stopping the run" in lines[0]
+
+
+def test_a_window_under_three_rollouts_is_refused_in_one_line():
+    from rl_lightning.errors import ConfigError
+    from rl_lightning.rollout.config import RolloutConfig
+
+    with pytest.raises(ConfigError) as error:
+        RolloutConfig("env.py", shaping_window=2)
+    assert "shaping_window must be a number of rollouts >= 3, got 2" in str(error.value)
+    assert "\n" not in str(error.value)

@@ -25,6 +25,7 @@ from rl_lightning.models.loading import load_tokenizer
 from rl_lightning.models.logprobs import target_logprobs
 from rl_lightning.models.optim import SkippedStepsState, configure_adamw, typed
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
+from rl_lightning.rollout.shaping_monitor import ShapingMonitorCallback
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.ppo import distill as distillation
@@ -183,7 +184,8 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_callbacks(self) -> list[L.Callback]:
-        return [self.distill_mix, self.rollout_callback] if self.distill_mix else [self.rollout_callback]
+        monitor = ShapingMonitorCallback(self.rollout_config, self.dapo_config.overlong_cache_length is not None)
+        return [*([self.distill_mix] if self.distill_mix else []), self.rollout_callback, monitor]
 
     @override
     def setup(self, stage: str) -> None:
@@ -314,8 +316,10 @@ class PPO(SkippedStepsState, L.LightningModule):
     def log_rollout(self, rollout: Rollout, means: dict[str, torch.Tensor], advantage_sums: torch.Tensor,
                     logged: dict[str, Any], micro_batches: int) -> None:
         """Log the rollout's global means, rewards and advantages, the controllers' values and the counters."""
+        rollout_means = metrics.rollout_metrics(self.trainer, rollout, means, advantage_sums)
+        self.reward_means = {k: float(v) for k, v in rollout_means.items() if k.startswith("train/reward")}
         self.log_dict({
-            **metrics.rollout_metrics(self.trainer, rollout, means, advantage_sums),
+            **rollout_means,
             **{k if k.startswith("train/") else f"train/{k}": v for k, v in logged.items()},
             "train/rollouts": float(self.rollouts), "train/micro_batches": float(micro_batches), **rollout.metrics})
 
