@@ -95,12 +95,9 @@ class SyntheticRollouts(L.Callback):
 
 
 def lm_arguments(model: str, optim: Any, lm_head_chunk: int = 1024) -> dict[str, Any]:
-    """The task's model arguments: ``lm`` (``model.lm.*``, `rl_lightning.models.config.LMConfig`) where the tasks
-    take it, else the flat ``model_name`` / ``optim`` / ``lm_head_chunk`` of the tasks before that group."""
-    try:
-        from rl_lightning.models.config import LMConfig
-    except ImportError:
-        return {"model_name": model, "optim": optim, "lm_head_chunk": lm_head_chunk}
+    """The task's model group, ``model.lm`` (`rl_lightning.models.config.LMConfig`)."""
+    from rl_lightning.models.config import LMConfig
+
     return {"lm": LMConfig(model, optim=optim, lm_head_chunk=lm_head_chunk)}
 
 
