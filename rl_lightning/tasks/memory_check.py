@@ -22,6 +22,7 @@ import torch
 
 from rl_lightning.data.steps import unit_sequences
 from rl_lightning.errors import ConfigError, UserError
+from rl_lightning.memory.extras import DistillSetup
 from rl_lightning.memory.fit import Keys, largest_budget, refusal
 from rl_lightning.memory.model_shape import ModelShape, load_model_shape
 from rl_lightning.memory.phases import rss_mib
@@ -142,6 +143,22 @@ def _lora_fields(lora: Any, shape: ModelShape) -> dict[str, Any]:
             "head_trainable": bool({"lm_head", "embed_tokens"} & set(saved))}
 
 
+def _distill_setup(module: Any) -> DistillSetup | None:
+    """PPO's distillation for the plan: the teacher's shape (none for the policy's base under LoRA), GKD's JSD."""
+    config = getattr(module, "distill", None)
+    if config is None:
+        return None
+    base = config.teacher == module.lm.name and module.lm.lora is not None
+    return DistillSetup(teacher=None if base else load_model_shape(config.teacher), jsd=config.type == "loss")
+
+
+def _mesh_groups(trainer: Any) -> int:
+    """NCCL communicators a rank holds: one per mesh group of more than one rank, and the world's."""
+    strategy, world = trainer.strategy, trainer.world_size
+    sizes = [getattr(strategy, name, 1) for name in ("dp_size", "cp_size", "tp_size")]
+    return (world > 1) + sum(size > 1 for size in sizes if isinstance(size, int))
+
+
 def plan_for(module: Any, task: str, shape: ModelShape) -> tuple[TrainSetup, Keys, int]:
     """The `TrainSetup` of `module`'s run (``task``: ``sft``, ``dpo``, ``reward`` or ``ppo``), its keys and minimum."""
     trainer, hp = module.trainer, module.hparams
@@ -156,6 +173,9 @@ def plan_for(module: Any, task: str, shape: ModelShape) -> tuple[TrainSetup, Key
     if task == "dpo" and not hp.reference_free:
         fields.update(reference="adapters" if module.lm.lora is not None else "model",
                       reference_offload=hp.reference_offload)
+    if task == "ppo":
+        fields["distill"] = _distill_setup(module)
+    fields["mesh_groups"] = _mesh_groups(trainer)
     setup = TrainSetup(
         model=shape, device=trainer.strategy.root_device.type, device_memory=limit, baseline=baseline,
         precision=str(trainer.precision), fsdp_bf16=fsdp_bf16,

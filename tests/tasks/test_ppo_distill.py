@@ -12,6 +12,7 @@ from conftest import REPO, TINY_MODEL
 from helpers import Metrics, run_ppo
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.memory.model_shape import load_model_shape
 from rl_lightning.models.lora import AdaptersDisabled
 from rl_lightning.tasks.ppo.distill import DistillConfig
 
@@ -87,6 +88,8 @@ def test_loss_mode_adds_gkd_jsd_equal_to_trls_on_the_same_tokens(zero_env):
     expected = GKDTrainer.generalized_jsd_loss(torch.cat(student)[None], torch.cat(teacher)[None],
                                                labels=torch.cat(labels)[None], beta=0.3)
     assert metrics.history[0]["train/distill_jsd"] == pytest.approx(float(expected), abs=1e-5)
+    plan = model.memory_plan.components  # the plan counted the teacher (fp32 here, one process) and the JSD
+    assert plan["teacher weights"] == 4 * load_model_shape(str(TEACHER)).params and plan["JSD (GKD: second forward and logits)"] > 0
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(str(TINY_MODEL), dtype=torch.float32).state_dict()
@@ -102,6 +105,7 @@ def test_a_lora_student_of_its_own_base_is_taught_by_the_base_with_adapters_disa
     model, _ = run_ppo(zero_env, callbacks=[metrics], lm={"lora": {"r": 4}},
                        distill=DistillConfig(str(TINY_MODEL), type=kind))
     assert isinstance(model._teacher, AdaptersDisabled) and model._teacher.model is model.model
+    assert model.memory_plan.components["teacher weights"] == 0  # no second copy to plan for
     assert abs(metrics.history[0]["train/distill_reverse_kl"]) < 1e-6
     assert abs(metrics.history[0]["train/advantage_std"]) < 1e-6
     if kind == "loss":

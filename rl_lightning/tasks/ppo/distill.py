@@ -132,7 +132,9 @@ def load_teacher(task: Any, config: DistillConfig) -> Any:
     lm = task.lm
     if config.teacher == lm.name and lm.lora is not None:
         return AdaptersDisabled(task.model)
-    teacher = load_causal_lm(config.teacher, attn_implementation=lm.attn_implementation)
+    # frozen: bf16 weights when the run computes in bf16 (half the memory of fp32 masters it never updates)
+    dtype = torch.bfloat16 if str(task.trainer.precision).startswith("bf16") else None
+    teacher = load_causal_lm(config.teacher, dtype=dtype, attn_implementation=lm.attn_implementation)
     student_vocab, teacher_vocab = task.model.get_output_embeddings().weight.shape[0], teacher.config.vocab_size
     if config.type == "loss" and student_vocab != teacher_vocab:
         raise ConfigError(f"model.distill.type=loss compares full distributions, but the teacher "
