@@ -82,6 +82,7 @@ LONG_FILES = (
     "tests/memory/test_plan.py", "tests/parallel/test_strategy.py", "tests/assets/test_real_model.py",
     "tests/cli/test_cli.py", "tests/models/test_lora.py", "tests/tasks/test_preference_tasks.py",
     "tests/parallel/test_compile.py", "tests/tasks/test_ppo_variants.py", "tests/cli/test_eval.py",
+    "tests/test_gpu_script.py",
 )
 
 

@@ -61,7 +61,7 @@ def dry_runs(tmp_path_factory):
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for kind in outs}
     runs = {}
     for kind, process in started.items():
-        stdout, stderr = process.communicate(timeout=900)
+        stdout, stderr = process.communicate(timeout=1500)  # above the dry limits (hang guards) summed
         records = [json.loads(line) for line in (outs[kind] / "results.jsonl").read_text().splitlines()]
         runs[kind] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), records)
     return runs

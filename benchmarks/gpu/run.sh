@@ -85,7 +85,7 @@ if [ $QUICK -eq 1 ]; then
     KILL_AFTER=5
     if [ $DRY -eq 1 ]; then
         FLAGS=(--dry)
-        declare -A LIMIT=([offload]=90 [sft-mfu]=90 [rl]=90 [memory]=120 [resume]=90 [threads]=60)
+        declare -A LIMIT=([offload]=180 [sft-mfu]=180 [rl]=180 [memory]=240 [resume]=180 [threads]=120)  # hang guards: 2x what a busy 2-core CI needs
         echo "rl_lightning quick GPU checks (issue 39), DRY run (CPU, tiny shapes); results in $RESULTS"
     else
         FLAGS=()
@@ -94,7 +94,7 @@ if [ $QUICK -eq 1 ]; then
     fi
 elif [ $DRY -eq 1 ]; then
     FLAGS=(--dry)
-    declare -A LIMIT=([attention]=120 [sft]=120 [fsdp]=90 [gather]=90 [grpo]=120)
+    declare -A LIMIT=([attention]=240 [sft]=240 [fsdp]=180 [gather]=180 [grpo]=240)  # hang guards, as above
     echo "rl_lightning GPU checks, DRY run (CPU, tiny shapes); results in $RESULTS"
 else
     FLAGS=()
