@@ -247,8 +247,8 @@ FOREIGN = {
     "_remove_checkpoint", "_last_checkpoint_saved", "_generate_state_key", "_trainer", "_run_id", "_run_name",
     "_experiment_id", "_experiment_name", "_tracking_uri", "_initialized", "_mlflow_client", "_attn_implementation",
 }
-# Private names of other libraries (torch, the standard library, OpenEnv) on objects of unknown type: listed to decide.
-OTHER_LIBRARIES = {"_exit", "_base_executable", "_fields", "_rubric_list", "_weights", "_vf_weight"}
+# The standard library's private names on objects of unknown type: listed so a new one is a decision.
+OTHER_LIBRARIES = {"_exit", "_base_executable", "_fields"}  # os._exit, sys._base_executable, a namedtuple's fields
 
 
 def _is_private(name: str) -> bool:

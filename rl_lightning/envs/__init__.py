@@ -6,5 +6,5 @@
   `openenv`);
 - `workers`: the pool of worker processes that runs the user's code, each call with a time limit.
 
-May import: rewards, data, algorithms.
+May import: rewards, data, algorithms, compat.
 """

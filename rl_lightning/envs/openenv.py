@@ -17,6 +17,7 @@ import re
 import typing
 from typing import Any
 
+from rl_lightning.compat.openenv import weighted_sum_parts
 from rl_lightning.errors import ConfigError
 
 RESERVED_OBSERVATION = ("done", "reward", "metadata")
@@ -157,8 +158,7 @@ def _weighted_parts(rubric: Any) -> list[tuple[Any, float]]:
 
     if not isinstance(rubric, WeightedSum):
         return []
-    # WeightedSum keeps its children and weights in these attributes (openenv-core 0.3.0, no public accessor).
-    return list(zip(rubric._rubric_list, (float(w) for w in rubric._weights), strict=True))
+    return weighted_sum_parts(rubric)  # no public accessor in openenv-core 0.3
 
 
 def observation_text(observation: Any) -> str:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from rl_lightning.compat.verifiers import reward_weight
 from rl_lightning.errors import ConfigError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -53,7 +54,7 @@ class VerifiersAdapter:
         if sync:
             raise ConfigError(f"{where}: rewards {sync} of {self.task_type.__name__} are not async (verifiers awaits "
                               "them): declare them `async def`")
-        self.weights = {fn.__name__: float(getattr(fn, "_vf_weight", 1.0)) for fn in rewards}
+        self.weights = {fn.__name__: reward_weight(fn) for fn in rewards}
         self.weights |= {j.reward_name: float(j.config.weight) for j in probe.plugged_judges()}
         self.tools = self._tools()
 
