@@ -43,7 +43,7 @@ from rl_lightning.algorithms.curriculum import (
     update_pass_rates,
 )
 from rl_lightning.errors import ConfigError
-from rl_lightning.parallel.reductions import data_parallel_sum, root_device
+from rl_lightning.parallel.reductions import Groups, data_parallel_sum
 
 STATE_KEYS = ("pass_rates", "seen", "last_seen", "draws", "rollouts", "passes", "cursor", "fingerprint")
 
@@ -174,11 +174,11 @@ class PromptCurriculum:
 
     # ----------------------------------------------------------------------------------------------- observing
 
-    def observe(self, trainer: Any, prompt_index: list[int], rewards: list[float]) -> dict[str, float]:
+    def observe(self, groups: Groups, prompt_index: list[int], rewards: list[float]) -> dict[str, float]:
         """Fold one rollout's rewards into the pass rates (summed over data-parallel ranks) and return the metrics.
 
         Args:
-            trainer: the Lightning trainer (its data-parallel group; every rank must call this once per rollout).
+            groups: the parallel layout (its data-parallel group; every rank must call this once per rollout).
             prompt_index: (N,) the prompt index of each of this rank's trajectories.
             rewards: (N,) their rewards.
 
@@ -189,9 +189,9 @@ class PromptCurriculum:
         c, n = prompt_pass_rates(torch.tensor(prompt_index, dtype=torch.int64),
                                  torch.tensor(rewards, dtype=torch.float64), self.config.solved_threshold,
                                  self.num_prompts)
-        device = root_device(trainer)
+        device = groups.device
         # whole counts: exact in the all-reduce's float32 up to 2**24 completions per prompt and rollout
-        counts = data_parallel_sum(trainer, torch.stack([c, n]).to(device)).cpu().to(torch.float64)  # (2, P)
+        counts = data_parallel_sum(groups, torch.stack([c, n]).to(device)).cpu().to(torch.float64)  # (2, P)
         self.pass_rates, self.seen = update_pass_rates(self.pass_rates, self.seen, counts[0], counts[1],
                                                        self.config.decay)
         self.last_seen = torch.where(counts[1] > 0, self.rollouts, self.last_seen)

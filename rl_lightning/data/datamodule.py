@@ -21,7 +21,7 @@ from rl_lightning.data.steps import (
     check_enough_rows,
 )
 from rl_lightning.errors import ConfigError
-from rl_lightning.parallel.reductions import data_parallel_coords
+from rl_lightning.parallel.reductions import process_groups
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class StepDataModule(L.LightningDataModule):
             if path and name not in self.units:
                 units, _ = self.build_units(load_rows(path, hp.split), name)
                 self.units[name] = units
-        check_enough_rows(len(self.units["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
+        check_enough_rows(len(self.units["train"]), hp.batch_size, process_groups(self.trainer).dp_size, hp.path)
 
     def count(self, name: str, rows: int, truncated: int, dropped: int, source: str, what: str) -> None:
         """Record (and warn about) rows, truncations and drops.
@@ -103,7 +103,8 @@ class StepDataModule(L.LightningDataModule):
 
     def _loader(self, units: list[Any], shuffle: bool, resumable: bool) -> DataLoader:
         hp = saved_hparams(self)
-        dp_rank, dp_size = data_parallel_coords(self.trainer)
+        groups = process_groups(self.trainer)
+        dp_rank, dp_size = groups.dp_rank, groups.dp_size
         trainer = self.trainer
         dataset = StepDataset(
             units, hp.batch_size, dp_rank, dp_size, hp.packing, hp.max_length_per_device, hp.micro_batch_size,

@@ -24,7 +24,7 @@ from rl_lightning.data.loading import Rows, load_rows
 from rl_lightning.data.rows import check_prompt_rows
 from rl_lightning.data.steps import check_enough_rows
 from rl_lightning.errors import ConfigError, DataError
-from rl_lightning.parallel.reductions import data_parallel_coords
+from rl_lightning.parallel.reductions import process_groups
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class PromptDataModule(L.LightningDataModule):
                 except DataError as e:
                     raise DataError(f"data.val_paths.{name}: {e}") from None
                 self.prompts[f"val/{name}"] = self._load(rows, f"val_{name}")
-        check_enough_rows(len(self.prompts["train"]), hp.batch_size, data_parallel_coords(self.trainer)[1], hp.path)
+        check_enough_rows(len(self.prompts["train"]), hp.batch_size, process_groups(self.trainer).dp_size, hp.path)
         if hp.curriculum is not None and self.curriculum is None:
             check_curriculum_task(getattr(self.trainer, "lightning_module", None))
             self.curriculum = PromptCurriculum(CurriculumConfig(**hp.curriculum), len(self.prompts["train"]))
@@ -198,7 +198,8 @@ class PromptDataModule(L.LightningDataModule):
         if self.curriculum is None or not (self.trainer and self.trainer.training):
             return batch
         per_rank = saved_hparams(self).batch_size
-        dp_rank, dp_size = data_parallel_coords(self.trainer)
+        groups = process_groups(self.trainer)
+        dp_rank, dp_size = groups.dp_rank, groups.dp_size
         drawn = self.curriculum.draw(per_rank * dp_size)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         return {**batch, "prompts": [self.prompts["train"][i] for i in drawn]}
 
@@ -214,7 +215,8 @@ class PromptDataModule(L.LightningDataModule):
             self.curriculum.load_state_dict(state_dict["curriculum"])
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
-        dp_rank, dp_size = data_parallel_coords(self.trainer)
+        groups = process_groups(self.trainer)
+        dp_rank, dp_size = groups.dp_rank, groups.dp_size
         trainer = self.trainer
         dataset = PromptBatches(
             self.prompts[name], saved_hparams(self).batch_size, dp_rank, dp_size, shuffle,

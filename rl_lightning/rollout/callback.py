@@ -33,7 +33,7 @@ from rl_lightning.envs.environment import load_environment
 from rl_lightning.envs.workers import start_pool
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.phases import release_host_memory
-from rl_lightning.parallel.reductions import data_parallel_sum, root_device
+from rl_lightning.parallel.reductions import Groups, data_parallel_sum, process_groups
 from rl_lightning.rollout.config import RolloutConfig
 from rl_lightning.rollout.engine_setup import (
     build_vllm_engine,
@@ -90,6 +90,8 @@ def _datamodule(trainer: L.Trainer) -> Any:
 class RolloutCallback(L.Callback):
     """Generate and score trajectories for every training (and validation) batch of prompts, as `config` says."""
 
+    groups: Groups = Groups()  # this rank's parallel layout: `setup` builds it from the strategy's device mesh
+
     def __init__(self, config: RolloutConfig, dapo: DAPOConfig | None = None) -> None:
         self.config = c = config
         self.dapo = DAPOConfig() if dapo is None else dapo  # model.dapo: dynamic sampling, overlong shaping
@@ -119,6 +121,7 @@ class RolloutCallback(L.Callback):
         layout it serves.
         """
         c = self.config
+        self.groups = process_groups(trainer)  # the parallel layout, for the rollout's reductions
         prompts = getattr(_datamodule(trainer), "prompts", {})  # answers of the type reward_fn reads, or one line
         self.env.check_answers(p for loaded in (prompts.values() if isinstance(prompts, dict) else []) for p in loaded)
         if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
@@ -139,14 +142,14 @@ class RolloutCallback(L.Callback):
                                          c.interact_timeout_s, c.worker_env)
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
-        self.schedule.start(root_device(trainer))  # the device its engine thread selects (if it has one)
+        self.schedule.start(self.groups.device)  # the device its engine thread selects (if it has one)
         if c.engine == "hf":
             from rl_lightning.engines.hf import HFEngine
 
             # the strategy's device, not the parameters': under strategy.cpu_offload they stay on the CPU
-            self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, root_device(trainer))
+            self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, self.groups.device)
             # its forwards may be collectives: every rank generates equally often
-            self.lockstep = Lockstep(root_device(trainer), task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
+            self.lockstep = Lockstep(self.groups.device, task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
             engine, self.adapter_sync = build_vllm_engine(c, trainer, task, self.engine_devices)
@@ -264,7 +267,7 @@ class RolloutCallback(L.Callback):
             metrics.update(self._track_pareto(trainer, task, trajectories))
         curriculum = getattr(_datamodule(trainer), "curriculum", None)
         if curriculum is not None:  # data.curriculum: each prompt's pass rate decides what the next rollouts draw
-            metrics.update(curriculum.observe(trainer, [t.prompt.index for t in trajectories],
+            metrics.update(curriculum.observe(self.groups, [t.prompt.index for t in trajectories],
                                               [t.reward for t in trajectories]))
 
     def _track_pareto(self, trainer: L.Trainer, task: PolicyTask, trajectories: list[Trajectory]
@@ -280,8 +283,8 @@ class RolloutCallback(L.Callback):
         names = pareto.names
         per_rank = torch.tensor([float(len(trajectories)), *(sum(t.reward_components[n] for t in trajectories)
                                                               for n in names)], dtype=torch.float64,
-                                device=root_device(trainer))
-        count, *sums = data_parallel_sum(trainer, per_rank).tolist()
+                                device=self.groups.device)
+        count, *sums = data_parallel_sum(self.groups, per_rank).tolist()
         if count > 0 and pareto.add([s / count for s in sums], task.rollouts + 1, trainer.global_step):
             if trainer.is_global_zero:
                 from lightning.pytorch.loggers import MLFlowLogger
@@ -353,7 +356,7 @@ class RolloutCallback(L.Callback):
             params = self.sampling_params(index, extra, task.tokenizer.eos_token_id, refill_round)
             return self._generate(extra, task.tokenizer, params)
 
-        ranks = data_parallel_ranks(trainer, collectives=not self.schedule.background)
+        ranks = data_parallel_ranks(self.groups, collectives=not self.schedule.background)
         kept, rounds = refill(generate, prompts, trajectories, _datamodule(trainer).prompts["train"],
                               c.responses_per_prompt, filter_range, self.dapo.max_refill_rounds,
                               (c.seed or 0) + 104_729 * index,

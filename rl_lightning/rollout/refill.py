@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from rl_lightning.algorithms.dapo import keep_groups
-from rl_lightning.compat.lightning import device_mesh
-from rl_lightning.parallel.reductions import data_parallel_coords, data_parallel_sum
+from rl_lightning.parallel.reductions import Groups, data_parallel_sum
 from rl_lightning.rollout.trajectory import Trajectory
 
 __all__ = ["Ranks", "data_parallel_ranks", "refill"]
@@ -86,25 +85,22 @@ def refill(generate: Callable[[list, int], list[Trajectory]], prompts: list, tra
     return [t for g in ordered[start:end] for t in g], len(kept) - 1
 
 
-def data_parallel_ranks(trainer: Any, collectives: bool = True) -> Ranks:
-    """`trainer`'s data-parallel ranks; their collectives when there are several and `collectives` allows them.
+def data_parallel_ranks(groups: Groups, collectives: bool = True) -> Ranks:
+    """This rank's data-parallel coordinates; their collectives when there are several and `collectives` allows them.
 
     Tensor/context-parallel peers hold the same prompts and agree among themselves: the collectives run over the
-    data-parallel group (``dp_mesh`` of `rl_lightning.parallel.ParallelStrategy`, else every rank).
+    data-parallel group (``groups.dp_group``).
     """
-    rank, size = data_parallel_coords(trainer)
+    rank, size = groups.dp_rank, groups.dp_size
     if size == 1 or not collectives:
         return Ranks(rank, size)
     import torch.distributed as dist
 
-    mesh = getattr(trainer.strategy, "dp_mesh", None)
-    if mesh is None and "data_parallel" in (getattr(device_mesh(trainer.strategy), "mesh_dim_names", None) or ()):
-        mesh = device_mesh(trainer.strategy)["data_parallel"]
-    group = None if mesh is None else mesh.get_group()
+    group = groups.dp_group
 
     def gather(value: Any) -> list[Any]:
         out: list[Any] = [None] * size
         dist.all_gather_object(out, value, group=group)
         return out
 
-    return Ranks(rank, size, lambda count: int(data_parallel_sum(trainer, count).item()), gather)
+    return Ranks(rank, size, lambda count: int(data_parallel_sum(groups, count).item()), gather)

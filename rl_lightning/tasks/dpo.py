@@ -28,7 +28,13 @@ from rl_lightning.models.logprobs import target_logprobs
 from rl_lightning.models.lora import AdaptersDisabled, apply_lora
 from rl_lightning.models.optim import SkippedStepsState, configure_adamw, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
-from rl_lightning.parallel.reductions import data_parallel_sum, local_micro_batch, parallel_layout, sequence_sums
+from rl_lightning.parallel.reductions import (
+    Groups,
+    data_parallel_sum,
+    local_micro_batch,
+    process_groups,
+    sequence_sums,
+)
 from rl_lightning.parallel.strategy import ParallelStrategy
 from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
@@ -74,6 +80,8 @@ class DPO(SkippedStepsState, L.LightningModule):
         reference_offload: keep the reference on the CPU between steps (saves accelerator memory).
     """
 
+    groups: Groups = Groups()  # this rank's parallel layout: `setup` builds it from the strategy's device mesh
+
     def __init__(
         self,
         lm: LMConfig,
@@ -114,6 +122,7 @@ class DPO(SkippedStepsState, L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         check_memory(self, stage, "dpo")  # before any weights load
+        self.groups = process_groups(self.trainer)  # the parallel layout, for the steps' reductions
 
     @override
     def configure_model(self) -> None:
@@ -156,7 +165,7 @@ class DPO(SkippedStepsState, L.LightningModule):
             return [torch.zeros(int(mb["num_sequences"]), device=self.device) for mb in micro_batches]
         if self.hparams.reference_offload:
             self._reference.to(self.device)
-        layout = parallel_layout(self.trainer)
+        layout = self.groups
         logprobs = [completion_logprobs(self._reference, local_micro_batch(layout, mb), self.lm.lm_head_chunk)
                     for mb in micro_batches]
         if self.hparams.reference_offload:
@@ -172,14 +181,14 @@ class DPO(SkippedStepsState, L.LightningModule):
     def mismatched_reference_point(self, micro_batches: list[dict[str, Any]],
                                    reference: list[torch.Tensor]) -> torch.Tensor:
         """() KTO's z0 over the global step: the policy's mismatched log-ratios, a no-gradient pass of its own."""
-        layout, logratio_sum = parallel_layout(self.trainer), torch.zeros((), device=self.device)
+        layout, logratio_sum = self.groups, torch.zeros((), device=self.device)
         for micro_batch, ref_logprobs in zip(micro_batches, reference, strict=True):
             local = local_micro_batch(layout, micro_batch)
             logprobs = completion_logprobs(self.model, local, self.lm.lm_head_chunk)  # (S,)
             _, mismatched = pair_slices(logprobs - ref_logprobs, int(micro_batch["num_units"]))  # (U,)
             logratio_sum += mismatched.sum()
-        num_examples = data_parallel_sum(self.trainer, sum(mb["num_units"] for mb in micro_batches))
-        return kto_reference_point(data_parallel_sum(self.trainer, logratio_sum), num_examples.clamp(min=1))
+        num_examples = data_parallel_sum(self.groups, sum(mb["num_units"] for mb in micro_batches))
+        return kto_reference_point(data_parallel_sum(self.groups, logratio_sum), num_examples.clamp(min=1))
 
     def _extras(self, micro_batches: list[dict[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per micro-batch: reference log-probabilities and (KTO) the step's reference point."""
@@ -189,7 +198,7 @@ class DPO(SkippedStepsState, L.LightningModule):
 
     def _pair_loss(self, micro_batch: dict, extra: tuple, normaliser: Any) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
-        local = local_micro_batch(parallel_layout(self.trainer), micro_batch)
+        local = local_micro_batch(self.groups, micro_batch)
         logprobs = completion_logprobs(self.model, local, self.lm.lm_head_chunk)  # (S,)
         num_tokens = completion_token_counts(local) if hp.loss_type in REFERENCE_FREE_LOSSES else None
         loss, metrics = preference_objective(hp, logprobs, extra[0], num_tokens, micro_batch, normaliser, extra[1])

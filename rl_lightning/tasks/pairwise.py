@@ -12,7 +12,7 @@ import torch
 
 from rl_lightning.memory.phases import phase
 from rl_lightning.models.optim import optimizer_step
-from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size
+from rl_lightning.parallel.reductions import data_parallel_sum
 
 
 def pair_slices(values: torch.Tensor, num_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,7 +23,7 @@ def pair_slices(values: torch.Tensor, num_pairs: int) -> tuple[torch.Tensor, tor
 def log_global_means(module: Any, sums: dict[str, torch.Tensor], count: torch.Tensor, prefix: str) -> None:
     """Log ``prefix/<name>`` = (sum over data-parallel ranks of sums[name]) / count (count already global)."""
     names = sorted(sums)
-    totals = data_parallel_sum(module.trainer, torch.stack([sums[n].float() for n in names]))
+    totals = data_parallel_sum(module.groups, torch.stack([sums[n].float() for n in names]))
     module.log_dict({f"{prefix}/{n}": totals[i] / count.clamp(min=1) for i, n in enumerate(names)})
 
 
@@ -33,8 +33,8 @@ def pairwise_step(module: Any, micro_batches: list[dict[str, Any]], pair_loss: A
     ``pair_loss(micro_batch, extra, normaliser) -> (loss, metric sums)`` runs per micro-batch (`extras` aligned with
     them, e.g. reference log-probabilities).
     """
-    num_pairs = data_parallel_sum(module.trainer, sum(mb["num_units"] for mb in micro_batches))
-    normaliser = num_pairs / grad_average_size(module.trainer)
+    num_pairs = data_parallel_sum(module.groups, sum(mb["num_units"] for mb in micro_batches))
+    normaliser = num_pairs / module.groups.grad_average_size
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), device=module.device)
     for micro_batch, extra in zip(micro_batches, extras, strict=True):
@@ -62,6 +62,6 @@ def log_validation_means(module: Any, records: list[dict[str, torch.Tensor]]) ->
     """Log ``val/<name>`` global means per pair of the records' metric sums; clears `records`."""
     if records:
         sums = {k: sum(r[k] for r in records) for k in records[0]}
-        count = data_parallel_sum(module.trainer, sums.pop("pairs"))
+        count = data_parallel_sum(module.groups, sums.pop("pairs"))
         log_global_means(module, sums, count, "val")
     records.clear()

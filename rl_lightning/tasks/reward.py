@@ -22,7 +22,7 @@ from rl_lightning.models.logprobs import model_inputs
 from rl_lightning.models.lora import apply_lora, base_model
 from rl_lightning.models.optim import SkippedStepsState, configure_adamw, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
-from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout, sequence_sums
+from rl_lightning.parallel.reductions import Groups, local_micro_batch, process_groups, sequence_sums
 from rl_lightning.tasks.memory_check import check_memory
 from rl_lightning.tasks.pairwise import log_validation_means, pair_slices, pairwise_step, pairwise_validation
 
@@ -46,6 +46,8 @@ class RewardModel(SkippedStepsState, L.LightningModule):
             chunk: ``lm_head_chunk`` other than its default or null is refused.
     """
 
+    groups: Groups = Groups()  # this rank's parallel layout: `setup` builds it from the strategy's device mesh
+
     def __init__(
         self,
         lm: LMConfig,
@@ -65,6 +67,7 @@ class RewardModel(SkippedStepsState, L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         check_memory(self, stage, "reward")  # before any weights load
+        self.groups = process_groups(self.trainer)  # the parallel layout, for the steps' reductions
 
     @override
     def configure_model(self) -> None:
@@ -83,7 +86,7 @@ class RewardModel(SkippedStepsState, L.LightningModule):
         return [optimizer], [schedule]
 
     def _pair_loss(self, micro_batch: dict[str, Any], _: None, normaliser: Any) -> tuple[torch.Tensor, dict]:
-        rewards = sequence_rewards(self.model, local_micro_batch(parallel_layout(self.trainer), micro_batch))  # (S,)
+        rewards = sequence_rewards(self.model, local_micro_batch(self.groups, micro_batch))  # (S,)
         num_pairs = int(micro_batch["num_units"])
         chosen, rejected = pair_slices(rewards, num_pairs)
         loss, metrics = bradley_terry_loss(chosen, rejected, normaliser, micro_batch["margin"])

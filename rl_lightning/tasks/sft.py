@@ -25,10 +25,10 @@ from rl_lightning.models.lora import apply_lora
 from rl_lightning.models.optim import SkippedStepsState, configure_adamw, optimizer_step, run_length
 from rl_lightning.parallel.parallelize import parallelize_for
 from rl_lightning.parallel.reductions import (
+    Groups,
     data_parallel_sum,
-    grad_average_size,
     local_micro_batch,
-    parallel_layout,
+    process_groups,
     shard_sum,
 )
 from rl_lightning.tasks.memory_check import check_memory
@@ -41,6 +41,8 @@ class SFT(SkippedStepsState, L.LightningModule):
         lm: the model, its adapters, memory switches and optimizer (``model.lm.*``, see
             `rl_lightning.models.config.LMConfig`); the optimizer's default here is AdamW at lr 1e-5, cosine schedule.
     """
+
+    groups: Groups = Groups()  # this rank's parallel layout: `setup` builds it from the strategy's device mesh
 
     def __init__(self, lm: LMConfig) -> None:
         super().__init__()
@@ -55,6 +57,7 @@ class SFT(SkippedStepsState, L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         check_memory(self, stage, "sft")  # before any weights load
+        self.groups = process_groups(self.trainer)  # the parallel layout, for the steps' reductions
 
     @override
     def configure_model(self) -> None:
@@ -74,9 +77,9 @@ class SFT(SkippedStepsState, L.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        micro_batches, layout = batch["micro_batches"], parallel_layout(self.trainer)
-        num_tokens = data_parallel_sum(self.trainer, sum(mb["target_mask"].sum() for mb in micro_batches))
-        normaliser = num_tokens / grad_average_size(self.trainer)
+        micro_batches, layout = batch["micro_batches"], self.groups
+        num_tokens = data_parallel_sum(self.groups, sum(mb["target_mask"].sum() for mb in micro_batches))
+        normaliser = num_tokens / self.groups.grad_average_size
         nll_sum = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
             local = local_micro_batch(layout, micro_batch)
@@ -88,13 +91,13 @@ class SFT(SkippedStepsState, L.LightningModule):
             nll_sum += metrics["nll_sum"]
         lr = self.lr_schedulers().get_last_lr()[0]
         grad_norm = optimizer_step(self, self.optim)
-        self.log("train/loss", shard_sum(self.trainer, nll_sum) / num_tokens, prog_bar=True)
+        self.log("train/loss", shard_sum(self.groups, nll_sum) / num_tokens, prog_bar=True)
         self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
                        "train/micro_batches": float(len(micro_batches))})
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        layout = parallel_layout(self.trainer)
+        layout = self.groups
         for micro_batch in batch["micro_batches"]:
             local = local_micro_batch(layout, micro_batch)
             logprobs = target_logprobs(self.model, local, chunk_size=self.lm.lm_head_chunk)[0]
@@ -104,6 +107,6 @@ class SFT(SkippedStepsState, L.LightningModule):
     @override
     def on_validation_epoch_end(self) -> None:
         if self._val_sums:
-            nll_sum, num_tokens = shard_sum(self.trainer, torch.stack(self._val_sums).sum(0))
+            nll_sum, num_tokens = shard_sum(self.groups, torch.stack(self._val_sums).sum(0))
             self.log("val/loss", nll_sum / num_tokens, prog_bar=True)
         self._val_sums.clear()

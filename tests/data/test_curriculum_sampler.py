@@ -13,8 +13,9 @@ from helpers import run_on_cpu_ranks
 
 from rl_lightning.data.curriculum import CurriculumConfig, PromptCurriculum
 from rl_lightning.errors import ConfigError
+from rl_lightning.parallel.reductions import Groups
 
-ONE_PROCESS = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
+ONE_PROCESS = Groups()
 
 
 def _observe(curriculum, rates: dict[int, float], group: int = 4) -> dict[str, float]:
@@ -145,16 +146,10 @@ def _two_ranks(rank, results):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-
-    def reduce(value, reduce_op):
-        dist.all_reduce(value)
-        return value
-
-    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(reduce=reduce, root_device=torch.device("cpu")),
-                                    world_size=2)
+    groups = Groups(dp_rank=rank, dp_size=2, dp_group=dist.group.WORLD)
     curriculum = PromptCurriculum(CurriculumConfig(), 6, seed=0)
     index, rewards = {0: ([0] * 4 + [1] * 4, [1, 1, 0, 0] + [1] * 4), 1: ([0] * 4 + [2] * 4, [0.0] * 8)}[rank]
-    metrics = curriculum.observe(trainer, index, rewards)
+    metrics = curriculum.observe(groups, index, rewards)
     results[rank] = (metrics, curriculum.pass_rates.tolist(), curriculum.draw(4))
 
 

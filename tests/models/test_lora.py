@@ -110,7 +110,7 @@ def test_exports_merged_and_adapter_give_the_trained_logits(sft_run, tmp_path):
 def test_dpo_reference_is_the_base_without_a_second_copy():
     """The first step's loss is exactly ln 2 (policy = reference at step 0, LoRA's B = 0); after training, the
     reference (adapters disabled) gives a freshly loaded base model's log-probabilities."""
-    from rl_lightning.parallel.reductions import local_micro_batch, parallel_layout
+    from rl_lightning.parallel.reductions import local_micro_batch, process_groups
     from rl_lightning.tasks.dpo import completion_logprobs
 
     L.seed_everything(0)
@@ -125,7 +125,7 @@ def test_dpo_reference_is_the_base_without_a_second_copy():
     fresh = _fresh_base()
     with torch.no_grad():
         for mb in batch["micro_batches"]:
-            local = local_micro_batch(parallel_layout(trainer), mb)
+            local = local_micro_batch(process_groups(trainer), mb)
             reference = model.reference_logprobs([mb])[0]
             assert_close(reference, completion_logprobs(fresh, local), atol=1e-6)
             assert (completion_logprobs(model.model, local) - reference).abs().max() > 1e-3  # the policy moved

@@ -24,7 +24,7 @@ from device_rules import DEVICE, HOST, DeviceRuleError, DeviceRules, device_rule
 from helpers import Metrics, fit, free_port, ppo_task, prompts, run_on_cpu_ranks
 
 from rl_lightning.parallel import ParallelStrategy, reductions
-from rl_lightning.parallel.reductions import data_parallel_max, data_parallel_sum, shard_sum
+from rl_lightning.parallel.reductions import Groups, data_parallel_max, data_parallel_sum, shard_sum
 
 NCCL_ERROR = "No backend type associated with device type cpu"
 
@@ -36,13 +36,18 @@ def _old_all_reduce(trainer, value, op="sum"):
 
 
 def _stub_trainer(root="cpu", world_size=2):
-    """A trainer whose strategy reduces with a real all-reduce (no context parallelism) on `root`."""
+    """A trainer whose strategy reduces with a real all-reduce (no context parallelism) on `root` (the old collective's)."""
     def reduce(value, reduce_op):
         dist.all_reduce(value, op=dist.ReduceOp.SUM if reduce_op == "sum" else dist.ReduceOp.MAX)
         return value
 
     return types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device(root), reduce=reduce),
                                  world_size=world_size)
+
+
+def _world_groups(root="cpu", world_size=2):
+    """`Groups` of a DDP-like layout on `root`: every rank data-parallel over the default group."""
+    return Groups(torch.device(root), dist.get_rank(), world_size, dist.group.WORLD)
 
 
 @pytest.fixture
@@ -69,14 +74,14 @@ def _cuda_only_worker(rank, out_path):
     dist.all_reduce(accepted, group=gloo)
     # the fixed reductions move the count to the root device before any collective: on a CPU-only torch the move
     # itself fails (no CUDA), so no host tensor ever reaches the cuda-only group; with CUDA the sum comes back there
-    cuda_trainer = _stub_trainer("cuda")
+    cuda_groups = _world_groups("cuda")
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        total = data_parallel_sum(cuda_trainer, torch.tensor(3.0))
+        total = data_parallel_sum(cuda_groups, torch.tensor(3.0))
         moved = f"{total.device.type} {float(total)}"
     else:
         with pytest.raises((AssertionError, RuntimeError)) as info:
-            data_parallel_sum(cuda_trainer, torch.tensor(3.0))
+            data_parallel_sum(cuda_groups, torch.tensor(3.0))
         moved = str(info.value)
     dist.destroy_process_group()  # before helpers' closing barrier, which this group would refuse too
     if rank == 0:
@@ -164,17 +169,17 @@ def test_guard_checks_our_functions_arguments():
 def test_reductions_move_host_values_to_the_root_device(process_group):
     """The old collective fails the checker on a host count; the reductions put any count on the root device first
     (tensor or plain number) and return it there, as float32."""
-    trainer = _stub_trainer()
+    trainer, groups = _stub_trainer(), _world_groups()
     with DeviceRules("cpu"):
         with pytest.raises(DeviceRuleError, match="got a host tensor"):
             _old_all_reduce(trainer, torch.tensor(3.0))
-        results = [data_parallel_sum(trainer, torch.tensor([3, 4])), data_parallel_max(trainer, 5),
-                   shard_sum(trainer, torch.tensor(6.0, dtype=torch.float64))]
+        results = [data_parallel_sum(groups, torch.tensor([3, 4])), data_parallel_max(groups, 5),
+                   shard_sum(groups, torch.tensor(6.0, dtype=torch.float64))]
         assert [state(r) for r in results] == [DEVICE] * 3
     assert [r.tolist() for r in results] == [[3.0, 4.0], 5.0, 6.0]
     assert {r.dtype for r in results} == {torch.float32}
-    assert reductions.root_device(None) == torch.device("cpu")
-    assert reductions.root_device(trainer) == torch.device("cpu")
+    assert reductions.process_groups(None).device == torch.device("cpu")
+    assert reductions.process_groups(_stub_trainer(world_size=1)) == Groups(torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------------- a dp=2 GRPO run, checked

@@ -17,14 +17,14 @@ from rl_lightning.data.packing import karmarkar_karp
 from rl_lightning.data.steps import pack
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.errors import ConfigError
-from rl_lightning.parallel.reductions import data_parallel_max, local_micro_batch, parallel_layout, root_device
+from rl_lightning.parallel.reductions import Groups, data_parallel_max, local_micro_batch
 from rl_lightning.rollout.trajectory import Trajectory
 
 MicroBatch = dict[str, Any]
 Minibatch = tuple[list[int], list[MicroBatch]]  # (trajectory indices, packed micro-batches)
 
 
-def minibatches(trajectories: list[Trajectory], steps: int, budget: int, pad_token_id: int, trainer: Any,
+def minibatches(trajectories: list[Trajectory], steps: int, budget: int, pad_token_id: int, groups: Groups,
                 device: torch.device) -> list[Minibatch]:
     """Strided minibatches of this rank's trajectories, each packed into micro-batches.
 
@@ -37,17 +37,17 @@ def minibatches(trajectories: list[Trajectory], steps: int, budget: int, pad_tok
         steps: minibatches (optimizer steps) per rollout.
         budget: tokens per micro-batch.
         pad_token_id: the filler micro-batch's token.
-        trainer: the Trainer (the micro-batch count is agreed over data-parallel ranks).
+        groups: the parallel layout (the micro-batch count is agreed over data-parallel ranks).
         device: where the packed tensors go.
 
     Returns:
         [(trajectory indices, micro-batches)] per minibatch.
     """
     parts = [list(range(k, len(trajectories), steps)) for k in range(steps)]
-    return [(part, micro_batches(trajectories, part, budget, pad_token_id, trainer, device)) for part in parts]
+    return [(part, micro_batches(trajectories, part, budget, pad_token_id, groups, device)) for part in parts]
 
 
-def micro_batches(trajectories: list[Trajectory], part: list[int], budget: int, pad_token_id: int, trainer: Any,
+def micro_batches(trajectories: list[Trajectory], part: list[int], budget: int, pad_token_id: int, groups: Groups,
                   device: torch.device) -> list[MicroBatch]:
     """The trajectories `part` packed into the fewest micro-batches of at most `budget` tokens (the most over ranks).
 
@@ -56,7 +56,7 @@ def micro_batches(trajectories: list[Trajectory], part: list[int], budget: int, 
         part: the indices of the minibatch's trajectories.
         budget: tokens per micro-batch.
         pad_token_id: the filler micro-batch's token.
-        trainer: the Trainer.
+        groups: the parallel layout.
         device: where the packed tensors go.
 
     Returns:
@@ -80,15 +80,14 @@ def micro_batches(trajectories: list[Trajectory], part: list[int], budget: int, 
         if all(sum(lengths[i] for i in p) <= budget for p in plan):
             break
         count += 1
-    count = int(data_parallel_max(trainer, torch.tensor(float(max(1, count)), device=root_device(trainer))))
-    layout = parallel_layout(trainer)
-    return [local_micro_batch(layout, {k: v.to(device) if torch.is_tensor(v) else v for k, v in
+    count = int(data_parallel_max(groups, torch.tensor(float(max(1, count)), device=groups.device)))
+    return [local_micro_batch(groups, {k: v.to(device) if torch.is_tensor(v) else v for k, v in
                                        pack([units[i] for i in p], pad_token_id).items()})
             for p in karmarkar_karp(lengths, count)]
 
 
 def repack(trajectories: list[Trajectory], part: list[int], packed: list[MicroBatch], budget: int,
-           pad_token_id: int, trainer: Any, device: torch.device) -> list[MicroBatch]:
+           pad_token_id: int, groups: Groups, device: torch.device) -> list[MicroBatch]:
     """`part` packed again under a smaller `budget`, with the per-token values recorded in `packed` carried over.
 
     The values scoring and the advantages wrote (``old_logprobs``, ``ref_logprobs``, ``old_values``,
@@ -101,18 +100,18 @@ def repack(trajectories: list[Trajectory], part: list[int], packed: list[MicroBa
         packed: its micro-batches at the former budget.
         budget: the new token budget.
         pad_token_id: the filler micro-batch's token.
-        trainer: the Trainer.
+        groups: the parallel layout.
         device: where the packed tensors go.
 
     Returns:
         The new micro-batches.
     """
-    fresh = micro_batches(trajectories, part, budget, pad_token_id, trainer, device)
+    fresh = micro_batches(trajectories, part, budget, pad_token_id, groups, device)
     width = max((t.completion_length for t in trajectories), default=1)
     grid = torch.ones(len(trajectories), max(1, width), device=device)  # (B, T); only its shape is used
     for key in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"):
         if all(key in mb for mb in packed):
-            per_trajectory = gather(trainer, packed, [mb[key] for mb in packed], grid)  # (B, T)
+            per_trajectory = gather(groups, packed, [mb[key] for mb in packed], grid)  # (B, T)
             for mb in fresh:
                 mb[key] = scatter(mb, per_trajectory)
     return fresh
@@ -133,14 +132,14 @@ def completion_grid(trajectories: list[Trajectory], device: torch.device) -> tor
     return (torch.arange(width)[None] < lengths[:, None]).float().to(device)  # (B, T)
 
 
-def gather(trainer: Any, packed_micro_batches: list[MicroBatch], packed: list[torch.Tensor], grid: torch.Tensor
+def gather(groups: Groups, packed_micro_batches: list[MicroBatch], packed: list[torch.Tensor], grid: torch.Tensor
            ) -> torch.Tensor:
     """Packed per-token values (one (1, N) tensor per micro-batch) -> (B, T) per trajectory and completion token.
 
     Context-parallel peers each fill their shard's tokens, and a sum over the group completes the picture.
 
     Args:
-        trainer: the Trainer (its context-parallel group).
+        groups: the parallel layout (its context-parallel group).
         packed_micro_batches: the micro-batches `packed` belongs to.
         packed: (1, N) values per micro-batch.
         grid: (B, T) the output's shape, device and dtype (see `completion_grid`).
@@ -152,9 +151,8 @@ def gather(trainer: Any, packed_micro_batches: list[MicroBatch], packed: list[to
     for mb, values in zip(packed_micro_batches, packed, strict=True):
         at = mb["target_mask"][0] > 0
         out[mb["target_trajectory"][0, at].long(), mb["target_slot"][0, at].long()] = values[0, at].float()
-    layout = parallel_layout(trainer)
-    if layout.cp_size > 1:
-        torch.distributed.all_reduce(out, group=layout.cp_group)
+    if groups.cp_size > 1:
+        torch.distributed.all_reduce(out, group=groups.cp_group)
     return out
 
 

@@ -24,6 +24,7 @@ from rl_lightning.models.config import LMConfig, lm_config
 from rl_lightning.models.loading import load_tokenizer
 from rl_lightning.models.logprobs import target_logprobs
 from rl_lightning.models.optim import SkippedStepsState, configure_adamw, typed
+from rl_lightning.parallel.reductions import Groups, process_groups
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
 from rl_lightning.rollout.shaping_monitor import ShapingMonitorCallback
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
@@ -103,6 +104,8 @@ class PPO(SkippedStepsState, L.LightningModule):
         distill: on-policy distillation from a frozen teacher (``model.distill.*``, see
             `rl_lightning.tasks.ppo.distill.DistillConfig`): its per-token reverse KL as a reward or GKD's JSD as a loss.
     """
+
+    groups: Groups = Groups()  # this rank's parallel layout: `setup` builds it from the strategy's device mesh
 
     def __init__(
         self,
@@ -197,6 +200,7 @@ class PPO(SkippedStepsState, L.LightningModule):
             len(dapo_errors(self.dapo_config, self.rollout_config)):]  # those of the ranks (the rest: at __init__)
         if errors:
             raise ConfigError("; ".join(errors))
+        self.groups = process_groups(self.trainer)  # the parallel layout, for the step's reductions
         budget = check_memory(self, stage, "ppo")  # before any weights load; auto: the largest budget that fits
         if budget is not None:
             self.max_length_per_device = budget
@@ -258,7 +262,7 @@ class PPO(SkippedStepsState, L.LightningModule):
         per_trajectory = ["skipped"]  # counts of trajectories, not per-token sums
         if self.correction is not None and self.correction.level != "token":
             per_trajectory.append("mismatch_masked")
-        means, trajectories = metrics.global_means(self.trainer, sums, len(rollout.trajectories), per_trajectory)
+        means, trajectories = metrics.global_means(self.groups, sums, len(rollout.trajectories), per_trajectory)
         logged.update(self.controllers.update(  # 5. KL coefficient, Lagrange multipliers
             {k: float(means[k]) for k in ("kl", "entropy") if k in means}, trajectories,
             move_multipliers=self.rollouts >= self.hparams.freeze_steps))
@@ -270,7 +274,7 @@ class PPO(SkippedStepsState, L.LightningModule):
     def pack(self, trajectories: list[Trajectory]) -> list[minibatches.Minibatch]:
         """This rank's trajectories in ``update_per_rollout`` strided minibatches of packed micro-batches."""
         return minibatches.minibatches(trajectories, self.hparams.update_per_rollout, self.max_length_per_device,
-                                       self.tokenizer.pad_token_id, self.trainer, self.device)
+                                       self.tokenizer.pad_token_id, self.groups, self.device)
 
     def score(self, packed: list[minibatches.Minibatch]) -> None:
         """Record the sampling policy's and the reference's log-probabilities and the critic's values."""
@@ -285,7 +289,7 @@ class PPO(SkippedStepsState, L.LightningModule):
         hp = self.hparams
         kl_reward = self.kl_config.type == "reward" and self._reference is not None
         return scoring.assign_advantages(
-            self.trainer, rollout, micro_batches, self.device, estimator=hp.advantage_estimator,
+            self.groups, rollout, micro_batches, self.device, estimator=hp.advantage_estimator,
             critic=self.critic is not None, kl_reward_coef=self.controllers.kl_coef if kl_reward else None,
             kl_estimator=self.kl_config.estimator, gamma=hp.gamma, lam=hp.lam, rho_bar=hp.vtrace_rho_bar,
             c_bar=hp.vtrace_c_bar, nstep=hp.nstep, distill_coef=self.distill.coef if self.distill_reward else None)
@@ -316,7 +320,7 @@ class PPO(SkippedStepsState, L.LightningModule):
     def log_rollout(self, rollout: Rollout, means: dict[str, torch.Tensor], advantage_sums: torch.Tensor,
                     logged: dict[str, Any], micro_batches: int) -> None:
         """Log the rollout's global means, rewards and advantages, the controllers' values and the counters."""
-        rollout_means = metrics.rollout_metrics(self.trainer, rollout, means, advantage_sums)
+        rollout_means = metrics.rollout_metrics(self.groups, rollout, means, advantage_sums)
         self.reward_means = {k: float(v) for k, v in rollout_means.items() if k.startswith("train/reward")}
         self.log_dict({
             **rollout_means,

@@ -16,7 +16,7 @@ from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS, estimate_a
 from rl_lightning.algorithms.distill import distillation_advantages
 from rl_lightning.algorithms.kl import KL_ESTIMATORS, kl_reward_penalty
 from rl_lightning.models.logprobs import model_inputs, target_logprobs
-from rl_lightning.parallel.reductions import data_parallel_sum
+from rl_lightning.parallel.reductions import Groups, data_parallel_sum
 from rl_lightning.rollout.trajectory import Rollout
 from rl_lightning.tasks.ppo.minibatches import MicroBatch, Minibatch, completion_grid, gather, scatter
 
@@ -67,7 +67,7 @@ def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any,
                 mb["old_values"] = critic_values(critic, mb)
 
 
-def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroBatch], device: torch.device, *,
+def assign_advantages(groups: Groups, rollout: Rollout, micro_batches: list[MicroBatch], device: torch.device, *,
                       estimator: str, critic: bool, kl_reward_coef: float | None, kl_estimator: str, gamma: float,
                       lam: float, rho_bar: float, c_bar: float, nstep: int, distill_coef: float | None = None
                       ) -> torch.Tensor:
@@ -77,7 +77,7 @@ def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroB
     engine (``target_engine_logprobs``).
 
     Args:
-        trainer: the Trainer (global sums over data-parallel ranks).
+        groups: the parallel layout (global sums over data-parallel ranks).
         rollout: the rollout (rewards, group size).
         micro_batches: every packed micro-batch of the rollout, scored.
         device: where the per-trajectory tensors go.
@@ -99,22 +99,22 @@ def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroB
     grid = completion_grid(rollout.trajectories, device)  # (B, T)
     kl_penalty = values = logprobs = engine_logprobs = None
     if kl_reward_coef is not None:  # -coef x KL_t of the sampling policy
-        kl_penalty = gather(trainer, micro_batches, [kl_reward_penalty(
+        kl_penalty = gather(groups, micro_batches, [kl_reward_penalty(
             mb["old_logprobs"], mb["ref_logprobs"], kl_reward_coef, KL_ESTIMATORS[kl_estimator])
             for mb in micro_batches], grid)
     if critic:
-        values = gather(trainer, micro_batches, [mb["old_values"] for mb in micro_batches], grid)
+        values = gather(groups, micro_batches, [mb["old_values"] for mb in micro_batches], grid)
     if estimator in OFF_POLICY_ESTIMATORS:  # pi: the trainer at score time; mu: the engine
-        logprobs = gather(trainer, micro_batches, [mb["old_logprobs"] for mb in micro_batches], grid)
-        engine_logprobs = gather(trainer, micro_batches, [mb["target_engine_logprobs"] for mb in micro_batches],
+        logprobs = gather(groups, micro_batches, [mb["old_logprobs"] for mb in micro_batches], grid)
+        engine_logprobs = gather(groups, micro_batches, [mb["target_engine_logprobs"] for mb in micro_batches],
                                  grid)
     rewards = torch.tensor([t.reward for t in rollout.trajectories], dtype=torch.float32, device=device)
     advantages, returns = estimate_advantages(
         estimator, rewards, grid, rollout.group_size, kl_penalty, values, gamma, lam,
-        global_sum=lambda x: data_parallel_sum(trainer, x), target_logprobs=logprobs,
+        global_sum=lambda x: data_parallel_sum(groups, x), target_logprobs=logprobs,
         behaviour_logprobs=engine_logprobs, rho_bar=rho_bar, c_bar=c_bar, nstep=nstep)
     if distill_coef is not None:  # the teacher's per-token reverse-KL reward, discount 0
-        student, teacher = (gather(trainer, micro_batches, [mb[k] for mb in micro_batches], grid)
+        student, teacher = (gather(groups, micro_batches, [mb[k] for mb in micro_batches], grid)
                             for k in ("old_logprobs", "teacher_logprobs"))
         advantages = distillation_advantages(advantages, student, teacher, grid, distill_coef)
     for mb in micro_batches:
@@ -122,4 +122,4 @@ def assign_advantages(trainer: Any, rollout: Rollout, micro_batches: list[MicroB
         if returns is not None:
             mb["returns"] = scatter(mb, returns)
     stats = torch.stack([advantages.sum(), advantages.pow(2).sum(), grid.sum()])
-    return data_parallel_sum(trainer, stats)
+    return data_parallel_sum(groups, stats)

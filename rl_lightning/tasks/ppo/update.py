@@ -17,7 +17,7 @@ from rl_lightning.algorithms.policy import policy_loss_normaliser
 from rl_lightning.memory.backoff import free_after_oom, oom_backoff_supported, smaller_budget
 from rl_lightning.memory.phases import phase
 from rl_lightning.models.optim import optimizer_step
-from rl_lightning.parallel.reductions import data_parallel_sum, grad_average_size, root_device
+from rl_lightning.parallel.reductions import Groups, data_parallel_sum
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
 from rl_lightning.tasks.ppo.minibatches import MicroBatch, Minibatch, repack
 
@@ -33,7 +33,7 @@ class Learner(Protocol):
     optim: Any  # OptimConfig: max_grad_norm, max_skipped_steps
     max_length_per_device: int  # the token budget in use; the back-off lowers it
     device: torch.device
-    trainer: Any
+    groups: Groups  # the parallel layout
 
     def lr_schedulers(self) -> Any:
         """The actor's (and the critic's) learning-rate schedules."""
@@ -74,18 +74,18 @@ def update(task: Learner, rollout: Rollout, minibatches: list[Minibatch], train_
     logged: dict[str, Any] = {"train/lr": actor_schedule.get_last_lr()[0]}  # this rollout's first actor step
     packed_at, retries = task.max_length_per_device, 0  # the minibatches were packed at this budget
     for part, micro_batches in minibatches:
-        tokens, policy_count = loss_counts(task.trainer, rollout.trajectories, part, aggregation,
+        tokens, policy_count = loss_counts(task.groups, rollout.trajectories, part, aggregation,
                                            max_completion_tokens)
         while True:  # out of memory: the minibatch is re-packed smaller and redone (single process only)
             if task.max_length_per_device < packed_at:
                 micro_batches = repack(rollout.trajectories, part, micro_batches, task.max_length_per_device,
-                                       task.tokenizer.pad_token_id, task.trainer, task.device)
+                                       task.tokenizer.pad_token_id, task.groups, task.device)
                 packed_at = task.max_length_per_device
             try:
                 part_sums = minibatch_backward(task, micro_batches, tokens, policy_count, train_actor)
                 break
             except torch.OutOfMemoryError:
-                if not oom_backoff_supported(task.trainer.world_size):
+                if not oom_backoff_supported(task.groups.world_size):
                     raise
             # out of the handler, so the failed attempt's frames (activations) are released
             retries += 1
@@ -115,7 +115,7 @@ def minibatch_backward(task: Learner, micro_batches: list[MicroBatch], tokens: t
     Returns:
         The minibatch's metric sums on this rank.
     """
-    size = grad_average_size(task.trainer)
+    size = task.groups.grad_average_size
     sums: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
         metric_sums: dict[str, torch.Tensor] = {}
@@ -155,12 +155,12 @@ def back_off(task: Learner, trajectories: list[Trajectory], part: list[int]) -> 
     task.max_length_per_device = budget
 
 
-def loss_counts(trainer: Any, trajectories: list[Trajectory], part: list[int], aggregation: str,
+def loss_counts(groups: Groups, trajectories: list[Trajectory], part: list[int], aggregation: str,
                 max_completion_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global counts of one minibatch, from whole trajectories (context-parallel shards hold parts of each).
 
     Args:
-        trainer: the Trainer (sums over data-parallel ranks).
+        groups: the parallel layout (sums over data-parallel ranks).
         trajectories: this rank's trajectories.
         part: the indices of the minibatch's trajectories.
         aggregation: ``model.aggregation``.
@@ -173,5 +173,5 @@ def loss_counts(trainer: Any, trajectories: list[Trajectory], part: list[int], a
     tokens = float(sum(trajectories[i].completion_length for i in part))
     policy = policy_loss_normaliser(aggregation, completions, tokens, max_completion_tokens)
     # clamp: a minibatch whose completions were all masked out (truncated) has nothing to learn, not a NaN
-    counts = data_parallel_sum(trainer, torch.tensor([tokens, policy], device=root_device(trainer))).clamp(min=1)
+    counts = data_parallel_sum(groups, torch.tensor([tokens, policy], device=groups.device)).clamp(min=1)
     return counts[0], counts[1]

@@ -42,7 +42,7 @@ class HeldOutSums:
         # "": the single data.val_path; dataloaders given without the prompts DataModule are named by their index
         set_names = getattr(trainer.datamodule, "val_names", None) or (
             [""] if max(sums) == 0 else [str(i) for i in range(max(sums) + 1)])
-        means = metrics.validation_means(trainer, sums, self.component_names, set_names, task.device)
+        means = metrics.validation_means(task.groups, sums, self.component_names, set_names, task.device)
         task.validation_metrics = {k: float(v) for k, v in means.items()}
         if trainer.sanity_checking:  # Lightning drops sanity-check logs; keep the untrained policy's score
             for logger in trainer.loggers:
