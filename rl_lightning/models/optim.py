@@ -1,6 +1,7 @@
 """Optimizer, learning-rate schedule and gradient clipping shared by every task (``model.lm.optim.*``).
 
-Every task steps through `optimizer_step`, which also skips a step whose gradient norm is not finite (see there).
+Every task steps through `optimizer_step` (optimizer, schedule and parameters in, grad norm and metrics out), which
+also skips a step whose gradient norm is not finite (see there).
 """
 
 from __future__ import annotations
@@ -139,42 +140,57 @@ def run_length(trainer: Any, optim: OptimConfig) -> int:
     return int(total)
 
 
-def optimizer_step(module: Any, optim: OptimConfig, index: int | None = None,
-                   model: torch.nn.Module | None = None) -> torch.Tensor:
-    """Clip, step and zero one optimizer of a manually optimised LightningModule and advance its scheduler.
+def optimizer_step(optimizer: Any, lr_scheduler: Any, parameters: Iterable[torch.nn.Parameter], optim: OptimConfig,
+                   skipped: SkippedSteps, index: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip, step and zero `optimizer` and advance `lr_scheduler`; returns the pre-clip grad norm and the metrics.
 
-    Returns the pre-clip grad norm. `index` picks among several optimizers (None: the only one); `model` limits clipping
-    to its parameters. A non-finite norm (a NaN or infinite loss or gradient on any rank: the norm is global, so
-    every rank decides alike) skips the step: the gradients are dropped, and the parameters, optimizer state,
-    schedule and ``trainer.global_step`` stay as they were. ``train/skipped_steps`` logs the run's count;
-    ``optim.max_skipped_steps`` in a row raise `TrainingError`.
+    A non-finite norm of `parameters`' gradients (a NaN or infinite loss or gradient on any rank: the norm is global,
+    so every rank decides alike) skips the step: the gradients are dropped, and the parameters, optimizer state,
+    schedule and ``trainer.global_step`` stay as they were. `skipped` (the task's, checkpointed) counts it under
+    `index` (the optimizer's place among the task's, None for the only one); ``optim.max_skipped_steps`` in a row
+    raise `TrainingError`. The metrics (``train/skipped_steps``, the run's count) are the caller's to log.
+
+    Args:
+        optimizer: the optimizer (a task's ``optimizers()`` entry: it steps through the strategy).
+        lr_scheduler: its learning-rate schedule.
+        parameters: the parameters it updates (their gradients are clipped).
+        optim: ``model.optim`` (``max_grad_norm``, ``max_skipped_steps``).
+        skipped: the task's skipped-step counts.
+        index: the optimizer's index among the task's, or None.
+
+    Returns:
+        The pre-clip gradient norm and ``{"train/skipped_steps": count}``.
     """
-    optimizer, lr_scheduler = module.optimizers(), module.lr_schedulers()
-    if index is not None:
-        optimizer, lr_scheduler = optimizer[index], lr_scheduler[index]
-    skipped = module.__dict__.setdefault("skipped_steps", SkippedSteps())  # the module's, made on its first step
     with phase("train/optimizer_step"):
-        grad_norm = clip_grad_norm((model or module).parameters(), optim.max_grad_norm)
+        grad_norm = clip_grad_norm(parameters, optim.max_grad_norm)
         finite = math.isfinite(grad_norm.item())  # clipping has synchronised already
         if finite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if finite:
             lr_scheduler.step()
-    module.log("train/skipped_steps", float(skipped.count(finite, index, optim.max_skipped_steps, grad_norm)))
-    return grad_norm
+    return grad_norm, {"train/skipped_steps": float(skipped.count(finite, index, optim.max_skipped_steps, grad_norm))}
 
 
 class SkippedStepsState:
     """Checkpointed skipped-step counts: a mixin, before ``L.LightningModule``, of a task using `optimizer_step`.
 
-    Its `SkippedSteps` ride in the checkpoint, so a resumed run logs the uninterrupted run's ``train/skipped_steps``
-    and a streak goes on counting.
+    Its `SkippedSteps` (``skipped_steps``, made on the first step) ride in the checkpoint, so a resumed run logs the
+    uninterrupted run's ``train/skipped_steps`` and a streak goes on counting.
     """
+
+    skipped_steps: SkippedSteps | None = None
+
+    @property
+    def skip_counter(self) -> SkippedSteps:
+        """The task's `SkippedSteps`, made on first use."""
+        if self.skipped_steps is None:
+            self.skipped_steps = SkippedSteps()
+        return self.skipped_steps
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the counts (none before the first step)."""
-        skipped = self.__dict__.get("skipped_steps")
+        skipped = self.skipped_steps
         if skipped is not None:
             checkpoint["skipped_steps"] = {"total": skipped.total, "streaks": list(skipped.streaks.items())}
 
@@ -182,7 +198,7 @@ class SkippedStepsState:
         """Restore the counts (a checkpoint from before they were stored has none)."""
         state = checkpoint.get("skipped_steps")
         if state is not None:
-            self.__dict__["skipped_steps"] = SkippedSteps(state["total"], dict(map(tuple, state["streaks"])))
+            self.skipped_steps = SkippedSteps(state["total"], dict(map(tuple, state["streaks"])))
 
 
 @dataclass

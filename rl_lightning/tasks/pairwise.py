@@ -44,8 +44,11 @@ def pairwise_step(module: Any, micro_batches: list[dict[str, Any]], pair_loss: A
             module.manual_backward(loss)
         loss_sum += loss.detach() * normaliser
         sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
-    lr = module.lr_schedulers().get_last_lr()[0]
-    grad_norm = optimizer_step(module, module.optim)
+    schedule = module.lr_schedulers()
+    lr = schedule.get_last_lr()[0]
+    grad_norm, logged = optimizer_step(module.optimizers(), schedule, module.parameters(), module.optim,
+                                       module.skip_counter)
+    module.log_dict(logged)
     log_global_means(module, {**sums, "loss": loss_sum}, num_pairs, "train")
     module.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/pairs": num_pairs})
 

@@ -89,8 +89,11 @@ class SFT(SkippedStepsState, L.LightningModule):
             with phase("train/backward"):
                 self.manual_backward(loss)
             nll_sum += metrics["nll_sum"]
-        lr = self.lr_schedulers().get_last_lr()[0]
-        grad_norm = optimizer_step(self, self.optim)
+        schedule = self.lr_schedulers()
+        lr = schedule.get_last_lr()[0]
+        grad_norm, logged = optimizer_step(self.optimizers(), schedule, self.parameters(), self.optim,
+                                           self.skip_counter)
+        self.log_dict(logged)
         self.log("train/loss", shard_sum(self.groups, nll_sum) / num_tokens, prog_bar=True)
         self.log_dict({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": num_tokens,
                        "train/micro_batches": float(len(micro_batches))})

@@ -116,3 +116,24 @@ def test_clip_grad_norm_returns_norm_and_clips():
     p.grad = torch.tensor([3.0, 4.0])
     assert clip_grad_norm([p], 0.0).item() == pytest.approx(5.0)  # disabled: norm reported, gradient untouched
     assert torch.equal(p.grad, torch.tensor([3.0, 4.0]))
+
+
+def test_optimizer_step_returns_its_metrics_and_writes_nothing_on_the_module():
+    """Optimizer, schedule and parameters in, the pre-clip norm and ``train/skipped_steps`` out; a NaN gradient skips
+    the step (parameters and schedule untouched) and counts in the caller's `SkippedSteps`."""
+    from rl_lightning.models.optim import SkippedSteps, optimizer_step
+
+    module = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.ones_(module.weight)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    attributes, skipped = set(vars(module)), SkippedSteps()
+    module.weight.grad = torch.tensor([[3.0, 4.0]])
+    norm, metrics = optimizer_step(optimizer, schedule, module.parameters(), OptimConfig(max_grad_norm=0.0), skipped)
+    assert float(norm) == 5.0 and metrics == {"train/skipped_steps": 0.0}
+    assert module.weight.tolist() == [[-0.5, -1.0]] and schedule.last_epoch == 1  # 1 - 0.5 * (3, 4)
+    module.weight.grad = torch.tensor([[float("nan"), 1.0]])
+    norm, metrics = optimizer_step(optimizer, schedule, module.parameters(), OptimConfig(), skipped, index=0)
+    assert metrics == {"train/skipped_steps": 1.0} and (skipped.total, skipped.streaks) == (1, {None: 0, 0: 1})
+    assert module.weight.tolist() == [[-0.5, -1.0]] and schedule.last_epoch == 1 and module.weight.grad is None
+    assert set(vars(module)) == attributes  # no state left on the module

@@ -127,15 +127,18 @@ def check_teacher(config: DistillConfig, student_tokenizer: Any, model_name: str
                           "tokenizer (token mappings are not supported)")
 
 
-def load_teacher(task: Any, config: DistillConfig) -> Any:
-    """The frozen teacher of `task` (a `rl_lightning.tasks.PPO`): the base under LoRA, else a loaded, sharded copy."""
+def load_teacher(task: Any, config: DistillConfig, student: Any) -> Any:
+    """The frozen teacher of `task` (a `rl_lightning.tasks.PPO`) for its policy `student`.
+
+    The base under LoRA (`student` with its adapters disabled), else a loaded, sharded copy.
+    """
     lm = task.lm
     if config.teacher == lm.name and lm.lora is not None:
-        return AdaptersDisabled(task.model)
+        return AdaptersDisabled(student)
     # frozen: bf16 weights when the run computes in bf16 (half the memory of fp32 masters it never updates)
     dtype = torch.bfloat16 if str(task.trainer.precision).startswith("bf16") else None
     teacher = load_causal_lm(config.teacher, dtype=dtype, attn_implementation=lm.attn_implementation)
-    student_vocab, teacher_vocab = task.model.get_output_embeddings().weight.shape[0], teacher.config.vocab_size
+    student_vocab, teacher_vocab = student.get_output_embeddings().weight.shape[0], teacher.config.vocab_size
     if config.type == "loss" and student_vocab != teacher_vocab:
         raise ConfigError(f"model.distill.type=loss compares full distributions, but the teacher "
                           f"'{config.teacher}' has {teacher_vocab} output logits and the student {student_vocab}; "

@@ -207,7 +207,11 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        networks.configure(self)  # the policy (LoRA), critic, reference, teacher: loaded once, sharded
+        nets = networks.configure(self)  # the policy (LoRA), critic, reference, teacher: loaded once, sharded
+        self.model, self.critic = nets.model, nets.critic
+        # not submodules: frozen, out of the optimizer and the checkpoints
+        object.__setattr__(self, "_reference", nets.reference)
+        object.__setattr__(self, "_teacher", nets.teacher)
 
     def run_rollouts(self) -> int:
         """Rollouts this run takes: `max_rollouts`, or fewer when the trainer's epochs of prompts end first."""
@@ -231,7 +235,7 @@ class PPO(SkippedStepsState, L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        networks.place_frozen(self)
+        networks.place_frozen((self._reference, self._teacher), self.device, self.trainer.strategy)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:

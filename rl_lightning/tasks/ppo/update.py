@@ -35,8 +35,17 @@ class Learner(Protocol):
     device: torch.device
     groups: Groups  # the parallel layout
 
+    def optimizers(self) -> Any:
+        """The actor's (and the critic's) optimizers."""
+        ...
+
     def lr_schedulers(self) -> Any:
         """The actor's (and the critic's) learning-rate schedules."""
+        ...
+
+    @property
+    def skip_counter(self) -> Any:
+        """The task's skipped-step counts (`rl_lightning.models.optim.SkippedSteps`)."""
         ...
 
     def manual_backward(self, loss: torch.Tensor) -> None:
@@ -69,9 +78,9 @@ def update(task: Learner, rollout: Rollout, minibatches: list[Minibatch], train_
         (grad norms, learning rate, back-off counters).
     """
     sums: dict[str, torch.Tensor] = {"tokens": torch.zeros((), device=task.device)}
-    schedules = task.lr_schedulers()
-    actor_schedule = schedules[0] if isinstance(schedules, list) else schedules
-    logged: dict[str, Any] = {"train/lr": actor_schedule.get_last_lr()[0]}  # this rollout's first actor step
+    optimizers, schedules = task.optimizers(), task.lr_schedulers()
+    optimizers, schedules = (list(x) if isinstance(x, list) else [x] for x in (optimizers, schedules))
+    logged: dict[str, Any] = {"train/lr": schedules[0].get_last_lr()[0]}  # this rollout's first actor step
     packed_at, retries = task.max_length_per_device, 0  # the minibatches were packed at this budget
     for part, micro_batches in minibatches:
         tokens, policy_count = loss_counts(task.groups, rollout.trajectories, part, aggregation,
@@ -93,10 +102,14 @@ def update(task: Learner, rollout: Rollout, minibatches: list[Minibatch], train_
         for k, v in part_sums.items():
             sums[k] = sums.get(k, 0) + v
         if train_actor:
-            logged["train/grad_norm"] = optimizer_step(task, task.optim, None if task.critic is None else 0,
-                                                       task.model)
+            logged["train/grad_norm"], step_metrics = optimizer_step(
+                optimizers[0], schedules[0], task.model.parameters(), task.optim, task.skip_counter,
+                None if task.critic is None else 0)
+            logged.update(step_metrics)
         if task.critic is not None:
-            logged["train/critic_grad_norm"] = optimizer_step(task, task.optim, 1, task.critic)
+            logged["train/critic_grad_norm"], step_metrics = optimizer_step(
+                optimizers[1], schedules[1], task.critic.parameters(), task.optim, task.skip_counter, 1)
+            logged.update(step_metrics)
     logged.update({"train/oom_retries": float(retries), "train/max_length_per_device": float(packed_at)})
     return sums, logged
 
