@@ -92,6 +92,27 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, cache_length: i
     return torch.where(lengths > max_new_tokens, torch.full_like(lengths, -1.0), penalty)
 
 
+def overlong_shaped(rewards: list[float], lengths: list[int], max_new_tokens: int, cache_length: int) -> list[float]:
+    """Each reward plus its `overlong_penalty` (DAPO's soft overlong punishment), in float64 as the rewards are.
+
+    Args:
+        rewards: (B,) rewards.
+        lengths: (B,) completion lengths.
+        max_new_tokens: L_max.
+        cache_length: L_cache.
+
+    Returns:
+        (B,) shaped rewards.
+    """
+    penalties = overlong_penalty(torch.tensor(lengths), max_new_tokens, cache_length)
+    return [reward + penalty for reward, penalty in zip(rewards, penalties.tolist(), strict=True)]
+
+
+def truncation_masked(completion_mask: list[int], finished: bool) -> list[int]:
+    """One completion's mask after `mask_truncated`: all zeros when it was cut (no stop token), else unchanged."""
+    return mask_truncated(torch.tensor([completion_mask]), torch.tensor([finished]))[0].tolist()
+
+
 def mask_truncated(completion_mask: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
     """(B, T) completion mask with the rows of truncated completions zeroed (DAPO's overlong filtering).
 

@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms.dapo import DAPOConfig, overlong_penalty
+from rl_lightning.algorithms.dapo import DAPOConfig, overlong_shaped, truncation_masked
 from rl_lightning.engines.lockstep import Lockstep
 from rl_lightning.engines.protocol import SamplingParams
 from rl_lightning.engines.weights import WeightSync
@@ -336,15 +336,14 @@ class RolloutCallback(L.Callback):
         c = self.config
         trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns, self.lockstep,
                                self.max_model_len)
-        if self.dapo.overlong_cache_length is not None:
-            lengths = torch.tensor([t.completion_length for t in trajectories])
-            penalties = overlong_penalty(lengths, c.max_completion_tokens, self.dapo.overlong_cache_length)
-            for t, penalty in zip(trajectories, penalties.tolist(), strict=True):
-                t.reward += penalty
-        if self.dapo.mask_truncated:
+        if self.dapo.overlong_cache_length is not None:  # DAPO's soft overlong punishment
+            shaped = overlong_shaped([t.reward for t in trajectories], [t.completion_length for t in trajectories],
+                                     c.max_completion_tokens, self.dapo.overlong_cache_length)
+            for t, reward in zip(trajectories, shaped, strict=True):
+                t.reward = reward
+        if self.dapo.mask_truncated:  # DAPO's overlong filtering
             for t in trajectories:
-                if not t.finished:
-                    t.completion_mask = [0] * len(t.completion_mask)
+                t.completion_mask = truncation_masked(t.completion_mask, t.finished)
         return trajectories
 
     def _refill(self, trainer: L.Trainer, task: PolicyTask, prompts: list, trajectories: list[Trajectory],

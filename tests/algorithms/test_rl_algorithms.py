@@ -387,6 +387,16 @@ def test_overlong_penalty_and_truncation_mask():
     assert masked.tolist() == [[1, 1, 1], [0, 0, 0]]
 
 
+def test_overlong_shaping_and_truncation_masking_of_trajectory_lists():
+    """What the rollout applies (it holds no shaping arithmetic of its own): each reward plus its penalty in float64
+    (0.1 - 0.5 exactly as Python adds), and a cut completion's mask all zeros, a finished one's unchanged."""
+    from rl_lightning.algorithms.dapo import overlong_shaped, truncation_masked
+
+    assert overlong_shaped([0.1, 1.0, 2.0], [18, 10, 21], max_new_tokens=20, cache_length=4) == [0.1 - 0.5, 1.0, 1.0]
+    assert truncation_masked([0, 1, 1], finished=False) == [0, 0, 0]
+    assert truncation_masked([0, 1, 1], finished=True) == [0, 1, 1]
+
+
 def test_reward_combination():
     """Components [[1, 0], [.5, .5]]: weighted sum with w = [2, 1] -> [2, 1.5]; Tchebycheff with w = [1, 1] and ideal
     [1, 1] -> [-max(0, 1), -max(.5, .5)] = [-1, -.5] (prefers the balanced trajectory)."""
