@@ -124,13 +124,12 @@ def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     return optimizer, {"scheduler": schedule, "interval": "step"}
 
 
-def run_length(trainer: Any, optim: OptimConfig) -> int:
+def run_length(total: float, optim: OptimConfig) -> int:
     """Optimizer steps of a run with one optimizer step per training batch (SFT, RM, DPO).
 
-    A decaying schedule spans them; a run bounded by neither ``trainer.max_steps`` nor ``trainer.max_epochs`` only
-    allows a constant one.
+    `total` is the trainer's ``estimated_stepping_batches``. A decaying schedule spans them; a run bounded by neither
+    ``trainer.max_steps`` nor ``trainer.max_epochs`` (an infinite estimate) only allows a constant one.
     """
-    total = trainer.estimated_stepping_batches
     if math.isinf(total):
         if optim.lr_schedule == "constant":
             return 0

@@ -82,7 +82,7 @@ class RewardModel(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
+        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer.estimated_stepping_batches, self.optim))
         return [optimizer], [schedule]
 
     def _pair_loss(self, micro_batch: dict[str, Any], _: None, normaliser: Any) -> tuple[torch.Tensor, dict]:

@@ -72,7 +72,7 @@ class SFT(SkippedStepsState, L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer, self.optim))
+        optimizer, schedule = configure_adamw(self.model, self.optim, run_length(self.trainer.estimated_stepping_batches, self.optim))
         return [optimizer], [schedule]
 
     @override

@@ -1,7 +1,6 @@
 """Learning-rate schedule closed forms, `model.lm.optim` validation and the run length a schedule spans."""
 
 import math
-import types
 
 import pytest
 import torch
@@ -57,21 +56,17 @@ def test_optim_defaults_and_frozen():
         optim.lr = 1.0  # frozen: a task's typed config cannot drift from its saved hyper-parameters
 
 
-def _trainer(estimated_stepping_batches):
-    return types.SimpleNamespace(estimated_stepping_batches=estimated_stepping_batches)
-
-
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_run_length_of_a_bounded_run_is_the_trainers_estimate(schedule):
     """Bounded by trainer.max_steps or trainer.max_epochs, Lightning estimates the optimizer steps (an int)."""
-    assert run_length(_trainer(37), OptimConfig(lr_schedule=schedule)) == 37
+    assert run_length(37, OptimConfig(lr_schedule=schedule)) == 37
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_unbounded_run_refuses_a_decaying_schedule_in_one_line(schedule):
     """max_epochs=-1 and max_steps=-1: Lightning's estimate is infinite, so a decay has no end to reach."""
     with pytest.raises(ConfigError) as error:
-        run_length(_trainer(float("inf")), OptimConfig(lr_schedule=schedule))
+        run_length(float("inf"), OptimConfig(lr_schedule=schedule))
     message = str(error.value)
     assert "\n" not in message
     assert message == (f"model.lm.optim.lr_schedule={schedule} decays over the run, but the run is unbounded "
@@ -80,7 +75,7 @@ def test_unbounded_run_refuses_a_decaying_schedule_in_one_line(schedule):
 
 
 def test_unbounded_run_with_a_constant_schedule_has_no_length():
-    assert run_length(_trainer(float("inf")), OptimConfig(lr_schedule="constant")) == 0
+    assert run_length(float("inf"), OptimConfig(lr_schedule="constant")) == 0
 
 
 def test_configure_adamw_schedules_over_the_run_and_overrides_lr():
