@@ -153,7 +153,7 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, parameters: Iterable[torch
         optimizer: the optimizer (a task's ``optimizers()`` entry: it steps through the strategy).
         lr_scheduler: its learning-rate schedule.
         parameters: the parameters it updates (their gradients are clipped).
-        optim: ``model.optim`` (``max_grad_norm``, ``max_skipped_steps``).
+        optim: ``model.lm.optim`` (``max_grad_norm``, ``max_skipped_steps``).
         skipped: the task's skipped-step counts.
         index: the optimizer's index among the task's, or None.
 
