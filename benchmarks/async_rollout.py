@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, env_path: str, async_steps: int, engine=None) 
 
     L.seed_everything(0)
     rollout = RolloutConfig(env_path, responses_per_prompt=args.responses, max_new_tokens=args.max_new_tokens,
-                            engine="vllm", kv_cache_memory_bytes=256 << 20, async_steps=async_steps)
+                            engine={"kind": "vllm", "kv_cache_memory_bytes": 256 << 20}, async_steps=async_steps)
     task = PPO(LMConfig(args.model, optim=OptimConfig(lr=1e-3, lr_schedule="constant")), rollout, max_rollouts=args.rollouts)
     task.rollout_callback.engine = engine  # None: built at fit start; else the first run's engine, reused
     data = PromptDataModule(str(ASSETS / "data" / "arithmetic.jsonl"), tokenizer_name=args.model,

@@ -60,8 +60,8 @@ def run(args: argparse.Namespace, env_path: str, segment: int | None, engine=Non
 
     L.seed_everything(0)
     rollout = RolloutConfig(env_path, responses_per_prompt=args.responses, max_new_tokens=args.max_new_tokens,
-                            engine="vllm", kv_cache_memory_bytes=256 << 20, async_steps=1,
-                            inflight_segment_tokens=segment, max_model_len=1024)
+                            engine={"kind": "vllm", "kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024},
+                            async_steps=1, inflight_segment_tokens=segment)
     task = PPO(LMConfig(args.model, optim=OptimConfig(lr=1e-3, lr_schedule="constant")), rollout, max_rollouts=args.rollouts)
     raw = getattr(engine, "engine", engine)  # the VLLMEngine under a SegmentedEngine
     task.rollout_callback.engine = SegmentedEngine(raw, segment) if segment and raw is not None else raw

@@ -91,7 +91,8 @@ def build(config: dict, tmp: str) -> tuple:
         from rl_lightning.tasks import PPO
         from rl_lightning.tasks.ppo import KLConfig
 
-        engine = {"engine": "vllm", "kv_cache_memory_bytes": 256 << 20} if config.get("engine") == "vllm" else {}
+        engine = ({"engine": {"kind": "vllm", "kv_cache_memory_bytes": 256 << 20}} if config.get("engine") == "vllm"
+                  else {})
         rollout = RolloutConfig(str(ROOT / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), responses_per_prompt=4,
                                 max_new_tokens=words, reward_workers=0, **engine)
         path = f"{tmp}/prompts.jsonl"

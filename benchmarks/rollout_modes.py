@@ -111,8 +111,9 @@ def fit_mode(args: argparse.Namespace, name: str, engine: Any) -> tuple[dict[str
     engine_name, async_steps = MODES[name]
     extra = {INFLIGHT_KEY: args.segment_tokens} if name == "inflight" else {}
     rollout = RolloutConfig(args.env, responses_per_prompt=args.responses, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, engine=engine_name, async_steps=async_steps,
-                            kv_cache_memory_bytes=256 << 20, reward_workers=0, reward_weights=args.weights, **extra)
+                            temperature=args.temperature,
+                            engine={"kind": engine_name, "kv_cache_memory_bytes": 256 << 20},
+                            async_steps=async_steps, reward_workers=0, reward_weights=args.weights, **extra)
     task = timed_task_class()(args.model, rollout, optim=OptimConfig(lr=args.lr, lr_schedule="constant"),
                               max_rollouts=args.rollouts, max_length_per_device=512)
     if name == "inflight" and engine is not None:  # the callback wraps only an engine it builds itself

@@ -119,8 +119,9 @@ def run_ours(task: str, a: argparse.Namespace) -> dict:
     else:
         engine = "vllm" if "vllm" in task else "hf"
         rollout = RolloutConfig(str(ENV), responses_per_prompt=a.group, max_new_tokens=a.max_new_tokens,
-                                temperature=1.0, engine=engine, reward_workers=0,
-                                kv_cache_memory_bytes=KV_CACHE_BYTES if engine == "vllm" else None)
+                                temperature=1.0, reward_workers=0,
+                                engine={"kind": "vllm", "kv_cache_memory_bytes": KV_CACHE_BYTES} if engine == "vllm"
+                                else "hf")
         data = PromptDataModule(str(DATA / "easy.jsonl"), tokenizer_name=model, batch_size=a.prompts,
                                 max_prompt_length=MAX_PROMPT_LENGTH, shuffle=False)
         module = PPO(LMConfig(model, optim=OptimConfig(lr=1e-6, lr_schedule="constant"), **extra), rollout, max_rollouts=total,

@@ -1,6 +1,7 @@
 """End to end through the real CLI in fresh processes: `fit --config recipes/<task>.yaml --trainer.max_steps 30`
 for SFT, RM and DPO on the demo assets, checking learning, MLflow records and the Hugging Face exports."""
 
+import re
 import subprocess
 import sys
 
@@ -147,8 +148,11 @@ def grpo_run(request, tmp_path_factory):
         (workdir / name).symlink_to(REPO / name)
     (workdir / "recipes").mkdir()
     recipe = (REPO / "rl_lightning" / "recipes" / "grpo.yaml").read_text()
-    assert recipe.count("engine: vllm") == 1
-    (workdir / "recipes" / "grpo.yaml").write_text(recipe.replace("engine: vllm", f"engine: {request.param}"))
+    group = re.compile(r"      engine:.*\n        kind: vllm\n        kv_cache_memory_bytes: \d+.*\n")  # the engine group
+    assert len(group.findall(recipe)) == 1
+    if request.param == "hf":
+        recipe = group.sub("      engine: hf\n", recipe)
+    (workdir / "recipes" / "grpo.yaml").write_text(recipe)
     result = subprocess.run([sys.executable, "-m", "rl_lightning", "fit", "--config", "recipes/grpo.yaml"],
                             cwd=workdir, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]

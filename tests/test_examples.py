@@ -48,7 +48,7 @@ def test_gpu_smoke_overlay_instantiates_on_the_real_recipe(workdir):
     assert strategy.dp_size == 2
     assert strategy.mixed_precision == "bf16"
     rollout = cli.model.hparams.rollout  # as parsed: a dict of the rollout config's keys
-    assert (rollout["engine"], rollout["kv_cache_memory_bytes"], cli.model.hparams.max_rollouts) == ("hf", None, 3)
+    assert (rollout["engine"], cli.model.hparams.max_rollouts) == ({"kind": "hf"}, 3)
     assert cli.model.lm.name == "asset:SmolLM2-135M-Instruct"
 
 

@@ -36,6 +36,16 @@ RENAMED: dict[str, str] = {
     "model.rollout.max_refill_rounds": "model.dapo.max_refill_rounds",
     "model.rollout.overlong_cache_length": "model.dapo.overlong_cache_length",
     "model.rollout.mask_truncated": "model.dapo.mask_truncated",
+    # the engine is a group whose kind carries its keys (``model.rollout.engine: {kind: vllm, tp_size: 2}``)
+    "model.rollout.engine_tp_size": "model.rollout.engine.tp_size",
+    "model.rollout.engine_devices": "model.rollout.engine.devices",
+    "model.rollout.engine_timeout_s": "model.rollout.engine.timeout_s",
+    "model.rollout.engine_restarts": "model.rollout.engine.restarts",
+    "model.rollout.max_model_len": "model.rollout.engine.max_model_len",
+    "model.rollout.kv_cache_memory_bytes": "model.rollout.engine.kv_cache_memory_bytes",
+    "model.rollout.gpu_memory_utilization": "model.rollout.engine.gpu_memory_utilization",
+    "model.rollout.weight_bucket_mb": "model.rollout.engine.weight_bucket_mb",
+    "model.rollout.weight_sync": "model.rollout.engine.weight_sync",
 }
 
 
@@ -99,6 +109,8 @@ def rename_hparams(hparams: dict[str, Any], table: dict[str, str] | None = None)
         parts = old.removeprefix("model.").split(".")
         place = out
         for group in parts[:-1]:
+            if isinstance(place.get(group), str):  # a group written by its kind alone (``engine: vllm``)
+                place[group] = {"kind": place[group]}
             place = place.setdefault(group, {})
         place[parts[-1]] = value
     return out

@@ -9,7 +9,7 @@ this run's and refuses, in one line naming every difference, a checkpoint of
 - another model (``model.lm.name``, ``model.ref_model_name``, ``model.reference_free``, ``model.lm.lora``, a critic
   that appears or goes) or an architecture that no longer matches the model folder's ``config.json`` (layers, hidden
   size, vocabulary),
-- another rollout mode (``model.rollout.engine``, ``model.rollout.async_steps``).
+- another rollout mode (``model.rollout.engine.kind``, ``model.rollout.async_steps``).
 
 Everything else (learning rate, ``max_rollouts``, time limits, ...) may change on resume. ``--load_weights_only true``
 takes the checkpoint's model weights only and starts a new run under this config: step 0, a fresh optimizer and
@@ -38,7 +38,7 @@ from rl_lightning.errors import ConfigError
 from rl_lightning.parallel.checkpoint_trust import load_file, read_dcp_metadata, refuse_damaged, refuse_untrusted
 
 # hyperparameters (dotted, as in the CLI under `model.`) whose change makes a checkpoint another run's
-IDENTITY = ("lm.name", "ref_model_name", "reference_free", "lm.lora", "rollout.engine", "rollout.async_steps")
+IDENTITY = ("lm.name", "ref_model_name", "reference_free", "lm.lora", "rollout.engine.kind", "rollout.async_steps")
 SWITCH = "--load_weights_only true"
 TRUST = "--trust_checkpoint true"
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -197,6 +197,8 @@ def _misfits(loaded: dict[str, Any], expected: dict[str, Any]) -> str:
 def _get(hparams: dict[str, Any], dotted: str) -> Any:
     value: Any = hparams
     for part in dotted.split("."):
+        if isinstance(value, str) and part == "kind":  # a group given by its kind alone (``engine: vllm``)
+            return value
         if not isinstance(value, dict) or part not in value:
             return _MISSING
         value = value[part]

@@ -7,7 +7,7 @@ agree on "anyone still generating?" (one all-reduce of a flag) and a rank with n
 one-token prompt, one completion, with the round's budget (so its decode loop runs as many steps as its peers'), whose
 result is thrown away. The filler never becomes a trajectory, so it is in no loss, metric or reward.
 
-The colocated vLLM engine (``engine_tp_size: 1``) generates without collectives and needs none of this.
+The colocated vLLM engine (``tp_size: 1``) generates without collectives and needs none of this.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Adapter-only weight sync with vLLM: whether the engine can serve the policy's LoRA adapter, and at which rank.
 
-`adapter_sync_rank` resolves ``model.rollout.weight_sync`` before the engine is built: with a rank, the engine is built
-with LoRA support and each step pushes only the adapter (`rl_lightning.engines.vllm.VLLMEngine.update_adapter`);
-with None, every step pushes the merged weights.
+`adapter_sync_rank` resolves ``model.rollout.engine.weight_sync`` before the engine is built: with a rank, the engine
+is built with LoRA support and each step pushes only the adapter
+(`rl_lightning.engines.vllm.VLLMEngine.update_adapter`); with None, every step pushes the merged weights.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def vllm_lora_rank(rank: int) -> int:
         if rank <= allowed:
             return allowed
     raise ConfigError(f"model.lm.lora.r={rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); use a "
-                      "smaller rank or model.rollout.weight_sync: full")
+                      "smaller rank or model.rollout.engine.weight_sync: full")
 
 
 def adapter_blockers(config: dict[str, Any]) -> list[str]:
@@ -45,16 +45,17 @@ def adapter_blockers(config: dict[str, Any]) -> list[str]:
 def adapter_sync_rank(model: torch.nn.Module, weight_sync: str, device_type: str = "cuda") -> int | None:
     """The LoRA rank to build the engine for, or None (full sync).
 
-    A rank when ``model.rollout.weight_sync`` (`weight_sync`) resolves to adapter-only sync for `model`. ``adapter``
-    with a plain model or an adapter vLLM cannot serve is a `ConfigError`; ``auto`` falls back to full sync then, and
-    on CPU, where vLLM 0.32's LoRA kernels made generation 2.3x slower than merged weights (SmolLM2-135M, rank 16:
-    benchmarks/lora_sync.py), more than the sync saves.
+    A rank when ``model.rollout.engine.weight_sync`` (`weight_sync`) resolves to adapter-only sync for `model`.
+    ``adapter`` with a plain model or an adapter vLLM cannot serve is a `ConfigError`; ``auto`` falls back to full
+    sync then, and on CPU, where vLLM 0.32's LoRA kernels made generation 2.3x slower than merged weights
+    (SmolLM2-135M, rank 16: benchmarks/lora_sync.py), more than the sync saves.
     """
     if weight_sync == "full" or (weight_sync == "auto" and device_type == "cpu"):
         return None
     if not is_peft(model):
         if weight_sync == "adapter":
-            raise ConfigError("model.rollout.weight_sync=adapter needs a LoRA policy (a PEFT model: set model.lm.lora), "
+            raise ConfigError("model.rollout.engine.weight_sync=adapter needs a LoRA policy (a PEFT model: set "
+                              "model.lm.lora), "
                               "got a plain model; use weight_sync: full or auto")
         return None
     config = adapter_config(model)
@@ -62,7 +63,7 @@ def adapter_sync_rank(model: torch.nn.Module, weight_sync: str, device_type: str
     blockers = adapter_blockers(config) + ([f"r={rank} > {VLLM_LORA_RANKS[-1]}"] if rank > VLLM_LORA_RANKS[-1] else [])
     if blockers:
         if weight_sync == "adapter":
-            raise ConfigError(f"model.rollout.weight_sync=adapter: vLLM cannot serve this LoRA adapter "
+            raise ConfigError(f"model.rollout.engine.weight_sync=adapter: vLLM cannot serve this LoRA adapter "
                               f"({'; '.join(blockers)}); use weight_sync: full (merged weights)")
         log.info("LoRA adapter not servable by vLLM (%s): full (merged) weight sync", "; ".join(blockers))
         return None

@@ -10,9 +10,9 @@ its device). The trainer waiting on the pipe holds no GIL, so with the asynchron
 Selected with ``model.rollout.engine: vllm_process``. Several trainer ranks share one engine process, spawned by
 global rank 0 (`rl_lightning.engines.shared`); adapter-only sync is not wired through the pipe. Tested on CPU:
 log-probabilities equal the trainer's, and an asynchronous run samples the same tokens as with the colocated engine.
-A weight push is streamed: the tensors are taken a bucket (``model.rollout.weight_bucket_mb``) at a time, each bucket
-goes as one flat byte broadcast after its names, shapes and dtypes went by pipe, and the child hands vLLM views of
-that buffer; neither side holds more than a bucket beyond the engine's own weights.
+A weight push is streamed: the tensors are taken a bucket (``model.rollout.engine.weight_bucket_mb``) at a time, each
+bucket goes as one flat byte broadcast after its names, shapes and dtypes went by pipe, and the child hands vLLM
+views of that buffer; neither side holds more than a bucket beyond the engine's own weights.
 
 vLLM 0.32's weight-transfer API (``WeightTransferConfig``, ``vllm.distributed.weight_transfer``) does not cover this
 case on CPU: its transports are NCCL (``PyNcclCommunicator``), CUDA IPC and RDMA. On GPU the engine could be built
@@ -21,8 +21,8 @@ stream (device to device, no host copy); until then the broadcast is this gloo o
 
 Devices: the engine owns its device, so it never sleeps (``VLLMEngine(sleep_mode=False)``: a sleeping vLLM 0.32
 engine keeps its scheduler paused until fully awake). On CUDA the child sees only its own GPUs
-(``CUDA_VISIBLE_DEVICES``, from ``model.rollout.engine_devices``: by default the first GPUs the trainer does not
-use; see `rl_lightning.rollout.config.engine_devices`).
+(``CUDA_VISIBLE_DEVICES``, from ``model.rollout.engine.devices``: by default the first GPUs the trainer does not
+use; see `rl_lightning.rollout.config.engine_process_devices`).
 
 Local only: the store is a file in a folder only this user can enter and the gloo group binds ``127.0.0.1``
 (`rl_lightning.engines.local_channels`); the child's own groups (vLLM's one-rank world, NCCL's bootstrap) are set up
@@ -30,10 +30,10 @@ on a file store and the loopback interface as well. The engine process opens no 
 ``TCPStore`` would listen on every interface, unauthenticated).
 
 Waiting: every wait on the child (its start, the weights group, completions, a weight load, its close) is bounded by
-``model.rollout.engine_timeout_s``, and a child that died is noticed at once (its exit code, and its error when it
+``model.rollout.engine.timeout_s``, and a child that died is noticed at once (its exit code, and its error when it
 could send one): either ends in one `EngineProcessError` line naming what the trainer waited for. Both mean the
 process is gone (`EngineProcessLost`): the rollout callback wraps the engine in
-`rl_lightning.engines.restart.RestartingEngine`, which starts a fresh one (``model.rollout.engine_restarts``).
+`rl_lightning.engines.restart.RestartingEngine`, which starts a fresh one (``model.rollout.engine.restarts``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 DEFAULT_BUCKET_BYTES = 512 << 20
 POLL_S = 0.2  # how often a wait checks that the child still lives
 JOINED = "rl_lightning-engine-joined"  # the child's key in the store: it is joining the weights group
-TIMEOUT_KEY = "model.rollout.engine_timeout_s"
+TIMEOUT_KEY = "model.rollout.engine.timeout_s"
 
 
 class EngineProcessError(RuntimeError):

@@ -1,18 +1,18 @@
-"""An engine process that comes back: ``model.rollout.engine_restarts`` for ``engine: vllm_process``.
+"""An engine process that comes back: ``model.rollout.engine.restarts`` for ``engine: vllm_process``.
 
 `RestartingEngine` wraps the `rl_lightning.engines.process.EngineProcess` the rollout callback builds. When
 the engine process is lost while the trainer waits on it (killed, crashed, or stopped after
-``model.rollout.engine_timeout_s``: an `EngineProcessLost`), it starts a fresh one, pushes it the weights the lost one
+``model.rollout.engine.timeout_s``: an `EngineProcessLost`), it starts a fresh one, pushes it the weights the lost one
 held, and repeats the call that failed (the generate, or the weight load). Sampling seeds travel with every generate
 call, so a retried rollout samples exactly what the lost engine would have: the same tokens and engine log-probabilities
 as a run nobody interrupted.
 
 The weights pushed again are those of the last push, kept as a host copy in the engine's dtype (one extra copy of
-the model in host memory, held for the whole run; none with ``engine_restarts: 0``; the colocated engines keep
+the model in host memory, held for the whole run; none with ``restarts: 0``; the colocated engines keep
 none). They are the trainer's current weights in a synchronous run; with ``async_steps: 1`` they are the version the
 background rollout was sampling with, which the trainer may already have updated, so staleness stays exactly one step.
 
-Bounded: after ``engine_restarts`` restarts the next loss stops the run with one `TrainingError` line naming the key,
+Bounded: after ``engine.restarts`` restarts the next loss stops the run with one `TrainingError` line naming the key,
 how many times the engine was lost and the last reason. An error the engine process reported itself (an exception in
 vLLM: a fresh engine would fail the same way) is not retried. The count is logged as ``rollout/engine_restarts``
 once it is non-zero.
@@ -32,7 +32,7 @@ from rl_lightning.engines.protocol import Completion, SamplingParams
 from rl_lightning.errors import TrainingError
 
 log = logging.getLogger(__name__)
-RESTARTS_KEY = "model.rollout.engine_restarts"
+RESTARTS_KEY = "model.rollout.engine.restarts"
 Result = TypeVar("Result")
 
 

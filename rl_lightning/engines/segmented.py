@@ -62,7 +62,7 @@ class SegmentedEngine:
     wrapped engine's.
 
     Args:
-        engine: the colocated engine (``engine_tp_size: 1``).
+        engine: the colocated engine (``tp_size: 1``).
         segment_tokens: tokens per request per segment.
     """
 

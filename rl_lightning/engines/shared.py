@@ -15,7 +15,7 @@ methods as the process itself:
 - **weights**: every rank walks the FSDP2/TP shards in the same order and gathers each bucket
   (``DTensor.full_tensor()``, a collective of the training mesh); rank 0 streams each bucket to the engine process
   over the engine's own two-member group as soon as it is gathered, the other ranks drop theirs. No rank holds more
-  than a bucket of gathered weights (rank 0 also keeps the host copy that ``engine_restarts`` needs).
+  than a bucket of gathered weights (rank 0 also keeps the host copy that ``engine.restarts`` needs).
 
 Why through rank 0 rather than every rank talking to the engine: the engine's group, its restarts and its timeouts
 stay one two-member affair (a restarted engine process needs no new rendezvous with every rank), the engine sees one
@@ -23,7 +23,7 @@ large batch per round rather than one per rank, and the prompts and completions 
 The cost: every rank waits for the slowest rank's prompts each round, and tensor/context-parallel peers (which hold
 the same prompts) send them again (the same seeds sample the same completions twice).
 
-Errors: a failure on rank 0 (the engine process lost past ``engine_restarts``, an error it reported) is scattered to
+Errors: a failure on rank 0 (the engine process lost past ``engine.restarts``, an error it reported) is scattered to
 every rank as one line before rank 0 raises it, so no rank is left waiting; the group's own timeout (the engine's
 timeout times the restarts it may take, plus one) bounds the rest.
 

@@ -100,8 +100,8 @@ def check_engine(config: Any, tensor_parallel_size: int, world_size: int, device
     """Start-up checks that vLLM itself would fail on with a long traceback (or a hang)."""
     errors = []
     if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
-        errors.append(f"engine_tp_size={tensor_parallel_size} must divide the {world_size} training processes "
-                      "(trainer.devices x trainer.num_nodes); each group of engine_tp_size ranks shares one engine")
+        errors.append(f"engine.tp_size={tensor_parallel_size} must divide the {world_size} training processes "
+                      "(trainer.devices x trainer.num_nodes); each group of tp_size ranks shares one engine")
     if device_type == "cpu" and head_dim(config) not in CPU_HEAD_DIMS:
         errors.append(f"the model's head_dim={head_dim(config)} is not supported by vLLM's CPU attention (supported: "
                       f"{', '.join(map(str, CPU_HEAD_DIMS))}); use engine: hf or a model with a supported head size")
@@ -186,7 +186,7 @@ class VLLMEngine:
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
         if self.world_size % tensor_parallel_size:
-            raise ConfigError(f"model.rollout.engine_tp_size={tensor_parallel_size} must divide the "
+            raise ConfigError(f"model.rollout.engine.tp_size={tensor_parallel_size} must divide the "
                               f"{self.world_size} training processes")
         # vLLM initialises the default group from env:// itself unless it exists; a single process gets ours (vLLM's
         # from env:// would listen on every interface)
@@ -220,6 +220,7 @@ class VLLMEngine:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
         self.lora_request: Any = None
         self.adapter_root = _adapter_root(self.rank) if lora_rank is not None else None
+        self.adapter_sync = lora_rank is not None  # the rollout pushes the adapter only (after the base once)
         self._remove_adapters = (weakref.finalize(self, shutil.rmtree, self.adapter_root, True)
                                  if self.adapter_root is not None else None)
         precision = torch.get_float32_matmul_precision()  # vLLM's worker sets "highest" for the whole process

@@ -79,5 +79,5 @@ def asleep_bytes(device: str, engine_kind: str | None, awake_while_training: boo
 
 
 def gather_bucket_bytes(engine_kind: str | None, bucket: int, weights: float) -> float:
-    """``vllm_process``: one bucket of full weights gathered on the trainer's device to be sent (the rollout phase)."""
-    return float(min(bucket, weights)) if engine_kind == "vllm_process" else 0.0
+    """An engine process (memory kind ``process``): one bucket of full weights gathered to be sent (the rollout)."""
+    return float(min(bucket, weights)) if engine_kind == "process" else 0.0

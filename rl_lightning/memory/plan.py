@@ -97,7 +97,9 @@ class EngineSetup:
     """The rollout engine of a PPO run (``model.rollout.*``).
 
     Args:
-        kind: ``hf``, ``vllm`` or ``vllm_process`` (another process: nothing here).
+        kind: what the engine keeps on this device (its kind's ``memory`` trait, `rl_lightning.engines.registry`):
+            ``policy`` (it samples with the policy: the policy's KV cache), ``vllm`` (a colocated vLLM engine),
+            ``process`` (an engine process: only the bucket of gathered weights being sent) or ``none``.
         rows: sequences generated together on this device (prompts per rank x responses per prompt).
         sequence: longest prompt + completion tokens.
         kv_cache_bytes: vLLM's explicit KV-cache size (CPU: default 1 GiB).
@@ -106,7 +108,7 @@ class EngineSetup:
         weight_bucket_bytes: vLLM's weight sync gathers and sends the weights in buckets of this size.
     """
 
-    kind: str = "hf"
+    kind: str = "policy"
     rows: int = 1
     sequence: int = 1
     kv_cache_bytes: int | None = None
@@ -338,10 +340,10 @@ def _transients(s: TrainSetup) -> dict[str, float]:
 def _engine(s: TrainSetup) -> tuple[dict[str, float], float, float]:
     """The engine's components, its resident bytes while the trainer trains and its bytes while awake."""
     e, m = s.engine, s.model
-    if e is None or e.kind == "vllm_process":
+    if e is None or e.kind in ("none", "process"):
         return {}, 0.0, 0.0
     param, _, _ = precision_bytes(s)
-    if e.kind == "hf":  # the policy generates: its KV cache (grown by concatenation: twice at the step)
+    if e.kind == "policy":  # the policy generates: its KV cache (grown by concatenation: twice at the step)
         kv = e.rows * e.sequence * m.layers * 2 * m.kv_dim * param
         return {"engine KV cache (hf)": 2 * kv}, 0.0, 2 * kv
     if s.device == "cpu":  # fp32 weights, their oneDNN-packed linear copies, the KV cache: resident all run

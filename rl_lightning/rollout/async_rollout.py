@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from rl_lightning.data.prompts import Prompt
+from rl_lightning.engines.registry import kinds_with
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.engine_thread import handed_over, run_ordered, select_device, taken_back
 from rl_lightning.rollout.trajectory import Trajectory
@@ -231,17 +232,18 @@ def async_errors(config: Any) -> list[str]:
     if c.async_steps not in (0, 1):
         return [f"async_steps must be 0 (synchronous) or 1 (one-step-off-policy), got {c.async_steps}; more steps "
                 "off policy are not supported yet"]
-    if c.async_steps and (c.engine not in ("vllm", "vllm_process") or c.engine_tp_size > 1):
+    spec, tp = c.engine_spec, getattr(c.engine_settings, "tp_size", 1)
+    if c.async_steps and (not spec.async_rollout or tp > 1):
         # the background thread must issue no collective: the HF engine generates with the (sharded) policy being
         # trained, and the ranks of a tensor-parallel engine pool their prompts with all_gather_object
-        return [f"async_steps=1 needs engine: vllm (or vllm_process) with engine_tp_size: 1 (got engine '{c.engine}', engine_tp_size "
-                f"{c.engine_tp_size}); set them, or async_steps: 0"]
+        return [f"async_steps=1 needs an engine kind that generates in the background ({kinds_with('async_rollout')}) "
+                f"with tp_size: 1 (got kind '{spec.kind}', tp_size {tp}); set them, or async_steps: 0"]
     segment = getattr(c, "inflight_segment_tokens", None)
-    if segment is not None and (segment < 1 or not c.async_steps or c.engine != "vllm" or c.replay is not None):
+    if segment is not None and (segment < 1 or not c.async_steps or not spec.inflight or c.replay is not None):
         # the segments are generated through the colocated engine's vllm.LLM, between the trainer's weight pushes
-        return [f"inflight_segment_tokens={segment} needs async_steps: 1, engine: vllm and no replay, and must be >= 1 "
-                f"(got async_steps {c.async_steps}, engine '{c.engine}', replay {c.replay}); set them, or "
-                "inflight_segment_tokens: null"]
+        return [f"inflight_segment_tokens={segment} needs async_steps: 1, an engine kind that takes weights in "
+                f"flight ({kinds_with('inflight')}) and no replay, and must be >= 1 (got async_steps {c.async_steps}, "
+                f"engine kind '{spec.kind}', replay {c.replay}); set them, or inflight_segment_tokens: null"]
     return []
 
 

@@ -36,7 +36,7 @@ from rl_lightning.memory.phases import release_host_memory
 from rl_lightning.parallel.reductions import Groups, data_parallel_sum, process_groups
 from rl_lightning.rollout.config import RolloutConfig
 from rl_lightning.rollout.engine_setup import (
-    build_vllm_engine,
+    build_engine,
     context_limit,
     engine_process_placement,
     prepare_engine,
@@ -100,10 +100,10 @@ class RolloutCallback(L.Callback):
         if c.max_turns > 1 and self.env.interact is None:
             raise ConfigError(f"model.rollout.max_turns={c.max_turns} needs interact(messages) in {c.env_path}")
         self.weight_sync: WeightSync | None = None
-        self.adapter_sync = False  # set with the vLLM engine: LoRA adapter-only weight sync
+        self.adapter_sync = False  # set with the engine: LoRA adapter-only weight sync (vllm)
         self.engine: Any = None
-        self.lockstep: Lockstep | None = None  # the HF engine on several processes
-        self.engine_devices: list[int] | None = None  # engine: vllm_process on GPU (checked in `setup`)
+        self.lockstep: Lockstep | None = None  # an on-policy engine (hf), or a shared engine process, on several ranks
+        self.engine_devices: list[int] | None = None  # an engine of its own process on GPU (checked in `setup`)
         self.refills = 0
         self.max_model_len: int | None = None  # multi-turn: a conversation ends before it outgrows it
         self.schedule: SchedulingPolicy = scheduling_policy(c)  # when the engine samples (sync, one-step-off, ...)
@@ -117,8 +117,8 @@ class RolloutCallback(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Start-up checks, before any model loads.
 
-        Every prompt's answer is of a type ``reward_fn`` reads; ``engine: vllm_process`` has GPUs of its own and a
-        layout it serves.
+        Every prompt's answer is of a type ``reward_fn`` reads; an engine of its own process (``vllm_process``) has
+        GPUs of its own and a layout it serves.
         """
         c = self.config
         self.groups = process_groups(trainer)  # the parallel layout, for the rollout's reductions
@@ -126,13 +126,13 @@ class RolloutCallback(L.Callback):
         self.env.check_answers(p for loaded in (prompts.values() if isinstance(prompts, dict) else []) for p in loaded)
         if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
             self.replay = ReplayDump.start(trainer, _task(pl_module), c, self.dapo.filter_range)
-        if c.engine != "vllm_process" or stage != "fit" or c.replay is not None:
+        if not c.engine_spec.own_process or stage != "fit" or c.replay is not None:
             return
         self.engine_devices = engine_process_placement(c, trainer)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Start the reward workers and the reward model, and build the engine (once per process for vLLM)."""
+        """Start the reward workers and the reward model, and build the engine (once per process but on-policy ones)."""
         c, task = self.config, _task(pl_module)
         if self.replay is not None:  # no engine, no reward workers (the rollouts are checked in `on_train_start`)
             return
@@ -143,21 +143,19 @@ class RolloutCallback(L.Callback):
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
         self.schedule.start(self.groups.device)  # the device its engine thread selects (if it has one)
-        if c.engine == "hf":
-            from rl_lightning.engines.hf import HFEngine
-
-            # the strategy's device, not the parameters': under strategy.cpu_offload they stay on the CPU
-            self.engine = HFEngine(task.model, task.tokenizer.pad_token_id, self.groups.device)
+        if c.engine_spec.on_policy:  # built per fit: it samples with this fit's policy module
+            self.engine, self.adapter_sync = build_engine(c, trainer, task, self.groups.device, None)
             # its forwards may be collectives: every rank generates equally often
             self.lockstep = Lockstep(self.groups.device, task.tokenizer.pad_token_id) if trainer.world_size > 1 else None
             return
         if self.engine is None:  # vLLM initialises once per process: a later fit reuses the engine
-            engine, self.adapter_sync = build_vllm_engine(c, trainer, task, self.engine_devices)
+            engine, self.adapter_sync = build_engine(c, trainer, task, self.groups.device, self.engine_devices)
             self.engine = self.schedule.wrap_engine(engine)
-        if c.engine == "vllm_process" and trainer.world_size > 1:  # one shared engine: every rank generates as often
+        if c.engine_spec.own_process and trainer.world_size > 1:  # one shared engine: every rank generates as often
             self.lockstep = Lockstep(torch.device("cpu"), task.tokenizer.pad_token_id, group=self.engine.group)
         # a fresh fit always pushes its weights first (in adapter mode: the adapter; the engine keeps the base)
-        self.weight_sync = WeightSync(c.weight_bucket_mb << 20, adapter=self.adapter_sync)
+        self.weight_sync = WeightSync(getattr(c.engine_settings, "weight_bucket_mb", 512) << 20,
+                                      adapter=self.adapter_sync)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -241,7 +239,7 @@ class RolloutCallback(L.Callback):
             trajectories = self._refill(trainer, task, prompts, trajectories, index, self.dapo.filter_range)
         env = self.env  # interact counts (since the start) are logged once non-zero
         tools = {"rollout/interact_timeouts": env.interact_timeouts, "rollout/interact_failures": env.interact_failures,
-                 "rollout/engine_restarts": getattr(self.engine, "restarts", 0),  # engine: vllm_process
+                 "rollout/engine_restarts": getattr(self.engine, "restarts", 0),  # an engine process
                  "rollout/reward_model_failures": getattr(env.reward_model, "failed_requests", 0),  # served RM
                  "rollout/tool_truncations": env.tool_truncations, "rollout/overlong_conversations":
                      env.overlong_conversations}

@@ -10,16 +10,14 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from rl_lightning.engines.process import DEFAULT_TIMEOUT_S
+from rl_lightning.engines.registry import EngineConfig, EngineSpec, engine_spec, resolve
 from rl_lightning.engines.vllm import INSTALL_HINT, vllm_available
 from rl_lightning.errors import ConfigError
 from rl_lightning.rewards.reward_model import RewardModelConfig
 from rl_lightning.rollout.async_rollout import async_errors
 
-ENGINES = ("hf", "vllm", "vllm_process")
-VLLM_ENGINES = ("vllm", "vllm_process")
-WEIGHT_SYNCS = ("auto", "full", "adapter")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -36,36 +34,15 @@ class RolloutConfig:
         top_p: nucleus sampling threshold.
         top_k: top-k sampling (0 = off).
         max_new_tokens: tokens generated per turn.
-        engine: ``hf`` (transformers generate on the policy itself: simple, slow) or ``vllm`` (a vLLM engine colocated
-            in the training processes, fed the policy's weights after every optimizer step; see
-            `rl_lightning.engines.vllm`) or ``vllm_process`` (vLLM in a process of its own, not a trainer rank, fed
-            full weights over a gloo group of its own: disaggregated generation; several trainer ranks share the one
-            global rank 0 starts, see `rl_lightning.engines.process` and `rl_lightning.engines.shared`).
-        engine_tp_size: ``vllm``: tensor-parallel size of each engine (independent of the trainer's parallelism;
-            must divide the number of processes; consecutive ranks share an engine).
-        engine_devices: ``vllm_process`` on GPU: the engine process's GPUs, numbered as the trainer sees them (one per
-            `engine_tp_size` rank); the child sees only these (``CUDA_VISIBLE_DEVICES``). They must exist and not be
-            the trainer's (checked at start-up, see `engine_process_devices`). Default: the first GPUs the trainer
-            does not use (``trainer.devices: 1`` -> GPU 1).
-        engine_timeout_s: ``vllm_process``: the longest wait for the engine process (its start, joining the weights
-            group, one generate, one weight load, its close) before it is stopped with a one-line error; an engine
-            process that died is reported at once, whatever this says.
-        engine_restarts: ``vllm_process``: how many times an engine process that is lost (killed, crashed, or
-            stopped after `engine_timeout_s`) is replaced by a fresh one, given the weights the lost one held, before
-            the run stops; the failed generate or weight load is repeated on it (same seeds: same completions). Logged
-            as ``rollout/engine_restarts`` once non-zero. See `rl_lightning.engines.restart`.
-        max_model_len: ``vllm``: longest prompt + completion in tokens; default: ``data.max_prompt_length`` +
-            ``max_new_tokens`` (single turn) or the model's ``max_position_embeddings`` (multi-turn).
-        kv_cache_memory_bytes: ``vllm``: KV-cache size in bytes; on CPU it is always explicit (default 1 GiB), on GPU
-            it overrides `gpu_memory_utilization` when set.
-        gpu_memory_utilization: ``vllm`` on GPU: share of GPU memory the engine takes while awake (it sleeps while
-            the trainer trains).
-        weight_bucket_mb: ``vllm``: weights are gathered from their shards and sent in buckets of this many MiB.
-        weight_sync: ``vllm``: what reaches the engine after each optimizer step: ``full`` (every weight; a LoRA
-            policy's merged ``W + scaling * B @ A``), ``adapter`` (a LoRA policy only: the base weights once, then
-            only the adapter, which vLLM applies itself) or ``auto`` (``adapter`` on GPU for a LoRA policy whose
-            adapter vLLM can serve, else ``full``: on CPU vLLM's LoRA kernels slow generation more than the
-            smaller sync saves).
+        engine: the engine group ``{kind: ..., <its keys>}`` (`rl_lightning.engines.registry.EngineConfig`), or the
+            shorthand ``engine: <kind>`` (that kind with its defaults). Kinds: ``hf`` (transformers generate on the
+            policy itself: simple, slow; no keys), ``vllm`` (vLLM colocated in the training processes, fed the
+            policy's weights after every optimizer step; keys ``tp_size``, ``max_model_len``,
+            ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``weight_bucket_mb``, ``weight_sync``; see
+            `rl_lightning.engines.vllm`) and ``vllm_process`` (vLLM in a process of its own, fed full weights over a
+            group of its own; several trainer ranks share the one global rank 0 starts; keys ``devices``,
+            ``timeout_s``, ``restarts`` and the memory keys of ``vllm``; see `rl_lightning.engines.process`). A key
+            the kind does not take is refused in one line naming the kinds that take it.
         on_error: reward_fn failures (exceptions, non-finite values, timeouts): ``raise`` (stop, naming the prompt
             row) or ``zero`` (score 0 and count); ``interact`` failures alike (``zero``: the conversation ends there,
             counted in ``rollout/interact_failures``).
@@ -85,7 +62,7 @@ class RolloutConfig:
         max_tool_chars: characters of content one ``interact`` call may add to a conversation (all its messages
             together); more is cut, with a note the model reads, and counted in ``rollout/tool_truncations``; null:
             no cap. Multi-turn conversations also end (``rollout/overlong_conversations``) when the next turn would
-            pass `max_model_len`.
+            pass the engine's ``max_model_len``.
         seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         reward_weights: for a ``reward_fn`` returning named components (a dict): one weight per component; each
             component is logged as ``train/reward/<name>``.
@@ -104,8 +81,8 @@ class RolloutConfig:
             RM folder in the trainer process: ``path``), see `rl_lightning.rewards.reward_model.RewardModelConfig`.
         async_steps: 0: synchronous rollouts (each sampled by the policy it trains); 1: one-step-off-policy, rollout
             k+1 is generated (and scored) in the background while the trainer updates on rollout k, by the policy
-            one update older (``vllm`` with ``engine_tp_size: 1``; the engine stays awake, so on GPU it keeps its
-            memory while the trainer trains; pair it with the task's mismatch correction, ``model.correction``; see
+            one update older (``vllm`` with ``tp_size: 1``, or ``vllm_process``; the engine stays awake, so on GPU
+            it keeps its memory while the trainer trains; pair it with the task's mismatch correction, ``model.correction``; see
             `rl_lightning.rollout.async_rollout`).
         inflight_segment_tokens: ``async_steps: 1`` with ``engine: vllm``: in-flight weight updates (partial rollouts):
             generation runs in segments of this many tokens, new weights load between segments while long completions
@@ -133,16 +110,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
-    engine: str = "hf"
-    engine_tp_size: int = 1
-    engine_devices: list[int] | None = None
-    engine_timeout_s: float = DEFAULT_TIMEOUT_S
-    engine_restarts: int = 2
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.3
-    weight_bucket_mb: int = 512
-    weight_sync: str = "auto"
+    engine: EngineConfig | str = "hf"
     on_error: str = "raise"
     reward_workers: int | None = None
     reward_timeout_s: float | None = 60.0
@@ -168,7 +136,11 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if isinstance(self.reward_model, dict):  # from a checkpoint's hyperparameters
             object.__setattr__(self, "reward_model", RewardModelConfig(**self.reward_model))
-        errors = []
+        errors, engine_error = [], None
+        try:  # the kind's own settings, with its defaults (a foreign key or a bad value: one line of its own)
+            object.__setattr__(self, "engine", resolve(self.engine))
+        except ConfigError as e:
+            engine_error = str(e)
         if self.val_temperature < 0 or self.val_responses_per_prompt < 1 or (self.val_temperature == 0 and
                                                                              self.val_responses_per_prompt > 1):
             errors.append(f"val_temperature must be >= 0 and val_responses_per_prompt >= 1 (1 when greedy), got "
@@ -179,9 +151,9 @@ class RolloutConfig:
             errors.append(f"max_turns must be >= 1, got {self.max_turns}")
         if isinstance(self.shaping_window, bool) or not isinstance(self.shaping_window, int) or self.shaping_window < 3:
             errors.append(f"shaping_window must be a number of rollouts >= 3, got {self.shaping_window!r}")
-        if self.engine not in ENGINES:
-            errors.append(f"engine must be one of {', '.join(ENGINES)}, got '{self.engine}'")
-        errors += _vllm_errors(self) + _process_errors(self) + _pareto_errors(self) + async_errors(self)
+        if engine_error is None:
+            errors += _engine_errors(self) + async_errors(self)
+        errors += _pareto_errors(self)
         if self.temperature <= 0 or self.max_new_tokens < 1:
             errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
                           f"{self.temperature}, {self.max_new_tokens}")
@@ -196,8 +168,19 @@ class RolloutConfig:
             errors.append(f"worker_env must list environment variable names (letters, digits, _), got {bad_names}")
         if self.max_tool_chars is not None and self.max_tool_chars < 0:
             errors.append(f"max_tool_chars must be >= 0 (characters) or null (no cap), got {self.max_tool_chars}")
-        if errors:
-            raise ConfigError("; ".join(f"model.rollout.{e}" for e in errors))
+        if errors or engine_error:
+            raise ConfigError("; ".join([*([engine_error] if engine_error else []),
+                                         *(f"model.rollout.{e}" for e in errors)]))
+
+    @property
+    def engine_settings(self) -> Any:
+        """The engine kind's settings (`engine` resolved at construction: ``kind`` and the keys it takes)."""
+        return self.engine
+
+    @property
+    def engine_spec(self) -> EngineSpec:
+        """The engine kind's registry entry: its builder and its traits."""
+        return engine_spec(self.engine_settings.kind)
 
     @property
     def max_completion_tokens(self) -> int:
@@ -221,70 +204,44 @@ def _pareto_errors(c: RolloutConfig) -> list[str]:
     return []
 
 
-def _vllm_errors(c: RolloutConfig) -> list[str]:
-    errors = []
-    if c.engine_tp_size < 1 or c.weight_bucket_mb < 1 or (c.max_model_len is not None and c.max_model_len < 1):
-        errors.append(f"engine_tp_size, weight_bucket_mb and max_model_len must be >= 1, got {c.engine_tp_size}, "
-                      f"{c.weight_bucket_mb}, {c.max_model_len}")
-    if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes < 1:
-        errors.append(f"kv_cache_memory_bytes must be > 0 or null, got {c.kv_cache_memory_bytes}")
-    if not 0 < c.gpu_memory_utilization <= 1:
-        errors.append(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
-    if c.weight_sync not in WEIGHT_SYNCS or (c.weight_sync == "adapter" and c.engine != "vllm"):  # not the process
-        errors.append(f"weight_sync must be one of {', '.join(WEIGHT_SYNCS)} (adapter needs engine: vllm), got "
-                      f"'{c.weight_sync}' with engine '{c.engine}'")
-    if c.engine == "vllm_process" and c.engine_tp_size > 1:
-        errors.append(f"engine=vllm_process runs one engine of engine_tp_size 1 for now, got {c.engine_tp_size}")
-    if c.engine in VLLM_ENGINES and c.replay is None and not vllm_available():  # a replay builds no engine
-        errors.append(f"engine={c.engine} needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
-    if c.engine == "vllm" and c.engine_tp_size > 1 and c.max_turns > 1:
+def _engine_errors(c: RolloutConfig) -> list[str]:
+    """What the engine kind cannot do with the other rollout settings (its own values checked themselves)."""
+    errors, spec, tp = [], c.engine_spec, getattr(c.engine_settings, "tp_size", 1)
+    kind = spec.kind
+    if getattr(c.engine_settings, "weight_sync", None) == "adapter" and not spec.adapter_sync:
+        errors.append(f"engine.weight_sync=adapter needs a kind that takes adapter syncs, got kind '{kind}'")
+    if tp > 1 and not spec.tensor_parallel:
+        errors.append(f"engine.tp_size={tp}: kind '{kind}' runs engines of tp_size 1")
+    if spec.needs_vllm and c.replay is None and not vllm_available():  # a replay builds no engine
+        errors.append(f"engine={kind} needs vllm, which is not installed; {INSTALL_HINT}, or set engine: hf")
+    if tp > 1 and c.max_turns > 1:
         # the ranks of an engine generate together, but this loop decides per rank how often to generate (DAPO's
         # refill likewise: `rl_lightning.tasks.ppo.config.dapo_errors`)
-        errors.append(f"engine_tp_size={c.engine_tp_size} does not support multi-turn rollouts "
-                      f"(max_turns={c.max_turns}) yet; use engine_tp_size: 1")
-    return errors
-
-
-def _process_errors(c: RolloutConfig) -> list[str]:
-    """The engine process's own settings (`engine_process_devices` checks its devices against the machine)."""
-    errors = []
-    devices = c.engine_devices
-    if devices is not None and c.engine != "vllm_process":
-        errors.append(f"engine_devices={devices} places the engine process, which needs engine: vllm_process (got "
-                      f"engine '{c.engine}'); set engine_devices: null")
-    elif devices is not None and (len(devices) != c.engine_tp_size or len(set(devices)) != len(devices) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)):
-        errors.append(f"engine_devices={devices} must list {c.engine_tp_size} distinct GPU index(es) >= 0, one per "
-                      f"engine_tp_size={c.engine_tp_size} rank (e.g. [1]), or be null (the first GPUs the trainer "
-                      "does not use)")
-    if not c.engine_timeout_s > 0:
-        errors.append(f"engine_timeout_s must be > 0 (seconds), got {c.engine_timeout_s}")
-    if isinstance(c.engine_restarts, bool) or not isinstance(c.engine_restarts, int) or c.engine_restarts < 0:
-        errors.append(f"engine_restarts must be an integer >= 0 (0: a lost engine process stops the run), got "
-                      f"{c.engine_restarts!r}")
+        errors.append(f"engine.tp_size={tp} does not support multi-turn rollouts (max_turns={c.max_turns}) yet; use "
+                      "tp_size: 1")
     return errors
 
 
 def engine_process_devices(devices: Sequence[int] | None, device_type: str, device_count: int,
                            trainer_devices: Sequence[int], tp_size: int = 1) -> list[int] | None:
-    """The GPUs of the ``vllm_process`` engine (``model.rollout.engine_devices``), checked against the machine.
+    """The GPUs of the engine process (``model.rollout.engine.devices``), checked against the machine.
 
     Args:
-        devices: ``model.rollout.engine_devices`` (None: the first `tp_size` GPUs the trainer does not use).
+        devices: ``model.rollout.engine.devices`` (None: the first `tp_size` GPUs the trainer does not use).
         device_type: the trainer's device type (``cuda``, ``cpu``).
         device_count: the GPUs this process sees (``torch.cuda.device_count()``).
         trainer_devices: the trainer's GPU indices on this node (``trainer.device_ids``).
-        tp_size: GPUs per engine (``model.rollout.engine_tp_size``).
+        tp_size: GPUs per engine.
 
     Returns:
         The engine's GPU indices (numbered as this process sees them); None off CUDA (the engine process shares
         the host).
 
     Raises:
-        ConfigError: one line naming ``model.rollout.engine_devices``, its value and the fix: GPUs named off CUDA,
+        ConfigError: one line naming ``model.rollout.engine.devices``, its value and the fix: GPUs named off CUDA,
             a GPU that does not exist, one of the trainer's, or none left free for the default.
     """
-    key, trainer = "model.rollout.engine_devices", sorted(set(trainer_devices))
+    key, trainer = "model.rollout.engine.devices", sorted(set(trainer_devices))
     if device_type != "cuda":
         if devices is not None:
             raise ConfigError(f"{key}={list(devices)} names GPUs, but the trainer runs on {device_type}: set {key}: "

@@ -61,7 +61,7 @@ def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size:
     """The dump's ``manifest.json``: the keys of `MUST_MATCH`, then the sampling settings (not checked)."""
     return {"format": FORMAT_VERSION, "model_name": model_name, "tokenizer": tokenizer_fingerprint(tokenizer),
             "responses_per_prompt": config.responses_per_prompt, "batch_size": batch_size, "world_size": world_size,
-            "engine": config.engine, "temperature": config.temperature, "top_p": config.top_p,
+            "engine": config.engine_spec.kind, "temperature": config.temperature, "top_p": config.top_p,
             "top_k": config.top_k, "max_new_tokens": config.max_new_tokens, "max_turns": config.max_turns,
             "seed": config.seed, "filter_range": filter_range}
 

@@ -114,11 +114,12 @@ def _ppo_fields(module: Any, trainer: Any) -> tuple[dict[str, Any], int]:
     longest = max(prompts, default=trainer.datamodule.hparams.max_prompt_length) + completion
     rows = trainer.datamodule.hparams.batch_size * rollout.responses_per_prompt
     single_turn = rollout.max_turns == 1 and prompts
-    engine = EngineSetup(kind=rollout.engine, rows=rows, sequence=longest,
-                         kv_cache_bytes=rollout.kv_cache_memory_bytes,
-                         gpu_memory_utilization=rollout.gpu_memory_utilization,
+    settings = rollout.engine_settings  # a kind's keys, else the plan's defaults
+    engine = EngineSetup(kind=rollout.engine_spec.memory, rows=rows, sequence=longest,
+                         kv_cache_bytes=getattr(settings, "kv_cache_memory_bytes", None),
+                         gpu_memory_utilization=getattr(settings, "gpu_memory_utilization", 0.3),
                          awake_while_training=rollout.async_steps > 0,
-                         weight_bucket_bytes=rollout.weight_bucket_mb * MIB)
+                         weight_bucket_bytes=getattr(settings, "weight_bucket_mb", 512) * MIB)
     cap = -(-rows // hp.update_per_rollout) * longest
     return {"tokens": module.max_length_per_device, "tokens_cap": cap,
             "target_fraction": completion / (min(prompts) + completion) if single_turn else 1.0,

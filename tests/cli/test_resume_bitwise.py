@@ -34,8 +34,8 @@ RUNS = {
     # LoRA with the colocated vLLM engine and adapter sync (the engine holds base + adapter): in spawned processes
     "lora-vllm-adapter-sync": (["--config", "recipes/grpo.yaml", "--trainer.limit_val_batches", "0",
                                 "--model.rollout.responses_per_prompt", "4", "--model.rollout.max_new_tokens", "8",
-                                "--model.rollout.kv_cache_memory_bytes", str(64 << 20), "--model.lm.lora.r", "4",
-                                "--model.rollout.weight_sync", "adapter", "--data.batch_size", "2"],
+                                "--model.rollout.engine.kv_cache_memory_bytes", str(64 << 20), "--model.lm.lora.r", "4",
+                                "--model.rollout.engine.weight_sync", "adapter", "--data.batch_size", "2"],
                                "--model.max_rollouts", 3),
 }
 SPAWNED = {"lora-vllm-adapter-sync"}  # one vLLM engine per process: each fit in a fresh one

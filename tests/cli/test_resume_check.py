@@ -136,7 +136,7 @@ def test_a_changed_rollout_mode_is_refused(workdir, capsys):
     (checkpoint,) = Path("outputs").glob("*/latest/checkpoints/last.ckpt")
     assert _refused(capsys, *grpo, "--model.max_rollouts", "2", "--ckpt_path", str(checkpoint),
                     "--model.rollout.engine", "vllm", "--model.rollout.async_steps", "1") == (
-        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.rollout.engine 'hf' -> 'vllm'; "
+        f"--ckpt_path {checkpoint} is a checkpoint of another run: model.rollout.engine.kind 'hf' -> 'vllm'; "
         f"model.rollout.async_steps 0 -> 1 {_hint()}")
     assert _refused(capsys, *grpo, "--model.max_rollouts", "2", "--ckpt_path", str(checkpoint),
                     "--model.advantage_estimator", "gae") == (

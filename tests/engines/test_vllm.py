@@ -154,10 +154,11 @@ def vllm_installed(monkeypatch):
 
 
 def _start(callback, world_size=1, head_dim=32):
-    config = SimpleNamespace(head_dim=head_dim, hidden_size=128, num_attention_heads=4)
+    config = SimpleNamespace(head_dim=head_dim, hidden_size=128, num_attention_heads=4, max_position_embeddings=128)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=world_size,
-                              num_devices=world_size)
-    callback.on_fit_start(trainer, SimpleNamespace(model=SimpleNamespace(config=config)))
+                              num_devices=world_size, global_rank=0, local_rank=0)
+    task = SimpleNamespace(model=SimpleNamespace(config=config), model_name="m", tokenizer=SimpleNamespace(pad_token_id=0))
+    callback.on_fit_start(trainer, task)
 
 
 def test_missing_vllm_fails_at_construction(monkeypatch):
@@ -173,9 +174,10 @@ def test_missing_vllm_fails_at_construction(monkeypatch):
 
 
 def test_engine_tp_must_divide_the_world_size(vllm_installed):
-    with pytest.raises(ConfigError, match=r"^model.rollout: engine_tp_size=3 must divide the 2 training processes "
+    with pytest.raises(ConfigError, match=r"^model.rollout: engine.tp_size=3 must divide the 2 training processes "
                                           r"\(trainer.devices x trainer.num_nodes\)"):
-        _start(RolloutCallback(RolloutConfig(ENV, engine="vllm", engine_tp_size=3, kv_cache_memory_bytes=KV_CACHE)),
+        _start(RolloutCallback(RolloutConfig(ENV, engine={"kind": "vllm", "tp_size": 3,
+                                                          "kv_cache_memory_bytes": KV_CACHE})),
                world_size=2)
 
 
@@ -186,19 +188,19 @@ def test_unsupported_cpu_head_dim(vllm_installed):
 
 
 def test_bad_engine_settings_fail_at_construction(vllm_installed):
-    with pytest.raises(ConfigError, match="engine must be one of hf, vllm, vllm_process, got 'sglang'"):
+    with pytest.raises(ConfigError, match=r"engine\.kind='sglang' is not an engine kind; use one of hf, vllm, vllm_process"):
         RolloutConfig(ENV, engine="sglang")
-    with pytest.raises(ConfigError, match=r"engine_tp_size=2 does not support multi-turn rollouts \(max_turns=2\) "
+    with pytest.raises(ConfigError, match=r"engine.tp_size=2 does not support multi-turn rollouts \(max_turns=2\) "
                                           r"yet"):
-        RolloutConfig(ENV, engine="vllm", engine_tp_size=2, max_turns=2)
+        RolloutConfig(ENV, engine={"kind": "vllm", "tp_size": 2}, max_turns=2)
     from rl_lightning.algorithms.dapo import DAPOConfig
     from rl_lightning.tasks.ppo.config import dapo_errors
 
-    assert dapo_errors(DAPOConfig(filter_range=(0.0, 1.0)), RolloutConfig(ENV, engine="vllm", engine_tp_size=2)) == [
-        "model.dapo.filter_range=(0.0, 1.0) (dynamic sampling) with model.rollout.engine_tp_size=2 is not supported "
-        "yet; use engine_tp_size: 1"]
-    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
-        RolloutConfig(ENV, engine="vllm", gpu_memory_utilization=1.5)
+    assert dapo_errors(DAPOConfig(filter_range=(0.0, 1.0)), RolloutConfig(ENV, engine={"kind": "vllm", "tp_size": 2})
+                       ) == ["model.dapo.filter_range=(0.0, 1.0) (dynamic sampling) with model.rollout.engine.tp_size=2 "
+                             "is not supported yet; use tp_size: 1"]
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        RolloutConfig(ENV, engine={"kind": "vllm", "gpu_memory_utilization": 1.5})
 
 
 # ------------------------------------------------------------------------------------ engine vs trainer (real vLLM)
@@ -297,7 +299,7 @@ model:
     max_rollouts: 3
     update_per_rollout: 1
     correction: {{level: token, mode: truncate, high: 2.0}}
-    rollout: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1,
+    rollout: {{env_path: {env}, engine: {{kind: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1}},
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8}}
 data:
   class_path: rl_lightning.data.PromptDataModule

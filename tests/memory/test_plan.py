@@ -141,7 +141,7 @@ def test_engines():
     assert asleep.phases["train"] == plan_memory(setup()).phases["train"] + VLLM_ASLEEP
     # weights, AdamW, the awake engine, one bucket of the weight sync (here all the weights) and CUDA's workspaces
     assert asleep.phases["rollout"] == pytest.approx(12 * P + GIB / 2 + 4 * P + CUDA_WORKSPACES, abs=4)
-    hf = plan_memory(setup(engine=EngineSetup(kind="hf", rows=8, sequence=100)))
+    hf = plan_memory(setup(engine=EngineSetup(kind="policy", rows=8, sequence=100)))
     assert hf.components["engine KV cache (hf)"] == 2 * 8 * 100 * LAYERS * 2 * KV * 4  # grown by concatenation
 
 
@@ -176,7 +176,7 @@ def test_cuda_margins_count_nccl_per_mesh_group_and_workspaces_and_cpu_has_none(
 
 
 def test_an_engine_process_counts_one_bucket_of_gathered_weights_on_the_trainer():
-    process = plan_memory(setup(engine=EngineSetup(kind="vllm_process", weight_bucket_bytes=4 * P // 2)))
+    process = plan_memory(setup(engine=EngineSetup(kind="process", weight_bucket_bytes=4 * P // 2)))
     alone = plan_memory(setup())
     assert process.phases["rollout"] - (alone.phases["optimizer step"] - alone.components["gradients"] - 4 * P) == \
         pytest.approx(4 * P // 2, abs=4)  # the resident state plus one bucket (half the fp32 weights)

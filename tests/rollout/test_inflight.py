@@ -30,11 +30,12 @@ SEGMENT = 4
 
 
 def test_inflight_settings_that_cannot_work_are_refused():
-    with pytest.raises(ConfigError, match=r"model\.rollout\.inflight_segment_tokens=8 needs async_steps: 1, engine: "
-                                          r"vllm .*got async_steps 0, engine 'hf'"):
+    with pytest.raises(ConfigError, match=r"model\.rollout\.inflight_segment_tokens=8 needs async_steps: 1, an engine "
+                                          r"kind that takes weights in flight \(vllm\) .*got async_steps 0, engine "
+                                          r"kind 'hf'"):
         RolloutConfig(ENV, inflight_segment_tokens=8)
     if importlib.util.find_spec("vllm") is not None:
-        with pytest.raises(ConfigError, match=r"inflight_segment_tokens=8 needs .*engine 'vllm_process'"):
+        with pytest.raises(ConfigError, match=r"inflight_segment_tokens=8 needs .*engine kind 'vllm_process'"):
             RolloutConfig(ENV, engine="vllm_process", async_steps=1, inflight_segment_tokens=8)
         with pytest.raises(ConfigError, match=r"inflight_segment_tokens=0 .*must be >= 1"):
             RolloutConfig(ENV, engine="vllm", async_steps=1, inflight_segment_tokens=0)
@@ -176,7 +177,7 @@ def _fit(rank, env, out):
                                  for t in batch["rollout"].trajectories])
             logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
-    task = ppo_task(env, rollout={"engine": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1,
+    task = ppo_task(env, rollout={"engine": {"kind": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1},
                                   "async_steps": 1, "inflight_segment_tokens": 2, "max_new_tokens": 12},
                     optim={"lr": 3e-2}, max_rollouts=3, correction={"mode": "truncate", "high": 2.0})
     with rules:
@@ -250,7 +251,7 @@ def _resume(rank, env, checkpoint, out):
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
         trainer.fit(task, datamodule=prompts(), ckpt_path=ckpt_path)
 
-    rollout = {"engine": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1, "async_steps": 1,
+    rollout = {"engine": {"kind": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1}, "async_steps": 1,
                "inflight_segment_tokens": 2, "max_new_tokens": 12}
     L.seed_everything(0)
     first, recorder = ppo_task(env, rollout=rollout, optim={"lr": 3e-2}, max_rollouts=3), Recorder()

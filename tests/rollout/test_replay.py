@@ -176,7 +176,7 @@ model:
     max_rollouts: 3
     advantage_estimator: grpo
     update_per_rollout: 2
-    rollout: {{env_path: {env}, engine: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1, reward_workers: 0,
+    rollout: {{env_path: {env}, engine: {{kind: vllm, kv_cache_memory_bytes: {kv}, weight_bucket_mb: 1}}, reward_workers: 0,
               responses_per_prompt: 4, max_new_tokens: 8, temperature: 0.8{replay}}}
 data:
   class_path: rl_lightning.data.PromptDataModule

@@ -210,8 +210,10 @@ def test_rollout_config_errors_are_reported_together_under_model_rollout(tmp_pat
     env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
     with pytest.raises(ConfigError) as error:
         RolloutConfig(env, responses_per_prompt=0, max_turns=0, engine="sglang")
-    assert str(error.value) == ("model.rollout.responses_per_prompt must be >= 1, got 0; model.rollout.max_turns must "
-                                "be >= 1, got 0; model.rollout.engine must be one of hf, vllm, vllm_process, got 'sglang'")
+    assert str(error.value) == ("model.rollout.engine.kind='sglang' is not an engine kind; use one of hf, vllm, "
+                                "vllm_process (or register yours with rl_lightning.engines.registry.register); "
+                                "model.rollout.responses_per_prompt must be >= 1, got 0; model.rollout.max_turns must "
+                                "be >= 1, got 0")
     assert RolloutConfig(env, max_new_tokens=16, max_turns=3).max_completion_tokens == 48  # the generation budget
 
 

@@ -8,7 +8,7 @@ more real rounds than its peer (the peer generated fillers) and that both ranks 
 Refill: the decision to draw another round is global (kept groups summed over ranks) and the extra prompts are one
 global draw split over the ranks, so the batch is the one a single process builds (before, each rank refilled from
 a stream of its own: with vLLM that ran, but gave another batch than one process; with HF it was refused).
-vLLM (``engine_tp_size: 1``) generates without collectives: its multi-turn ranks need no lockstep (none is built).
+vLLM (``tp_size: 1``) generates without collectives: its multi-turn ranks need no lockstep (none is built).
 
 Tolerance 1e-5 on the logged values, as in `test_ppo_parallel.py`: FSDP2 reduce-scatters the gradient in another
 summation order than one process sums it (float32 rounding, ~1e-7 relative); token ids and rewards match exactly.
@@ -59,7 +59,8 @@ class Capture(L.Callback):
 
 def _ppo(env, setting, dp=1, engine="hf"):
     L.seed_everything(0)
-    vllm = {"engine": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1} if engine == "vllm" else {}
+    vllm = ({"engine": {"kind": "vllm", "kv_cache_memory_bytes": KV_CACHE, "weight_bucket_mb": 1}} if engine == "vllm"
+            else {})
     if engine == "vllm" and setting == "multi_turn":  # its samples differ from HF's: longer turns so some stop
         vllm["max_new_tokens"] = 16
     model = ppo_task(env, rollout={**SETTINGS[setting], **vllm}, dapo=DAPO.get(setting), optim={"lr": 2e-3, "max_grad_norm": 1.0}, update_per_rollout=2,

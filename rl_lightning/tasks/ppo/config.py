@@ -243,15 +243,15 @@ def dapo_errors(dapo: DAPOConfig, rollout: RolloutConfig, world_size: int = 1) -
         The messages (empty: all good).
     """
     errors = dapo.errors_with(rollout.max_new_tokens)
-    if dapo.filter_range is not None and rollout.engine == "vllm" and rollout.engine_tp_size > 1:
+    tp, spec = getattr(rollout.engine_settings, "tp_size", 1), rollout.engine_spec
+    if dapo.filter_range is not None and tp > 1:
         # the ranks of an engine generate together, but the refill decides per rank how often to generate
         errors.append(f"model.dapo.filter_range={dapo.filter_range} (dynamic sampling) with "
-                      f"model.rollout.engine_tp_size={rollout.engine_tp_size} is not supported yet; use "
-                      "engine_tp_size: 1")
-    if world_size > 1 and rollout.engine == "vllm_process" and rollout.async_steps and dapo.filter_range is not None:
+                      f"model.rollout.engine.tp_size={tp} is not supported yet; use tp_size: 1")
+    if world_size > 1 and spec.own_process and rollout.async_steps and dapo.filter_range is not None:
         errors.append(f"model.dapo.filter_range={dapo.filter_range} with model.rollout.async_steps: 1 refills each "
                       f"rank on its own, but the {world_size} trainer ranks share one engine process (engine: "
-                      "vllm_process), which needs them to generate equally often: set async_steps: 0, "
+                      f"{spec.kind}), which needs them to generate equally often: set async_steps: 0, "
                       "model.dapo.filter_range: null, or engine: vllm")
     return errors
 
