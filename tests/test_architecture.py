@@ -356,6 +356,8 @@ PROCESS_WIDE = {
     "rl_lightning/rewards/isolation.py: _found": "the bwrap path the once-per-process (lru_cache) probe found",
     "rl_lightning/rewards/scorer_sandbox.py: _shared": "one sandboxed scorer per process, stopped at exit",
     "rl_lightning/rollout/engine_thread.py: _streams": "one engine stream per device, shared by the rank's threads",
+    "rl_lightning/engines/registry.py: _SPECS": "the engine kinds model.rollout.engine takes: register() adds one "
+                                                "for the process, as defining a class does (issue 38: one line)",
 }
 
 

@@ -3,7 +3,8 @@
 `VLLMEngineConfig` is the colocated engine (`rl_lightning.engines.vllm.VLLMEngine`), `VLLMProcessEngineConfig` the
 engine process (`rl_lightning.engines.process`, restarted by `rl_lightning.engines.restart`, shared across ranks by
 `rl_lightning.engines.shared`); `rl_lightning.engines.registry` registers both. Each checks its own values at
-construction, in one line naming ``model.rollout.engine.<key>``; the builders import vLLM when called.
+construction, in one line naming ``model.rollout.engine.<key>``; the builders take the registry's `EngineContext` and
+import vLLM when called.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_lightning.engines.process import DEFAULT_TIMEOUT_S
-from rl_lightning.engines.registry import KEY, EngineContext
 from rl_lightning.errors import ConfigError
 
+KEY = "model.rollout.engine"  # as `rl_lightning.engines.registry.KEY` (the registry imports this module)
 WEIGHT_SYNCS = ("auto", "full", "adapter")
 
 
@@ -82,7 +83,7 @@ class VLLMProcessEngineConfig:
             raise ConfigError("; ".join(errors))
 
 
-def build_vllm(settings: VLLMEngineConfig, context: EngineContext) -> Any:
+def build_vllm(settings: VLLMEngineConfig, context: Any) -> Any:
     """The colocated engine (with LoRA support when ``weight_sync`` resolves to adapter-only sync)."""
     from rl_lightning.engines.vllm import VLLMEngine, adapter_sync_rank, check_engine
     from rl_lightning.engines.weights import named_weights
@@ -96,7 +97,7 @@ def build_vllm(settings: VLLMEngineConfig, context: EngineContext) -> Any:
                       world_size=context.world_size)
 
 
-def build_process(settings: VLLMProcessEngineConfig, context: EngineContext) -> Any:
+def build_process(settings: VLLMProcessEngineConfig, context: Any) -> Any:
     """The engine process; with several trainer ranks, rank 0's, shared by all (`start_shared_engine`)."""
     from rl_lightning.engines.restart import RestartingEngine
     from rl_lightning.engines.vllm import check_engine
@@ -117,7 +118,7 @@ def build_process(settings: VLLMProcessEngineConfig, context: EngineContext) -> 
     return start_shared_engine(lambda: RestartingEngine(s.restarts, **kwargs), s.timeout_s * (s.restarts + 2))
 
 
-def _length(context: EngineContext) -> int:
+def _length(context: Any) -> int:
     if context.max_model_len is None:  # the rollout resolves it (or refuses the run) before building a vLLM kind
         raise ConfigError(f"{KEY}.max_model_len must be set: nothing derives it")
     return context.max_model_len

@@ -11,7 +11,7 @@ import pytest
 from helpers import parse_cli, run_ppo
 
 from rl_lightning.cli.main import main
-from rl_lightning.engines import registry
+from rl_lightning.engines import registry, vllm_kinds
 from rl_lightning.engines.hf import HFEngine
 from rl_lightning.engines.registry import EngineConfig, EngineContext, EngineSpec, engine_spec, kinds, register, resolve
 from rl_lightning.engines.vllm_kinds import VLLMEngineConfig, VLLMProcessEngineConfig
@@ -30,6 +30,7 @@ def test_the_built_in_kinds_and_their_traits():
         "vllm": (True, False, False, True, True, True, True, "vllm"),
         "vllm_process": (True, True, False, False, False, True, False, "process"),
     }
+    assert registry.KEY == vllm_kinds.KEY == "model.rollout.engine"
     assert registry.keys_of("hf") == ()
     assert registry.keys_of("vllm") == ("tp_size", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization",
                                         "weight_bucket_mb", "weight_sync")
