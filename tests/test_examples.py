@@ -48,7 +48,8 @@ def test_gpu_smoke_overlay_instantiates_on_the_real_recipe(workdir):
     assert strategy.dp_size == 2
     assert strategy.mixed_precision == "bf16"
     rollout = cli.model.hparams.rollout  # as parsed: a dict of the rollout config's keys
-    assert (rollout["engine"], cli.model.hparams.max_rollouts) == ({"kind": "hf"}, 3)
+    assert (rollout["engine"], cli.model.hparams.max_rollouts) == ("hf", 3)  # the overlay's shorthand
+    assert cli.model.rollout_config.engine_spec.kind == "hf"  # the real recipe's vLLM group replaced whole
     assert cli.model.lm.name == "asset:SmolLM2-135M-Instruct"
 
 
