@@ -48,7 +48,7 @@ def test_every_ranks_prompts_are_generated_together_and_answered_in_order():
 
 
 def _trainer(device: str, device_ids: list[int], world_size: int) -> SimpleNamespace:
-    return SimpleNamespace(world_size=world_size, device_ids=device_ids,
+    return SimpleNamespace(world_size=world_size, device_ids=device_ids, global_rank=0,
                            strategy=SimpleNamespace(root_device=torch.device(device)))
 
 

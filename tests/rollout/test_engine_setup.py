@@ -81,7 +81,7 @@ def test_bad_settings_fail_at_construction():
 
 
 def _trainer(device: str, device_ids: list[int], world_size: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(world_size=world_size, device_ids=device_ids,
+    return SimpleNamespace(world_size=world_size, device_ids=device_ids, global_rank=0,
                            strategy=SimpleNamespace(root_device=torch.device(device)))
 
 
