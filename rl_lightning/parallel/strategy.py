@@ -131,6 +131,7 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
         self.offload_bucket_mb = offload_bucket_mb
         self.compile, self.compile_mode = compile, compile_mode
         self.dp_mesh: Any = None
+        self.peer_mesh: Any = None  # context x tensor parallel peers: they train on the same trajectories
         self.cp_mesh: Any = None
         self.tp_mesh: Any = None
         self.fsdp_mesh: Any = None
@@ -259,6 +260,7 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
                 self.fsdp_mesh = mesh["replicate", "fsdp_shard"]
         else:
             self.fsdp_mesh = fsdp_shard
+        self.peer_mesh = flatten_mesh(mesh["context_parallel", "tensor_parallel"], "peers")
 
     @property
     @override
@@ -288,7 +290,7 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        self.dp_mesh = self.cp_mesh = self.tp_mesh = self.fsdp_mesh = None
+        self.dp_mesh = self.cp_mesh = self.tp_mesh = self.fsdp_mesh = self.peer_mesh = None
 
     def mp_policy(self) -> Any:
         """FSDP2's mixed precision: for ``bf16``, bf16 parameters and fp32 gradient reduction; else no casting."""

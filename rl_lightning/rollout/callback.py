@@ -43,6 +43,7 @@ from rl_lightning.rollout.engine_setup import (
 )
 from rl_lightning.rollout.inflight import InFlight
 from rl_lightning.rollout.pareto_archive import ParetoArchive
+from rl_lightning.rollout.peer_share import check_identical, is_leader, share_from_leader, trajectory_digest
 from rl_lightning.rollout.refill import data_parallel_ranks, refill
 from rl_lightning.rollout.replay import ReplayDump, run_manifest
 from rl_lightning.rollout.schedule import OneStepOff, SchedulingPolicy, Synchronous
@@ -103,6 +104,7 @@ class RolloutCallback(L.Callback):
         self.adapter_sync = False  # set with the engine: LoRA adapter-only weight sync (vllm)
         self.engine: Any = None
         self.lockstep: Lockstep | None = None  # an on-policy engine (hf), or a shared engine process, on several ranks
+        self.peers: Any = None  # the context x tensor parallel group whose first rank samples for it
         self.engine_devices: list[int] | None = None  # an engine of its own process on GPU (checked in `setup`)
         self.refills = 0
         self.max_model_len: int | None = None  # multi-turn: a conversation ends before it outgrows it
@@ -143,6 +145,8 @@ class RolloutCallback(L.Callback):
         if self.env.reward_model is not None:  # the server answers (or the RM folder loads) before any training
             self.env.reward_model.start(task.device)
         self.schedule.start(self.groups.device)  # the device its engine thread selects (if it has one)
+        peer_mesh = getattr(trainer.strategy, "peer_mesh", None)
+        self.peers = peer_mesh.get_group() if peer_mesh is not None and peer_mesh.size() > 1 else None
         if c.engine_spec.on_policy:  # built per fit: it samples with this fit's policy module
             self.engine, self.adapter_sync = build_engine(c, trainer, task, self.groups.device, None)
             # its forwards may be collectives: every rank generates equally often
@@ -232,6 +236,8 @@ class RolloutCallback(L.Callback):
         Returns:
             The trajectories and the rollout's metrics (timings, the environment's counters).
         """
+        if self.peers is not None and self.lockstep is None and not is_leader(self.peers):
+            return [], {}  # the group leader samples for its peers (`finish` shares it); a lockstep engine needs all
         start, self.env.reward_seconds = time.perf_counter(), 0.0
         params = self.sampling_params(index, prompts, task.tokenizer.eos_token_id)
         trajectories = self._generate(prompts, task.tokenizer, params)
@@ -250,7 +256,15 @@ class RolloutCallback(L.Callback):
 
     def finish(self, trainer: L.Trainer, task: PolicyTask, trajectories: list[Trajectory],
                metrics: dict[str, float]) -> Rollout:
-        """The `Rollout` the trainer takes: `metrics` with the weight push's, the archive's and the curriculum's."""
+        """The `Rollout` the trainer takes: `metrics` with the weight push's, the archive's and the curriculum's.
+
+        Context/tensor-parallel peers take their group leader's rollout (`rl_lightning.rollout.peer_share`) and
+        check once per rollout that they hold the same trajectories.
+        """
+        if self.peers is not None:
+            shared = (trajectories, metrics) if is_leader(self.peers) else None
+            trajectories, metrics = share_from_leader(shared, self.peers)
+            check_identical(trajectory_digest(trajectories), self.peers, task.rollouts)
         if self.weight_sync is not None:
             metrics["rollout/weight_sync_s"] = self.weight_sync.seconds  # 0: skipped (no optimizer step)
             metrics["rollout/weight_sync_mb"] = self.weight_sync.stats.bytes / 2**20  # adapter sync: the adapter's

@@ -8,6 +8,7 @@ measured on one shard (KL, entropy, token counts) must be completed over the con
 the adaptive KL controller and the multipliers, or the peers' controllers diverge and the logs show one shard. The
 other layouts use 8-token completions (the test's cost is mostly generation and updates of long completions)."""
 
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -52,7 +53,37 @@ def _ppo(env, dp=1, cp=1, tp=1, task_kwargs=None, strategy_kwargs=None, rollouts
     return metrics.history
 
 
+def _sample_apart(out_path):
+    """This rank's engine samples with other seeds than its peers' (issue 39.2); count the rollouts it then took
+    from its group leader instead of its own (every one, if the sharing works and the seeds really differ)."""
+    from rl_lightning.rollout.callback import RolloutCallback
+    from rl_lightning.rollout.peer_share import trajectory_digest
+
+    params, sample, finish = RolloutCallback.sampling_params, RolloutCallback.sample, RolloutCallback.finish
+    own, replaced = [], [0]
+
+    def apart(self, *args, **kwargs):
+        p = params(self, *args, **kwargs)
+        return p if p.seeds is None else dataclasses.replace(p, seeds=[s + 7 for s in p.seeds])
+
+    def sampled(self, *args, **kwargs):
+        trajectories, metrics = sample(self, *args, **kwargs)
+        own.append(trajectory_digest(trajectories))
+        return trajectories, metrics
+
+    def finished(self, trainer, task, trajectories, metrics):
+        rollout = finish(self, trainer, task, trajectories, metrics)
+        replaced[0] += trajectory_digest(rollout.trajectories) != own[-1]
+        torch.save(replaced[0], out_path)
+        return rollout
+
+    RolloutCallback.sampling_params, RolloutCallback.sample, RolloutCallback.finish = apart, sampled, finished
+
+
 def _worker(rank, env, sizes, task_kwargs, strategy_kwargs, out_path):
+    strategy_kwargs = dict(strategy_kwargs)
+    if strategy_kwargs.pop("peers_sample_apart", False) and rank == 1:
+        _sample_apart(out_path.with_suffix(".replaced"))
     history = _ppo(env, *sizes, task_kwargs=task_kwargs, strategy_kwargs=strategy_kwargs)
     if rank == 0:
         torch.save(history, out_path)
@@ -72,8 +103,9 @@ SINGLE = {}  # single-process histories, shared by the layouts that compare agai
     ("sizes", "task_kwargs", "strategy_kwargs"),
     [((2, 1, 1), CONTROLLED, {}), ((1, 1, 2), CONTROLLED, {}), ((1, 2, 1), CONTROLLED, {}), ((2, 1, 1), GAE, {}),
      ((1, 2, 1), {**GAE, "kl": {"coef": 0.05, "type": "reward"}}, {}), ((2, 1, 1), CONTROLLED, {"cpu_offload": True}),
-     ((2, 1, 1), DISTILL, {}), ((1, 2, 1), GKD, {})],
-    ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload", "dp2-distill", "cp2-gkd"],
+     ((2, 1, 1), DISTILL, {}), ((1, 2, 1), GKD, {}), ((1, 2, 1), CONTROLLED, {"peers_sample_apart": True})],
+    ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload", "dp2-distill", "cp2-gkd",
+         "cp2-peers-sample-apart"],
 )
 def test_ppo_parallel_equals_single_process(sizes, task_kwargs, strategy_kwargs, env, tmp_path):
     tokens = _tokens(sizes[1])
@@ -90,5 +122,7 @@ def test_ppo_parallel_equals_single_process(sizes, task_kwargs, strategy_kwargs,
             assert abs(a[name] - b[name]) < 1e-5, (step, name, parallel, single)
     # not a vacuous match: gradients flow, and each rollout's second minibatch is off-policy (approx KL > 0)
     assert all(h["train/grad_norm"] > 0 and h["train/approx_kl"] > 1e-7 for h in single)
+    if strategy_kwargs.get("peers_sample_apart"):  # rank 1 sampled its own, other completions every rollout, and
+        assert torch.load(tmp_path / "h.replaced") == 3  # trained on its leader's: the single-process losses
     if "constraints" in task_kwargs:  # the controllers really moved
         assert single[-1]["train/kl_coef"] != 0.05 and single[-1]["train/entropy_multiplier"] > 0.1
