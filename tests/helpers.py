@@ -136,10 +136,10 @@ def ppo_task(env, rollout=None, optim=None, kl=None, constraints=None, task_clas
     here: 4 completions of 8 tokens, lr 1e-3 constant, no clipping of the gradient)."""
     from conftest import TINY_MODEL
 
-    from rl_lightning.algorithms.dapo import DAPOConfig
     from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
+    from rl_lightning.rollout.config import DAPOConfig
     from rl_lightning.tasks import PPO
     from rl_lightning.tasks.ppo import ConstraintConfig, KLConfig
 

@@ -31,7 +31,7 @@ RENAMED: dict[str, str] = {
     "model.memory_check": "model.lm.memory_check",
     # issue 38: one checkpointing switch
     "trainer.strategy.activation_checkpointing": "model.lm.gradient_checkpointing",
-    # issue 38: DAPO's keys left the rollout group (rl_lightning.algorithms.dapo.DAPOConfig)
+    # issue 38: DAPO's keys left the rollout group (rl_lightning.rollout.config.DAPOConfig)
     "model.rollout.filter_range": "model.dapo.filter_range",
     "model.rollout.max_refill_rounds": "model.dapo.max_refill_rounds",
     "model.rollout.overlong_cache_length": "model.dapo.overlong_cache_length",

@@ -114,6 +114,8 @@ def configure_adamw(model: torch.nn.Module, optim: OptimConfig, total_steps: int
 
     from rl_lightning.models.lora import parameter_counts
 
+    if optim.lr_schedule is None or (optim.lr is None and lr is None):  # a task resolves them (`LMConfig.for_task`)
+        raise ValueError(f"configure_adamw needs a resolved lr and lr_schedule, got {optim.lr}, {optim.lr_schedule}")
     trainable, total = parameter_counts(model)
     rank_zero_info(f"{type(model).__name__}: {trainable:,} trainable parameters of {total:,} "
                    f"({100 * trainable / max(1, total):.3g}%)")

@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms.dapo import DAPOConfig, overlong_shaped, truncation_masked
+from rl_lightning.algorithms.dapo import overlong_shaped, truncation_masked
 from rl_lightning.engines.lockstep import Lockstep
 from rl_lightning.engines.protocol import SamplingParams
 from rl_lightning.engines.weights import WeightSync
@@ -34,7 +34,7 @@ from rl_lightning.envs.workers import start_pool
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.phases import release_host_memory
 from rl_lightning.parallel.reductions import Groups, data_parallel_sum, process_groups
-from rl_lightning.rollout.config import RolloutConfig
+from rl_lightning.rollout.config import DAPOConfig, RolloutConfig
 from rl_lightning.rollout.engine_setup import (
     build_engine,
     context_limit,

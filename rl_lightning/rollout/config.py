@@ -263,3 +263,41 @@ def engine_process_devices(devices: Sequence[int] | None, device_type: str, devi
         raise ConfigError(f"{key}={list(devices)} overlaps the trainer's GPUs {trainer} (GPU(s) {shared}): the "
                           f"engine needs GPUs of its own; pick among the free ones {free}")
     return list(devices)
+
+
+@dataclass(frozen=True)
+class DAPOConfig:
+    """DAPO's sampling-side settings (``model.dapo.*`` of PPO); each is off by default.
+
+    Args:
+        filter_range: dynamic sampling: keep only prompt groups whose mean reward lies strictly inside (low, high),
+            and refill the batch with more prompts (drawn from the training set) until it is full or
+            `max_refill_rounds` rounds were tried; null disables.
+        max_refill_rounds: generation rounds per rollout when filtering (the first included).
+        overlong_cache_length: soft overlong punishment: completions longer than ``model.rollout.max_new_tokens -
+            overlong_cache_length`` tokens lose up to 1 reward, linearly; null disables.
+        mask_truncated: drop completions cut at ``model.rollout.max_new_tokens`` from the loss (overlong filtering).
+    """
+
+    filter_range: tuple[float, float] | None = None
+    max_refill_rounds: int = 4
+    overlong_cache_length: int | None = None
+    mask_truncated: bool = False
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.filter_range is not None and not self.filter_range[0] < self.filter_range[1]:
+            errors.append(f"filter_range must be (low, high) with low < high, got {self.filter_range}")
+        if self.max_refill_rounds < 1:
+            errors.append(f"max_refill_rounds must be >= 1, got {self.max_refill_rounds}")
+        if self.overlong_cache_length is not None and self.overlong_cache_length <= 0:
+            errors.append(f"overlong_cache_length must be > 0 or null, got {self.overlong_cache_length}")
+        if errors:
+            raise ConfigError("; ".join(f"model.dapo.{e}" for e in errors))
+
+    def errors_with(self, max_new_tokens: int) -> list[str]:
+        """What this group cannot be combined with: the cache longer than the completions it shapes."""
+        if self.overlong_cache_length is not None and self.overlong_cache_length > max_new_tokens:
+            return [f"model.dapo.overlong_cache_length must be in (0, model.rollout.max_new_tokens={max_new_tokens}], "
+                    f"got {self.overlong_cache_length}"]
+        return []

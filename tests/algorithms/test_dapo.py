@@ -1,9 +1,9 @@
-"""``model.dapo`` (`rl_lightning.algorithms.dapo.DAPOConfig`): PPO's DAPO group, its own checks together."""
+"""``model.dapo`` (`rl_lightning.rollout.config.DAPOConfig`): PPO's DAPO group, its own checks together."""
 
 import pytest
 
-from rl_lightning.algorithms.dapo import DAPOConfig
 from rl_lightning.errors import ConfigError
+from rl_lightning.rollout.config import DAPOConfig
 
 
 def test_dapo_group_reports_every_bad_key_together():

@@ -71,7 +71,7 @@ def test_a_layout_the_engine_cannot_serve_fails_at_start_up_in_one_line(monkeypa
     assert callback.engine_devices == [2]
     # DAPO's refill (model.dapo) with one-step-off rollouts: one trainer rank has its engine and its refills; two
     # share the one engine process, which needs them to generate equally often (PPO's start-up check)
-    from rl_lightning.algorithms.dapo import DAPOConfig
+    from rl_lightning.rollout.config import DAPOConfig
     from rl_lightning.tasks.ppo.config import dapo_errors
 
     dapo, rollout = DAPOConfig(filter_range=(0.0, 1.0)), RolloutConfig(ENV, engine="vllm_process", async_steps=1)

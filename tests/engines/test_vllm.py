@@ -193,7 +193,7 @@ def test_bad_engine_settings_fail_at_construction(vllm_installed):
     with pytest.raises(ConfigError, match=r"engine.tp_size=2 does not support multi-turn rollouts \(max_turns=2\) "
                                           r"yet"):
         RolloutConfig(ENV, engine={"kind": "vllm", "tp_size": 2}, max_turns=2)
-    from rl_lightning.algorithms.dapo import DAPOConfig
+    from rl_lightning.rollout.config import DAPOConfig
     from rl_lightning.tasks.ppo.config import dapo_errors
 
     assert dapo_errors(DAPOConfig(filter_range=(0.0, 1.0)), RolloutConfig(ENV, engine={"kind": "vllm", "tp_size": 2})

@@ -51,7 +51,9 @@ def test_each_bad_optim_arg_names_its_key(kwargs, expected):
 
 def test_optim_defaults_and_frozen():
     optim = OptimConfig()
-    assert (optim.lr_schedule, optim.warmup_steps, optim.min_lr_ratio, optim.max_grad_norm) == ("cosine", 0, 0.1, 1.0)
+    # lr and lr_schedule null: the task's own (SFT 1e-5 cosine ... PPO 1e-6 constant), resolved by the task
+    assert (optim.lr, optim.lr_schedule, optim.warmup_steps, optim.min_lr_ratio, optim.max_grad_norm) == (
+        None, None, 0, 0.1, 1.0)
     with pytest.raises(AttributeError):
         optim.lr = 1.0  # frozen: a task's typed config cannot drift from its saved hyper-parameters
 
@@ -81,7 +83,7 @@ def test_unbounded_run_with_a_constant_schedule_has_no_length():
 def test_configure_adamw_schedules_over_the_run_and_overrides_lr():
     """warmup 2, cosine over 6 steps to m = .1: the scheduler's factors are lr_factor's; `lr` overrides optim.lr."""
     model = torch.nn.Linear(2, 2)
-    optim = OptimConfig(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6, warmup_steps=2)
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6, warmup_steps=2, lr_schedule="cosine")
     optimizer, schedule = configure_adamw(model, optim, total_steps=6)
     assert schedule["interval"] == "step"
     assert optimizer.defaults["betas"] == (0.8, 0.9) and optimizer.defaults["eps"] == 1e-6
@@ -93,6 +95,8 @@ def test_configure_adamw_schedules_over_the_run_and_overrides_lr():
     assert factors == pytest.approx([lr_factor(s, 2, 6, "cosine", 0.1) for s in range(7)])
     overridden, _ = configure_adamw(model, optim, total_steps=6, lr=3e-4)
     assert overridden.defaults["lr"] == 3e-4
+    with pytest.raises(ValueError, match="resolved lr and lr_schedule"):  # null would decay linearly, unasked
+        configure_adamw(model, OptimConfig(lr=1e-2), total_steps=6)
 
 
 def test_adamw_skips_decay_on_vectors():

@@ -12,12 +12,12 @@ from typing import Any
 from rl_lightning.algorithms.advantages import ESTIMATORS, GROUP_ESTIMATORS
 from rl_lightning.algorithms.controllers import Controllers
 from rl_lightning.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
-from rl_lightning.algorithms.dapo import DAPOConfig
 from rl_lightning.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from rl_lightning.algorithms.policy import AGGREGATIONS
 from rl_lightning.errors import ConfigError
 from rl_lightning.memory.backoff import budget_errors, oom_backoff_supported
 from rl_lightning.rollout.callback import RolloutConfig
+from rl_lightning.rollout.config import DAPOConfig
 
 KL_TYPES = ("loss", "reward")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")

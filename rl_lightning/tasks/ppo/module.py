@@ -99,7 +99,7 @@ class PPO(SkippedStepsState, L.LightningModule):
             `rl_lightning.tasks.memory_check`; single process only). In a single process a micro-batch that runs out
             of memory halves the budget, is re-packed and redone (``train/oom_retries``,
             ``train/max_length_per_device``); see `rl_lightning.memory.backoff`.
-        dapo: DAPO's sampling-side settings (``model.dapo.*``, see `rl_lightning.algorithms.dapo.DAPOConfig`):
+        dapo: DAPO's sampling-side settings (``model.dapo.*``, see `rl_lightning.rollout.config.DAPOConfig`):
             dynamic sampling, soft overlong punishment, overlong filtering; all off by default.
         distill: on-policy distillation from a frozen teacher (``model.distill.*``, see
             `rl_lightning.tasks.ppo.distill.DistillConfig`): its per-token reverse KL as a reward or GKD's JSD as a loss.
