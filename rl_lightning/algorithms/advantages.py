@@ -202,6 +202,28 @@ GROUP_ESTIMATORS = ("drgrpo", "grpo", "rloo")
 CRITIC_ESTIMATORS = ("gae", "vtrace", "retrace", "td_lambda", "nstep")  # need the critic's values
 OFF_POLICY_ESTIMATORS = ("vtrace", "retrace")  # need target and behaviour log-probs
 
+OutcomeEstimator = Callable[[torch.Tensor, int], torch.Tensor]
+"""``estimator(rewards, group_size)``: (B,) outcome rewards (groups of G contiguous) -> (B,) sequence advantages."""
+
+OUTCOME_ESTIMATORS: dict[str, OutcomeEstimator] = {}  # registered critic-free estimators (`register_estimator`)
+
+
+def register_estimator(name: str, estimator: OutcomeEstimator) -> None:
+    """Make `name` a choice of ``model.advantage_estimator``: a critic-free estimator of outcome rewards.
+
+    `estimate_advantages` puts its (B,) advantages on every completion token (plus the reward-to-go of a KL reward),
+    as it does for the group estimators; the PPO task takes the name as it takes ``rloo``. Register before the task
+    is built (e.g. in the module that defines the estimator, imported by your recipe's callback or script).
+    """
+    if name in ESTIMATORS:
+        raise ValueError(f"advantage estimator '{name}' is built in; register another name")
+    OUTCOME_ESTIMATORS[name] = estimator
+
+
+def estimator_names() -> tuple[str, ...]:
+    """Every ``model.advantage_estimator`` choice: the built-in `ESTIMATORS`, then the registered ones."""
+    return (*ESTIMATORS, *OUTCOME_ESTIMATORS)
+
 
 def estimate_advantages(
     estimator: str,
@@ -231,7 +253,7 @@ def estimate_advantages(
       weigh by pi / mu = exp(`target_logprobs` - `behaviour_logprobs`).
 
     Args:
-        estimator: one of `ESTIMATORS`.
+        estimator: one of `ESTIMATORS` or a name given to `register_estimator`.
         rewards: (B,) outcome rewards, groups of `group_size` contiguous.
         completion_mask: (B, T) 1 on each trajectory's completion tokens, in order (T: completion tokens only, so a
             multi-turn trajectory's tool tokens in between are not there).
@@ -250,11 +272,13 @@ def estimate_advantages(
     Returns:
         advantages (B, T) and returns (B, T) (the critic estimators; None otherwise), zero where the mask is 0.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator '{estimator}'; use one of {', '.join(ESTIMATORS)}")
+    if estimator not in estimator_names():
+        raise ValueError(f"unknown advantage estimator '{estimator}'; use one of {', '.join(estimator_names())}")
     mask = completion_mask.to(torch.float32)
-    if estimator in GROUP_ESTIMATORS:
-        if estimator == "rloo":
+    if estimator in GROUP_ESTIMATORS or estimator in OUTCOME_ESTIMATORS:
+        if estimator in OUTCOME_ESTIMATORS:
+            outcome = OUTCOME_ESTIMATORS[estimator](rewards, group_size)
+        elif estimator == "rloo":
             outcome = rloo_advantages(rewards, group_size)
         else:
             outcome = group_advantages(rewards, group_size, scale_by_std=estimator == "grpo")

@@ -27,6 +27,7 @@ from rl_lightning.cli.device_check import check_trainer_devices
 from rl_lightning.cli.recipes import resolve_config_args, resolve_references
 from rl_lightning.cli.renamed_keys import renamed_error
 from rl_lightning.cli.run_names import configs_name, run_name
+from rl_lightning.cli.run_seed import hand_seed, run_seed
 from rl_lightning.compat.jsonargparse import cli_subcommand_parsers
 from rl_lightning.compat.lightning import KeepArgumentsOnCkptPath
 from rl_lightning.errors import UserError
@@ -177,6 +178,13 @@ class RLLightningCLI(KeepArgumentsOnCkptPath, LightningCLI):
         self.place_outputs(trainer, logger, None if weights_only else config.get("ckpt_path"), folder)
         if config.get("ckpt_path") == "last":
             config.ckpt_path = last_checkpoint(trainer.callbacks)
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Build the classes, then hand the DataModule the run's one seed (`rl_lightning.cli.run_seed`)."""
+        seed = run_seed(self.config.get(self.subcommand) if self.subcommand else self.config)
+        super().instantiate_classes()
+        hand_seed(self.datamodule, seed)
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path`` of another run before anything loads (`rl_lightning.cli.resume_check`)."""

@@ -46,6 +46,7 @@ RENAMED: dict[str, str] = {
     "model.rollout.gpu_memory_utilization": "model.rollout.engine.gpu_memory_utilization",
     "model.rollout.weight_bucket_mb": "model.rollout.engine.weight_bucket_mb",
     "model.rollout.weight_sync": "model.rollout.engine.weight_sync",
+    "model.rollout.seed": "seed_everything",  # one seed drives the data order and every sampling seed
 }
 
 

@@ -26,7 +26,6 @@ for the rest of the run. Here the rate is a moving average, both ends are parked
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,12 +112,12 @@ class PromptCurriculum:
     Args:
         config: the ``data.curriculum`` settings.
         num_prompts: P, the training prompts (indexed by `rl_lightning.data.prompts.Prompt.index`).
-        seed: base seed of the walk's permutations (``seed_everything``'s by default).
+        seed: base seed of the walk's permutations (the run's seed, ``seed_everything``).
     """
 
-    def __init__(self, config: CurriculumConfig, num_prompts: int, seed: int | None = None) -> None:
+    def __init__(self, config: CurriculumConfig, num_prompts: int, seed: int = 0) -> None:
         self.config, self.num_prompts = config, num_prompts
-        self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
+        self.seed = seed
         self.pass_rates = torch.zeros(num_prompts, dtype=torch.float64)
         self.seen = torch.zeros(num_prompts, dtype=torch.int64)  # rollouts that observed each prompt
         self.last_seen = torch.zeros(num_prompts, dtype=torch.int64)  # the latest of them

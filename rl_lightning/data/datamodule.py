@@ -44,12 +44,23 @@ def saved_hparams(datamodule: L.LightningDataModule) -> AttributeDict:
     return cast(AttributeDict, datamodule.hparams)
 
 
+def run_seed(datamodule: Any) -> int:
+    """The run's one seed (``seed_everything``), as the CLI handed it to `datamodule`'s ``seed`` (0 without one)."""
+    return int(getattr(datamodule, "seed", 0))
+
+
 class StepDataModule(L.LightningDataModule):
     """Base of the task DataModules.
 
     Subclasses implement `build_units(rows, name)`, returning the packing units and their row locations, and document
     their own arguments (the common ones are described in the subclasses).
+
+    Attributes:
+        seed: the run's one seed (the data order here; the rollout's sampling seeds read it too). The CLI sets it
+            from ``seed_everything``; from Python, set it before ``fit`` (default 0).
     """
+
+    seed: int = 0
 
     def __init__(
         self,
@@ -112,7 +123,7 @@ class StepDataModule(L.LightningDataModule):
             # Lightning does not fast-forward iterable datasets when resuming mid-epoch: start where training stopped.
             (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed) if resumable and trainer else
             (lambda: 0),
-            drop_remainder=resumable,
+            drop_remainder=resumable, seed=self.seed,
         )
         return DataLoader(dataset, batch_size=None)
 

@@ -8,7 +8,6 @@ dropped, counted and logged (never truncated: a cut question has no right answer
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,9 +63,10 @@ class PromptBatches(IterableDataset):
 
     def __init__(self, prompts: list[Prompt], per_rank: int, dp_rank: int, dp_size: int, shuffle: bool,
                  epoch_fn: Callable[[], int] = lambda: 0, start_fn: Callable[[], int] = lambda: 0,
-                 keep_last: bool = False) -> None:
+                 keep_last: bool = False, seed: int = 0) -> None:
         self.prompts, self.per_rank, self.dp_rank, self.dp_size = prompts, per_rank, dp_rank, dp_size
         self.shuffle, self.epoch_fn, self.start_fn, self.keep_last = shuffle, epoch_fn, start_fn, keep_last
+        self.seed = seed  # the run's seed: epoch e walks the permutation seeded seed + e
 
     def __len__(self) -> int:
         rows = self.per_rank * self.dp_size
@@ -87,8 +87,7 @@ class PromptBatches(IterableDataset):
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(len(self.prompts))
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + epoch
-        return torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
+        return torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(self.seed + epoch))
 
     def _share(self, order: torch.Tensor, step: int) -> list[Prompt]:
         rows = self.per_rank * self.dp_size
@@ -111,11 +110,17 @@ class PromptDataModule(L.LightningDataModule):
         max_prompt_length: prompts with more tokens are dropped and counted (``data/train_dropped``).
         apply_chat_template: render with the chat template and generation prompt; False concatenates contents.
         batch_size: prompts per rollout per data-parallel rank (each gets ``responses_per_prompt`` completions).
-        shuffle: reshuffle every epoch (seeded by ``seed_everything``).
+        shuffle: reshuffle every epoch (seeded by the run's seed, `seed`).
         curriculum: a difficulty curriculum over the training prompts (``data.curriculum.*``, see
             `rl_lightning.data.curriculum.CurriculumConfig`): prompts the policy always or never solves are parked
             and re-admitted later; GRPO-style tasks only (``model.rollout.responses_per_prompt`` >= 2). Null: off.
+
+    Attributes:
+        seed: the run's one seed (the data order here; the rollout's sampling seeds read it too). The CLI sets it
+            from ``seed_everything``; from Python, set it before ``fit`` (default 0).
     """
+
+    seed: int = 0
 
     def __init__(
         self,
@@ -187,7 +192,8 @@ class PromptDataModule(L.LightningDataModule):
         check_enough_rows(len(self.prompts["train"]), hp.batch_size, process_groups(self.trainer).dp_size, hp.path)
         if hp.curriculum is not None and self.curriculum is None:
             check_curriculum_task(getattr(self.trainer, "lightning_module", None))
-            self.curriculum = PromptCurriculum(CurriculumConfig(**hp.curriculum), len(self.prompts["train"]))
+            self.curriculum = PromptCurriculum(CurriculumConfig(**hp.curriculum), len(self.prompts["train"]),
+                                               self.seed)
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -223,7 +229,7 @@ class PromptDataModule(L.LightningDataModule):
             lambda: trainer.current_epoch if trainer else 0,
             (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.completed)
             if trainer and name == "train" else (lambda: 0),
-            keep_last=name != "train",
+            keep_last=name != "train", seed=self.seed,
         )
         # A dict the rollout callback can extend in place (``batch["rollout"]``); prompts stay Python objects.
         return DataLoader(dataset, batch_size=None, collate_fn=lambda prompts: {"prompts": prompts})

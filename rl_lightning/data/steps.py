@@ -21,7 +21,6 @@ every per-token tensor can be sliced along T (context parallelism) without looki
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,12 +130,13 @@ class StepDataset(IterableDataset):
         max_tokens: token budget of a packed micro-batch.
         micro_batch_size: units per padded micro-batch.
         pad_token_id: filler token for padding and empty micro-batches.
-        shuffle: reshuffle every epoch, seeded by ``seed_everything`` and the epoch number.
+        shuffle: reshuffle every epoch, seeded by `seed` + the epoch number.
         epoch_fn: returns the current epoch (the trainer's), so shuffling survives restarts.
         start_step_fn: returns how many steps of this epoch are already done (the trainer's progress), so a run
             resumed mid-epoch continues with the next step's data instead of replaying the epoch's first steps.
         drop_remainder: skip the last, incomplete step (training: every step has the same global batch size);
             False serves it too (validation: every row is evaluated; ranks left without rows run filler passes).
+        seed: the run's seed (``seed_everything``, handed down by the DataModule).
     """
 
     def __init__(
@@ -153,11 +153,12 @@ class StepDataset(IterableDataset):
         epoch_fn: Callable[[], int] = lambda: 0,
         start_step_fn: Callable[[], int] = lambda: 0,
         drop_remainder: bool = True,
+        seed: int = 0,
     ) -> None:
         self.units, self.rows_per_rank, self.dp_rank, self.dp_size = units, rows_per_rank, dp_rank, dp_size
         self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
         self.pad_token_id, self.shuffle, self.epoch_fn, self.start_step_fn = pad_token_id, shuffle, epoch_fn, start_step_fn
-        self.drop_remainder = drop_remainder
+        self.drop_remainder, self.seed = drop_remainder, seed
 
     def __len__(self) -> int:
         rows = self.rows_per_rank * self.dp_size
@@ -186,7 +187,7 @@ class StepDataset(IterableDataset):
     def __iter__(self):
         order = torch.arange(len(self.units))
         if self.shuffle:
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) + self.epoch_fn()
+            seed = self.seed + self.epoch_fn()
             order = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(seed))
         rows = self.rows_per_rank * self.dp_size
         for step in range(self.start_step_fn(), len(self)):

@@ -6,10 +6,10 @@ vLLM engine is tested against.
 All prompts of a `generate` call decode together, in one left-padded batch over one KV cache, with a decode loop of
 our own rather than ``model.generate``: ``generate`` draws every row's token from one random stream, so batching
 prompts would make a prompt's completions depend on what else is in the batch (and on the rank it lands on). Here
-each prompt samples from its own generator, seeded with ``params.request_seed(index)``: a prompt gets the same
-completions alone, in any batch and on any rank. Its ``n`` rows draw together, as ``generate`` draws a batch
-(``torch.multinomial`` over the ``(n, vocab)`` probabilities), so one prompt decoded here samples what
-``model.generate`` samples after ``torch.manual_seed(seed)``.
+each completion samples from its own generator, seeded with ``params.sample_seed(index, sample)``: a completion is
+the same alone, in any batch, on any rank and whatever ``n`` is, and no two completions share a random stream. One
+completion decoded here samples what ``model.generate`` samples for its prompt after ``torch.manual_seed(seed)``
+with its sample's seed.
 
 Under a sharded policy (FSDP2 / tensor parallel), every forward is a collective: all ranks run the same number of
 decode steps (one all-reduce of "anyone still decoding?" per step), whatever their own completions do.
@@ -77,7 +77,7 @@ class HFEngine:
             attention_mask[i * n : (i + 1) * n, width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)  # then moved, once
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        generators = [self._generator(params.request_seed(i), device) for i in range(len(prompts))]
+        generators = [self._generator(params.sample_seed(i, j), device) for i in range(len(prompts)) for j in range(n)]
         stops = torch.tensor(params.stop_token_ids or [-1], device=device)
         sharded = _sharded(self.model)
         tokens = torch.full((len(prompts) * n, steps), self.pad_token_id, dtype=torch.long, device=device)
@@ -90,7 +90,7 @@ class HFEngine:
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             scores = process_logits(out.logits[:, -1].float(), params)  # what the token is sampled from
-            token = sample(scores, generators, n) if params.temperature > 0 else scores.argmax(-1)
+            token = sample(scores, generators) if params.temperature > 0 else scores.argmax(-1)
             tokens[rows, step] = token
             logprobs[rows, step] = scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
             done |= torch.isin(token, stops)
@@ -99,12 +99,13 @@ class HFEngine:
             input_ids, positions = token[:, None], positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
             going = ~done.view(-1, n).all(1)  # per prompt of the batch
-            if 0 < int(going.sum()) < len(generators):  # (a rank whose prompts all stopped keeps one in lockstep)
-                keep = going.repeat_interleave(n).nonzero()[:, 0]
+            if 0 < int(going.sum()) < len(generators) // n:  # (a rank whose prompts all stopped keeps one in lockstep)
+                kept = going.repeat_interleave(n)
+                keep = kept.nonzero()[:, 0]
                 cache.batch_select_indices(keep)
                 input_ids, positions, attention_mask = input_ids[keep], positions[keep], attention_mask[keep]
                 rows, done = rows[keep], done[keep]
-                generators = [g for g, on in zip(generators, going.tolist(), strict=True) if on]
+                generators = [g for g, on in zip(generators, kept.tolist(), strict=True) if on]
         return tokens[:, : step + 1], logprobs[:, : step + 1]
 
     @staticmethod
@@ -140,10 +141,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return scores
 
 
-def sample(scores: torch.Tensor, generators: list[torch.Generator | None], n: int) -> torch.Tensor:
-    """One token per row; prompt i's ``n`` rows draw together from ``generators[i]`` (the default stream if None)."""
+def sample(scores: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row; row i draws from ``generators[i]`` (the default stream if None)."""
     probs = scores.softmax(-1)
-    return torch.cat([torch.multinomial(probs[i * n : (i + 1) * n], 1, generator=g).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g).squeeze(-1)
                       for i, g in enumerate(generators)])
 
 

@@ -8,6 +8,8 @@ sampling). Engines: `rl_lightning.engines.hf.HFEngine` (transformers ``generate`
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,9 +17,24 @@ from typing import Protocol
 import torch
 
 
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed that is a stable hash of `keys` (e.g. the run's seed, the rollout, the round, the row, the turn).
+
+    BLAKE2b of the keys packed as signed 64-bit integers: the same keys give the same seed in every process and
+    Python version (unlike ``hash``), and two different key tuples share a seed with probability about 2^-63, where
+    sums such as ``seed + row`` collide as soon as two offsets line up.
+    """
+    packed = struct.pack(f"<{len(keys)}q", *((k + 2**63) % 2**64 - 2**63 for k in keys))
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 1
+
+
 @dataclass
 class SamplingParams:
-    """How to sample. `temperature` 0 is greedy; `seed` or per-prompt `seeds` make sampling reproducible."""
+    """How to sample. `temperature` 0 is greedy; `seed` or per-prompt `seeds` make sampling reproducible.
+
+    Every completion (prompt ``i``, sample ``j``) is drawn from a random stream of its own, seeded
+    `sample_seed` ``(i, j)``: engines pass that seed to each sample explicitly.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -32,12 +49,20 @@ class SamplingParams:
         """The seed of the `index`-th prompt of a `generate` call.
 
         ``seeds[index]`` when given (the rollout callback derives them from the prompts' dataset rows, so a prompt
-        samples the same completions on whichever rank it lands), else ``seed + index``; None samples freshly. The
-        ``n`` samples of a prompt share its seed.
+        samples the same completions on whichever rank it lands), else ``derive_seed(seed, index)``; None samples
+        freshly. Each of the prompt's ``n`` samples has its own seed, derived from this one (`sample_seed`).
         """
         if self.seeds is not None:
             return self.seeds[index]
-        return None if self.seed is None else self.seed + index
+        return None if self.seed is None else derive_seed(self.seed, index)
+
+    def sample_seed(self, index: int, sample: int) -> int | None:
+        """The seed of sample `sample` of the `index`-th prompt: ``derive_seed(request_seed(index), sample)``.
+
+        None when sampling is unseeded.
+        """
+        seed = self.request_seed(index)
+        return None if seed is None else derive_seed(seed, sample)
 
 
 @dataclass

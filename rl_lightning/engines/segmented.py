@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl_lightning.engines.protocol import Completion, SamplingParams
+from rl_lightning.engines.protocol import Completion, SamplingParams, derive_seed
 
 
 @dataclass
@@ -28,7 +28,7 @@ class _Request:
     """One completion being generated segment by segment."""
 
     prompt: list[int]
-    params: SamplingParams  # n=1, this completion's own seed
+    params: SamplingParams  # n=1, `seed` this completion's own seed
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -38,10 +38,13 @@ class _Request:
     error: BaseException | None = None
 
     def segment_params(self, segment_tokens: int) -> SamplingParams:
-        """Sampling parameters of the next segment: at most `segment_tokens`, a seed of its own per segment."""
+        """Sampling parameters of the next segment: at most `segment_tokens`, a seed of its own per segment.
+
+        The segment's seed is ``derive_seed(completion's seed, segment)``: no two segments share a random stream.
+        """
         seed = self.params.seed
         return replace(self.params, max_new_tokens=min(segment_tokens, self.params.max_new_tokens - len(self.tokens)),
-                       seed=None if seed is None else seed + 104_729 * self.segments)
+                       seed=None if seed is None else derive_seed(seed, self.segments))
 
     def extend(self, completion: Completion, asked: int, stopped: bool, version: int) -> None:
         """Append a segment's output; done at a stop, at the token budget or when the engine stopped it early."""
@@ -148,7 +151,7 @@ class SegmentedEngine:
 
         params = [r.segment_params(self.segment_tokens) for r in batch]
         inputs = [{"prompt_token_ids": r.prompt + r.tokens} for r in batch]
-        outputs = self.engine.llm.generate(inputs, [_sampling_params(p, 0) for p in params], use_tqdm=False,
+        outputs = self.engine.llm.generate(inputs, [_sampling_params(p, p.seed) for p in params], use_tqdm=False,
                                            lora_request=self.engine.lora_request)
         for r, p, output in zip(batch, params, outputs, strict=True):
             sample = output.outputs[0]
@@ -156,6 +159,5 @@ class SegmentedEngine:
 
 
 def _one(params: SamplingParams, index: int, sample: int) -> SamplingParams:
-    """Sample `sample` of prompt `index` as a request of its own (seed: the prompt's + the sample's index)."""
-    seed = params.request_seed(index)
-    return replace(params, n=1, seeds=None, seed=None if seed is None else seed + sample)
+    """Sample `sample` of prompt `index` as a request of its own (seed: ``params.sample_seed(index, sample)``)."""
+    return replace(params, n=1, seeds=None, seed=params.sample_seed(index, sample))

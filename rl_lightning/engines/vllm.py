@@ -25,8 +25,9 @@ no sleep mode: there sleep/wake are no-ops (logged once), and the KV cache has a
 
 Generation is token-in/token-out: ``{"prompt_token_ids": ...}`` prompts, no detokenisation, and the sampled token's
 log-probability after temperature/top-k/top-p (``logprobs_mode="processed_logprobs"``), i.e. the probability it was
-actually sampled with. A request's seed is ``params.request_seed(prompt index)``, as in `rl_lightning.engines.hf.HFEngine`
-(vLLM derives the n samples' seeds from it: ``seed + sample index``).
+actually sampled with. Each sample is a request of its own (``n=1``) with its own seed,
+``params.sample_seed(prompt index, sample index)``, as in `rl_lightning.engines.hf.HFEngine`: vLLM's ``seed + sample
+index`` for ``n > 1`` would give sample j of one prompt the stream of sample j - 1 of the next.
 
 Process-wide side effects of vLLM (they are vLLM's, listed so nobody is surprised): on CPU it replaces
 ``torch.set_num_threads`` with a no-op and binds memory to one NUMA node; it seeds torch's global RNG at construction
@@ -315,12 +316,12 @@ class VLLMEngine:
         requests = self._gather((prompts, params))
         inputs, sampling, counts = [], [], []
         for rank_prompts, rank_params in requests:
-            # vLLM refuses n > 1 when greedy: send n identical requests of one completion each
-            copies = rank_params.n if rank_params.temperature == 0 else 1
-            counts.append(len(rank_prompts) * copies)
+            # one request per sample, each with its own seed (and vLLM refuses n > 1 when greedy)
+            counts.append(len(rank_prompts) * rank_params.n)
             for index, prompt in enumerate(rank_prompts):
-                inputs += [{"prompt_token_ids": list(prompt)}] * copies
-                sampling += [_sampling_params(rank_params, index)] * copies
+                inputs += [{"prompt_token_ids": list(prompt)}] * rank_params.n
+                sampling += [_sampling_params(rank_params, rank_params.sample_seed(index, j))
+                             for j in range(rank_params.n)]
         outputs = self.llm.generate(inputs, sampling, use_tqdm=False, lora_request=self.lora_request) if inputs else []
         start = sum(counts[: self.tp_rank])
         mine = outputs[start : start + counts[self.tp_rank]]
@@ -336,17 +337,18 @@ class VLLMEngine:
         return gathered
 
 
-def _sampling_params(params: SamplingParams, index: int) -> Any:
+def _sampling_params(params: SamplingParams, seed: int | None) -> Any:
+    """The vLLM parameters of one completion (``n=1``) sampled with `seed` (None: freshly)."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     greedy = params.temperature == 0
     return VLLMSamplingParams(
-        n=1 if greedy else params.n, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
+        n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
         top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
         # with explicit stop tokens, stop on those only (as HFEngine): not also on the checkpoint's EOS ids
         ignore_eos=bool(params.stop_token_ids),
-        seed=params.request_seed(index), logprobs=0, detokenize=False,
+        seed=seed, logprobs=0, detokenize=False,
     )
 
 

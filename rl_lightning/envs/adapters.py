@@ -77,15 +77,38 @@ class Adapter:
         return weights
 
 
+AdapterBuilder = Callable[[str, str], Adapter]
+"""``build(target, where)``: the `Adapter` of ``<prefix>:<target>``; `where` names the key and value for errors."""
+
+ADAPTERS: dict[str, AdapterBuilder] = {}  # env_path prefix -> builder (`register_adapter`)
+
+
+def register_adapter(prefix: str, build: AdapterBuilder) -> None:
+    """Make ``env_path: <prefix>:<target>`` build its environment with ``build(target, where)``.
+
+    The built-in prefixes (``verifiers``, ``openenv``) are registered here; a new kind of environment is a module with
+    its builder and one call of this (see docs/contributing.md, "How to add an environment adapter"). A registration
+    holds in the process that made it: the reward and interact workers are fresh interpreters, so an adapter
+    registered outside this module scores in the trainer (``model.rollout.reward_workers: 0``).
+    """
+    if not prefix.isidentifier():
+        raise ValueError(f"an env_path prefix is a name (letters, digits, _), got {prefix!r}")
+    ADAPTERS[prefix] = build
+
+
 def is_adapter(env_path: str) -> bool:
-    """Whether `env_path` names a standard environment (``verifiers:...``, ``openenv:...``) rather than a file."""
-    return env_path.split(":", 1)[0] in PREFIXES and ":" in env_path
+    """Whether `env_path` names an adapted environment (``verifiers:...``, ``openenv:...``) rather than a file."""
+    return env_path.split(":", 1)[0] in ADAPTERS and ":" in env_path
 
 
 def load_adapter(env_path: str, key: str = "env_path") -> Adapter:
     """Import the environment `env_path` names and adapt it; any mistake is one `ConfigError` naming `key`."""
     kind, target = env_path.split(":", 1)
-    where = f"{key}={env_path!r}"
+    return ADAPTERS[kind](target, f"{key}={env_path!r}")
+
+
+def _standard(kind: str, target: str, where: str) -> Adapter:
+    """A verifiers taskset or an OpenEnv environment (`kind`), served or imported from `target`."""
     try:
         importlib.import_module("verifiers.v1" if kind == "verifiers" else "openenv.core.env_server")
     except ImportError as e:
@@ -110,6 +133,18 @@ def load_adapter(env_path: str, key: str = "env_path") -> Adapter:
 
     env = OpenEnvAdapter(_pick_class(module, Environment, name, where), where)
     return Adapter(env.reward_fn, env.interact, env.weights, env.trust)
+
+
+def _verifiers(target: str, where: str) -> Adapter:
+    return _standard("verifiers", target, where)
+
+
+def _openenv(target: str, where: str) -> Adapter:
+    return _standard("openenv", target, where)
+
+
+register_adapter("verifiers", _verifiers)
+register_adapter("openenv", _openenv)
 
 
 def _import_target(target: str, where: str) -> ModuleType:

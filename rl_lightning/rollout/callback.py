@@ -26,8 +26,9 @@ import torch
 from typing_extensions import override
 
 from rl_lightning.algorithms.dapo import overlong_shaped, truncation_masked
+from rl_lightning.data.datamodule import run_seed
 from rl_lightning.engines.lockstep import Lockstep
-from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.engines.protocol import SamplingParams, derive_seed
 from rl_lightning.engines.weights import WeightSync
 from rl_lightning.envs.environment import load_environment
 from rl_lightning.envs.workers import start_pool
@@ -63,6 +64,10 @@ def scheduling_policy(config: RolloutConfig) -> SchedulingPolicy:
     if config.inflight_segment_tokens is not None:
         return InFlight(config.inflight_segment_tokens)
     return OneStepOff()
+
+# Domains of the run's seed besides training rollouts (whose keys are (rollout, round, row)): validation requests
+# (keyed by row alone, so successive validations compare the same draws) and the refill prompt draws.
+VALIDATION, REFILL = -1, -2
 
 
 class PolicyTask(Protocol):
@@ -107,6 +112,7 @@ class RolloutCallback(L.Callback):
         self.peers: Any = None  # the context x tensor parallel group whose first rank samples for it
         self.engine_devices: list[int] | None = None  # an engine of its own process on GPU (checked in `setup`)
         self.refills = 0
+        self.seed = 0  # the run's seed (``seed_everything``): the DataModule's, taken in `setup`
         self.max_model_len: int | None = None  # multi-turn: a conversation ends before it outgrows it
         self.schedule: SchedulingPolicy = scheduling_policy(c)  # when the engine samples (sync, one-step-off, ...)
         self.replay: ReplayDump | None = None  # model.rollout.replay: the dumped rollouts (read in `setup`)
@@ -124,6 +130,7 @@ class RolloutCallback(L.Callback):
         """
         c = self.config
         self.groups = process_groups(trainer)  # the parallel layout, for the rollout's reductions
+        self.seed = run_seed(_datamodule(trainer))
         prompts = getattr(_datamodule(trainer), "prompts", {})  # answers of the type reward_fn reads, or one line
         self.env.check_answers(p for loaded in (prompts.values() if isinstance(prompts, dict) else []) for p in loaded)
         if c.replay is not None and stage == "fit":  # refuses a dump of another model or rollout shape at once
@@ -192,8 +199,9 @@ class RolloutCallback(L.Callback):
     def sampling_params(self, step: int, prompts: list, stop_id: int, refill_round: int = 0) -> SamplingParams:
         """The training sampling parameters of `prompts`, seeded per prompt.
 
-        Seeds come from the rollout count and each prompt's dataset position, never the rank: a prompt samples the
-        same completions whatever the parallel layout (dp=2 == dp=1).
+        A prompt's seed is ``derive_seed(run seed, rollout, refill round, its dataset row)`` (the engine derives each
+        sample's from it, the rollout each turn's), never the rank: a prompt samples the same completions whatever
+        the parallel layout (dp=2 == dp=1), and no two requests of a run share a random stream.
 
         Args:
             step: the rollout's index.
@@ -205,8 +213,7 @@ class RolloutCallback(L.Callback):
             The parameters of one generate call.
         """
         c = self.config
-        seeds = None if c.seed is None else [c.seed + 1_000_003 * step + 7_919 * refill_round + p.index
-                                             for p in prompts]
+        seeds = [derive_seed(self.seed, step, refill_round, p.index) for p in prompts]
         return SamplingParams(n=c.responses_per_prompt, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                               max_new_tokens=c.max_new_tokens, stop_token_ids=[stop_id], seeds=seeds)
 
@@ -323,16 +330,21 @@ class RolloutCallback(L.Callback):
             self.pareto.load_state_dict(state_dict["pareto"])
         self.schedule.load_state_dict(state_dict)
 
+    def validation_params(self, prompts: list, stop_id: int) -> SamplingParams:
+        """The validation sampling parameters of `prompts`: seeded by row alone, the same at every validation."""
+        c = self.config
+        sampled = c.val_temperature > 0
+        return SamplingParams(n=c.val_responses_per_prompt, temperature=c.val_temperature,
+                              top_p=c.top_p if sampled else 1.0, top_k=c.top_k if sampled else 0,
+                              max_new_tokens=c.max_new_tokens, stop_token_ids=[stop_id],
+                              seeds=[derive_seed(self.seed, VALIDATION, p.index) for p in prompts])
+
     @override
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         """Held-out prompts: `val_responses_per_prompt` completions each (multi-turn as in training), scored."""
         c, task = self.config, _task(pl_module)
-        sampled = c.val_temperature > 0
-        params = SamplingParams(n=c.val_responses_per_prompt, temperature=c.val_temperature,
-                                top_p=c.top_p if sampled else 1.0, top_k=c.top_k if sampled else 0,
-                                max_new_tokens=c.max_new_tokens, stop_token_ids=[task.tokenizer.eos_token_id],
-                                seeds=[(c.seed or 0) + 999_983 + p.index for p in batch["prompts"]])
+        params = self.validation_params(batch["prompts"], task.tokenizer.eos_token_id)
 
         def validate() -> list[Trajectory]:  # where the policy's engine calls run, once no rollout uses the engine
             self.prepare_engine(trainer, task)
@@ -370,7 +382,6 @@ class RolloutCallback(L.Callback):
         ranks = data_parallel_ranks(self.groups, collectives=not self.schedule.background)
         kept, rounds = refill(generate, prompts, trajectories, _datamodule(trainer).prompts["train"],
                               c.responses_per_prompt, filter_range, self.dapo.max_refill_rounds,
-                              (c.seed or 0) + 104_729 * index,
-                              ranks)
+                              derive_seed(self.seed, REFILL, index), ranks)
         self.refills += rounds
         return kept

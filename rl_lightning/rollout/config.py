@@ -63,7 +63,6 @@ class RolloutConfig:
             together); more is cut, with a note the model reads, and counted in ``rollout/tool_truncations``; null:
             no cap. Multi-turn conversations also end (``rollout/overlong_conversations``) when the next turn would
             pass the engine's ``max_model_len``.
-        seed: base seed of per-request sampling seeds (reproducible rollouts); None samples freshly.
         reward_weights: for a ``reward_fn`` returning named components (a dict): one weight per component; each
             component is logged as ``train/reward/<name>``.
         reward_combination: ``weighted_sum`` or ``tchebycheff`` (-max_k w_k |ideal_k - r_k|).
@@ -117,7 +116,6 @@ class RolloutConfig:
     interact_timeout_s: float | None = 60.0
     worker_env: list[str] | None = None
     max_tool_chars: int | None = 8192
-    seed: int | None = 0
     reward_weights: dict[str, float] | None = None
     reward_combination: str = "weighted_sum"
     reward_ideal: dict[str, float] | None = None

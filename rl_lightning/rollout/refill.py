@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rl_lightning.algorithms.dapo import keep_groups
+from rl_lightning.engines.protocol import derive_seed
 from rl_lightning.parallel.reductions import Groups, data_parallel_sum
 from rl_lightning.rollout.trajectory import Trajectory
 
@@ -55,14 +56,14 @@ def refill(generate: Callable[[list, int], list[Trajectory]], prompts: list, tra
         group: completions per prompt.
         filter_range: (low, high): groups whose mean reward lies strictly inside are kept (`keep_groups`).
         max_rounds: generation rounds at most (round 0 included).
-        seed: the refill stream's seed (the rollout's; the rank's added when `ranks` has no collectives).
+        seed: the refill stream's seed (the rollout's; hashed with the rank when `ranks` has no collectives).
         ranks: the data-parallel ranks.
 
     Returns:
         (this rank's trajectories, refill rounds).
     """
     size = ranks.size if ranks.total is not None else 1  # without collectives: a stream and a batch of its own
-    rng = random.Random(seed + (0 if ranks.total is not None else ranks.rank))
+    rng = random.Random(seed if ranks.total is not None else derive_seed(seed, ranks.rank))
     target, share = len(prompts) * size, len(prompts)
     kept: list[list[list[Trajectory]]] = []  # per round: this rank's kept groups
     low, high = filter_range

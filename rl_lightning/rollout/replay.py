@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rl_lightning.data.datamodule import run_seed
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.config import RolloutConfig
@@ -57,23 +58,26 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def manifest(model_name: str, tokenizer: Any, config: RolloutConfig, batch_size: int | None, world_size: int,
-             filter_range: tuple[float, float] | None = None) -> dict[str, Any]:
+             filter_range: tuple[float, float] | None = None, seed: int = 0) -> dict[str, Any]:
     """The dump's ``manifest.json``: the keys of `MUST_MATCH`, then the sampling settings (not checked)."""
     return {"format": FORMAT_VERSION, "model_name": model_name, "tokenizer": tokenizer_fingerprint(tokenizer),
             "responses_per_prompt": config.responses_per_prompt, "batch_size": batch_size, "world_size": world_size,
             "engine": config.engine_spec.kind, "temperature": config.temperature, "top_p": config.top_p,
             "top_k": config.top_k, "max_new_tokens": config.max_new_tokens, "max_turns": config.max_turns,
-            "seed": config.seed, "filter_range": filter_range}
+            "seed": seed, "filter_range": filter_range}
 
 
 def run_manifest(trainer: Any, task: Any, config: RolloutConfig, filter_range: tuple[float, float] | None = None
                  ) -> dict[str, Any]:
     """The `manifest` of the run `trainer` fits `task` (the PPO task: ``model_name``, ``tokenizer``) in.
 
-    `filter_range` is ``model.dapo.filter_range`` (dynamic sampling: the rollouts hold refilled prompts).
+    `filter_range` is ``model.dapo.filter_range`` (dynamic sampling: the rollouts hold refilled prompts); the seed is
+    the run's (``seed_everything``, the DataModule's).
     """
-    batch_size = getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("batch_size")
-    return manifest(task.model_name, task.tokenizer, config, batch_size, trainer.world_size, filter_range)
+    datamodule = getattr(trainer, "datamodule", None)
+    batch_size = getattr(datamodule, "hparams", {}).get("batch_size")
+    return manifest(task.model_name, task.tokenizer, config, batch_size, trainer.world_size, filter_range,
+                    run_seed(datamodule))
 
 
 def trajectory_record(trajectory: Trajectory, position: int, rollout: Rollout) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.data.tokenization import TokenizedExample
 from rl_lightning.engines.lockstep import Lockstep, generate
-from rl_lightning.engines.protocol import Completion, RolloutEngine, SamplingParams
+from rl_lightning.engines.protocol import Completion, RolloutEngine, SamplingParams, derive_seed
 from rl_lightning.envs.environment import Environment
 from rl_lightning.errors import DataError
 from rl_lightning.memory.phases import phase
@@ -110,15 +110,19 @@ def _context_tokens(tokenizer: Any, trajectory: Trajectory, tool_messages: list[
     return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
 
-def _continuation_seeds(params: SamplingParams, active: list[int], turn: int) -> list[int] | None:
-    """Each continuation its own seed: its prompt's, shifted by turn and by its place in the group (None: unseeded)."""
+def continuation_seeds(params: SamplingParams, active: list[int], turn: int) -> list[int] | None:
+    """Each continuation its own seed, ``derive_seed(its prompt's seed, turn, its sample)`` (None: unseeded).
+
+    `active` are trajectory indices (prompt ``i // n``, sample ``i % n``); the turn-0 samples draw from
+    ``params.sample_seed(prompt, sample)``, a hash of other keys, so no two turns of a rollout share a random stream.
+    """
     if params.request_seed(0) is None:
         return None
     seeds = []
     for i in active:
         seed = params.request_seed(i // params.n)
-        assert seed is not None  # seeded sampling seeds every prompt (`seeds` or `seed + index`)
-        seeds.append(seed + 7919 * turn + 104_729 * (i % params.n))
+        assert seed is not None  # seeded sampling seeds every prompt (`seeds` or `seed`)
+        seeds.append(derive_seed(seed, turn, i % params.n))
     return seeds
 
 
@@ -166,7 +170,7 @@ def rollout(engine: RolloutEngine, prompts: list[Prompt], env: Environment, toke
             if t.policy_versions is not None:
                 t.policy_versions += [-1] * len(context)
             t.messages = t.messages + tool_messages[i]
-        seeded = replace(params, n=1, seed=None, seeds=_continuation_seeds(params, active, turn))
+        seeded = replace(params, n=1, seed=None, seeds=continuation_seeds(params, active, turn))
         with phase("rollout/generate"):
             continuations = generate(engine, [trajectories[i].input_ids for i in active], seeded, lockstep)
         for i, (completion,) in zip(active, continuations, strict=True):

@@ -42,16 +42,17 @@ def test_without_observations_the_draws_walk_the_seeded_permutations():
     assert curriculum.draws.sum() == 12 and curriculum.draws.max() == 2
 
 
-def test_before_any_observation_the_curriculum_draws_the_plain_loaders_first_epoch(monkeypatch):
+def test_before_any_observation_the_curriculum_draws_the_plain_loaders_first_epoch():
     """The walk's first pass is the permutation the plain prompt loader shuffles its first epoch with (the same seed),
     so a run with and without the curriculum sample the same prompts until the curriculum has seen them."""
     from rl_lightning.data.prompts import Prompt, PromptBatches
 
-    monkeypatch.setenv("PL_GLOBAL_SEED", "42")
     prompts = [Prompt([], [], None, f"row {i}", i) for i in range(12)]
-    plain = [[p.index for p in batch] for batch in PromptBatches(prompts, 3, 0, 1, shuffle=True)]
-    curriculum = PromptCurriculum(CurriculumConfig(), 12)
+    plain = [[p.index for p in batch] for batch in PromptBatches(prompts, 3, 0, 1, shuffle=True, seed=42)]
+    curriculum = PromptCurriculum(CurriculumConfig(), 12, seed=42)
     assert [curriculum.draw(3) for _ in range(4)] == plain
+    other = [[p.index for p in batch] for batch in PromptBatches(prompts, 3, 0, 1, shuffle=True, seed=43)]
+    assert other != plain  # the order follows the run's seed
 
 
 def test_solved_and_hopeless_prompts_are_skipped_until_readmitted():

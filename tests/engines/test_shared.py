@@ -16,7 +16,7 @@ import torch
 from conftest import REPO
 from helpers import fit, ppo_task, prompts, run_on_cpu_ranks
 
-from rl_lightning.engines.protocol import Completion, SamplingParams
+from rl_lightning.engines.protocol import Completion, SamplingParams, derive_seed
 from rl_lightning.engines.shared import merged_generate
 from rl_lightning.errors import ConfigError
 from rl_lightning.rollout.config import RolloutConfig
@@ -36,15 +36,16 @@ def test_every_ranks_prompts_are_generated_together_and_answered_in_order():
 
     base = SamplingParams(n=2, max_new_tokens=4)
     requests = [([[1], [2]], SamplingParams(n=2, max_new_tokens=4, seeds=[10, 11])),
-                ([[3]], SamplingParams(n=2, max_new_tokens=4, seed=20)),  # seed + index
+                ([[3]], SamplingParams(n=2, max_new_tokens=4, seed=20)),  # derive_seed(seed, index)
                 ([], base), ([[4]], SamplingParams(n=1, max_new_tokens=4, seed=0))]
     answers = merged_generate(generate, requests)
-    assert [(ids, p.n, p.seeds) for ids, p in calls] == [([[1], [2], [3]], 2, [10, 11, 20]), ([[4]], 1, [0])]
+    s20, s0 = derive_seed(20, 0), derive_seed(0, 0)
+    assert [(ids, p.n, p.seeds) for ids, p in calls] == [([[1], [2], [3]], 2, [10, 11, s20]), ([[4]], 1, [s0])]
     assert [[[c.token_ids for c in group] for group in rank] for rank in answers] == [
-        [[[1, 10]] * 2, [[2, 11]] * 2], [[[3, 20]] * 2], [], [[[4, 0]]]]
+        [[[1, 10]] * 2, [[2, 11]] * 2], [[[3, s20]] * 2], [], [[[4, s0]]]]
     calls.clear()
     merged_generate(generate, [([[5]], base), ([[6]], SamplingParams(n=2, max_new_tokens=4, seed=1))])
-    assert [(ids, p.seeds) for ids, p in calls] == [([[5]], None), ([[6]], [1])]  # unseeded apart from seeded
+    assert [(ids, p.seeds) for ids, p in calls] == [([[5]], None), ([[6]], [derive_seed(1, 0)])]  # unseeded apart
 
 
 def _trainer(device: str, device_ids: list[int], world_size: int) -> SimpleNamespace:

@@ -4,6 +4,7 @@ parameters the rollout callback derives from them."""
 
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -13,11 +14,12 @@ from helpers import run_on_cpu_ranks
 from rl_lightning.algorithms import token_logprobs
 from rl_lightning.data.prompts import Prompt
 from rl_lightning.engines.hf import HFEngine
-from rl_lightning.engines.protocol import SamplingParams
+from rl_lightning.engines.protocol import SamplingParams, derive_seed
 from rl_lightning.envs.environment import load_environment
 from rl_lightning.errors import ConfigError, DataError
 from rl_lightning.models.loading import load_causal_lm
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
+from rl_lightning.rollout.trajectory import continuation_seeds
 
 PROMPT = [258, 84, 82, 68, 81, 198, 54, 71, 64, 83, 256, 198, 258, 64]
 
@@ -54,20 +56,23 @@ def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(engine):
 @pytest.mark.parametrize("sampling", [{"temperature": 0.7}, {"temperature": 1.0, "top_k": 5},
                                       {"temperature": 0.9, "top_p": 0.8}], ids=["temperature", "top_k", "top_p"])
 def test_batched_decoding_samples_what_generate_samples_for_each_prompt_alone(engine, sampling):
-    """Prompts of different lengths decode in one left-padded batch, yet each prompt's n completions are exactly what
-    ``model.generate`` samples for that prompt alone after ``torch.manual_seed(seed)`` (transformers' warpers and
-    multinomial draw), and the same as decoding the prompt by itself: independent of the batch and the rank."""
+    """Prompts of different lengths decode in one left-padded batch, yet each completion (prompt i, sample j) is
+    exactly what ``model.generate`` samples for that prompt alone after ``torch.manual_seed(sample_seed(i, j))``
+    (transformers' warpers and multinomial draw), and the same as decoding the prompt by itself: independent of the
+    batch and the rank."""
     prompts, seeds = [PROMPT, PROMPT[:5], PROMPT[3:9]], [5, 9, 11]
     params = SamplingParams(n=3, max_new_tokens=12, seeds=seeds, **sampling)
     batched = engine.generate(prompts, params)
-    for prompt, seed, completions in zip(prompts, seeds, batched, strict=True):
-        torch.manual_seed(seed)
-        ids = torch.tensor([prompt] * 3)
-        reference = engine.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=12, pad_token_id=257,
-            eos_token_id=None, temperature=sampling["temperature"], top_k=sampling.get("top_k") or None,
-            top_p=sampling.get("top_p", 1.0))[:, len(prompt):]
-        assert [c.token_ids for c in completions] == reference.tolist()
+    for i, (prompt, seed, completions) in enumerate(zip(prompts, seeds, batched, strict=True)):
+        reference = []
+        for j in range(3):
+            torch.manual_seed(params.sample_seed(i, j))
+            ids = torch.tensor([prompt])
+            reference += engine.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=12,
+                pad_token_id=257, eos_token_id=None, temperature=sampling["temperature"],
+                top_k=sampling.get("top_k") or None, top_p=sampling.get("top_p", 1.0))[:, len(prompt):].tolist()
+        assert [c.token_ids for c in completions] == reference
         (alone,) = engine.generate([prompt], dataclasses.replace(params, seeds=[seed]))
         assert [c.token_ids for c in alone] == [c.token_ids for c in completions]
         for a, b in zip(alone, completions, strict=True):  # padding changes only the summation order
@@ -90,12 +95,15 @@ def test_a_prompt_leaves_the_batch_when_its_completions_stopped_and_others_sampl
     finally:
         hook.remove()
     assert batch_sizes[0] == 9 and min(batch_sizes) < 9  # a prompt's rows left the batch
-    for prompt, seed, completions in zip(prompts, seeds, batched, strict=True):
-        torch.manual_seed(seed)
-        ids = torch.tensor([prompt] * 3)
-        reference = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                          max_new_tokens=16, pad_token_id=257, eos_token_id=stops, temperature=1.0,
-                                          top_k=None)[:, len(prompt):].tolist()
+    seeded = SamplingParams(n=3, seeds=seeds)
+    for i, (prompt, completions) in enumerate(zip(prompts, batched, strict=True)):
+        reference = []
+        for j in range(3):
+            torch.manual_seed(seeded.sample_seed(i, j))
+            ids = torch.tensor([prompt])
+            reference += engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                               max_new_tokens=16, pad_token_id=257, eos_token_id=stops,
+                                               temperature=1.0, top_k=None)[:, len(prompt):].tolist()
         for completion, row in zip(completions, reference, strict=True):
             end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             assert completion.token_ids == row[:end] and completion.finished == (row[end - 1] in stops)
@@ -218,16 +226,63 @@ def test_rollout_config_errors_are_reported_together_under_model_rollout(tmp_pat
 
 
 def test_sampling_params_seed_each_prompt_by_rollout_row_and_refill_round(tmp_path):
-    """seed + 1_000_003 x rollout + 7_919 x refill round + the prompt's row index: never the rank, so a prompt samples
-    the same completions wherever it lands; the stop token is the caller's."""
+    """derive_seed(run seed, rollout, refill round, the prompt's row index): never the rank, so a prompt samples the
+    same completions wherever it lands; the stop token is the caller's; the run's seed changes every seed."""
     env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
-    config = RolloutConfig(env, responses_per_prompt=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12,
-                           seed=10)
+    config = RolloutConfig(env, responses_per_prompt=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
     callback = RolloutCallback(config)
+    callback.seed = 10  # what `setup` takes from the DataModule (the CLI's seed_everything)
     prompts = [Prompt([1], [], None, "row 5", 4), Prompt([2], [], None, "row 10", 9)]
     assert callback.sampling_params(2, prompts, 257, refill_round=1) == SamplingParams(
         n=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12, stop_token_ids=[257],
-        seeds=[10 + 2_000_006 + 7_919 + 4, 10 + 2_000_006 + 7_919 + 9])
-    assert callback.sampling_params(0, prompts, 3).seeds == [14, 19]
+        seeds=[derive_seed(10, 2, 1, 4), derive_seed(10, 2, 1, 9)])
+    assert callback.sampling_params(0, prompts, 3).seeds == [derive_seed(10, 0, 0, 4), derive_seed(10, 0, 0, 9)]
     assert callback.sampling_params(0, prompts, 3).stop_token_ids == [3]
-    assert RolloutCallback(dataclasses.replace(config, seed=None)).sampling_params(0, prompts, 3).seeds is None
+    callback.seed = 11
+    assert callback.sampling_params(0, prompts, 3).seeds == [derive_seed(11, 0, 0, 4), derive_seed(11, 0, 0, 9)]
+
+
+def test_no_two_requests_of_a_run_share_a_seed(tmp_path):
+    """Every completion a run samples has a random stream of its own, over a realistic grid: 12 rollouts x 4 refill
+    rounds x 64 prompts (rows drawn from 1000, so rows repeat across rollouts and rounds) x 8 samples x 3 turns, and
+    validation (64 rows x 8 samples x 3 turns): 79k engine seeds, all distinct. (The old offsets ``seed + 1_000_003
+    x rollout + 7_919 x round + row`` with vLLM's ``+ sample`` and the turn's ``+ 7_919 x turn + 104_729 x sample``
+    gave row i's sample 1 the stream of row i + 1's sample 0.)"""
+    env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
+    callback = RolloutCallback(RolloutConfig(env, responses_per_prompt=8, val_temperature=1.0,
+                                             val_responses_per_prompt=8))
+    callback.seed = 42
+    draw, n, seen = random.Random(0), 8, []
+
+    def engine_seeds(params):  # what the engine seeds each completion with, turn by turn (`rollout`'s continuations)
+        seeds = [params.sample_seed(i, j) for i in range(len(params.seeds)) for j in range(params.n)]
+        active = list(range(len(seeds)))  # every trajectory goes on
+        for turn in (1, 2):
+            continued = dataclasses.replace(params, n=1, seed=None, seeds=continuation_seeds(params, active, turn))
+            seeds += [continued.sample_seed(k, 0) for k in active]
+        return seeds
+
+    for step in range(12):
+        for refill_round in range(4):
+            prompts = [Prompt([1], [], None, f"row {r}", r) for r in draw.sample(range(1000), 64)]
+            seen += engine_seeds(callback.sampling_params(step, prompts, 3, refill_round))
+    seen += engine_seeds(callback.validation_params([Prompt([1], [], None, f"row {r}", r) for r in range(64)], 3))
+    assert None not in seen and len(seen) == (12 * 4 + 1) * 64 * n * 3
+    assert len(set(seen)) == len(seen)
+
+
+def test_the_run_seed_drives_the_sampled_completions(engine, tmp_path):
+    """The HF engine on the tiny model, through the callback's sampling parameters: another run seed samples other
+    completions; the same seed samples the same ones exactly."""
+    env = _env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n")
+    callback = RolloutCallback(RolloutConfig(env, responses_per_prompt=3, temperature=1.0, max_new_tokens=8))
+    prompts = [Prompt(PROMPT, [], None, "row 1", 0), Prompt(PROMPT[:5], [], None, "row 2", 1)]
+
+    def sample(seed):
+        callback.seed = seed  # what `setup` takes from the DataModule (seed_everything)
+        groups = engine.generate([p.prompt_ids for p in prompts], callback.sampling_params(0, prompts, 257))
+        return [[c.token_ids for c in group] for group in groups]
+
+    first, other, again = sample(1), sample(2), sample(1)
+    assert first == again and first != other
+    assert all(first[i][j] != other[i][j] for i in range(2) for j in range(3))  # every completion re-drawn

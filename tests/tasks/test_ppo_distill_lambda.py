@@ -106,7 +106,7 @@ def test_lambda_zero_trains_only_on_the_dataset_completions(files):
     assert any(not torch.equal(v, initial[k]) for k, v in model.model.state_dict().items())
 
 
-SEED_MIX = [on_policy_draw(0, k, 0.5) for k in range(4)]  # model.rollout.seed 0: [True, False, True, True]
+SEED_MIX = [on_policy_draw(0, k, 0.5) for k in range(4)]  # the run's seed 0 (DataModule default): [T, F, T, T]
 
 
 def _kinds(batches, tokenizer, rows):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rl_lightning.algorithms.advantages import ESTIMATORS, GROUP_ESTIMATORS
+from rl_lightning.algorithms.advantages import GROUP_ESTIMATORS, estimator_names
 from rl_lightning.algorithms.controllers import Controllers
 from rl_lightning.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
 from rl_lightning.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
@@ -162,8 +162,8 @@ def argument_errors(*, rollout: RolloutConfig, max_rollouts: int | None, advanta
         The messages (empty: all good).
     """
     errors = []
-    if advantage_estimator not in ESTIMATORS:
-        errors.append(f"model.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got "
+    if advantage_estimator not in estimator_names():
+        errors.append(f"model.advantage_estimator must be one of {', '.join(estimator_names())}, got "
                       f"'{advantage_estimator}'")
     elif advantage_estimator in GROUP_ESTIMATORS and rollout.responses_per_prompt < 2:
         errors.append(f"model.advantage_estimator={advantage_estimator} compares completions of a prompt: set "

@@ -12,8 +12,8 @@ The student (the policy) samples; a frozen teacher scores the student's own toke
   student's next-token distributions over the whole vocabulary at every completion position, a token mean with the
   same global normaliser as the policy loss, added to it. It costs a second forward of the policy with full logits
   and a teacher forward per micro-batch. GKD's on-policy fraction ``lmbda`` (`DatasetCompletions`): each rollout is,
-  with probability 1 - lambda (drawn per rollout from ``model.rollout.seed`` and the rollout count, so every rank
-  and a resumed run agree), the batch's prompts with their rows' ``completion`` text instead of sampled
+  with probability 1 - lambda (drawn per rollout from the run's seed, ``seed_everything``, and the rollout count, so
+  every rank and a resumed run agree), the batch's prompts with their rows' ``completion`` text instead of sampled
   completions (repeated ``responses_per_prompt`` times, so the rollout's shape and optimizer steps are a sampled
   one's; nothing is generated or scored). Such a rollout trains on the JSD alone: the surrogate, KL and entropy
   terms are estimates over the policy's own samples and are left out. ``train/distill_on_policy`` logs 1 or 0 per
@@ -40,6 +40,7 @@ from rl_lightning.algorithms.advantages import CRITIC_ESTIMATORS
 from rl_lightning.algorithms.distill import generalized_jsd, on_policy_draw
 from rl_lightning.algorithms.policy import token_mean
 from rl_lightning.assets.real import resolve_model
+from rl_lightning.data.datamodule import run_seed
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.loading import load_causal_lm, load_tokenizer
 from rl_lightning.models.logprobs import model_inputs
@@ -222,11 +223,12 @@ class DatasetCompletions(L.Callback):
                                   f"alone: no rewards, values or policy measurements) does not run with "
                                   f"{', '.join(k for k, v in clashes.items() if v)} set; use a critic-free "
                                   "estimator, no constraints, synchronous sampled rollouts, or lmbda 1")
-        return cls(config.lmbda, rollout.seed or 0, rollout.responses_per_prompt, rollout.max_new_tokens)
+        return cls(config.lmbda, 0, rollout.responses_per_prompt, rollout.max_new_tokens)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Refuse, before any model loads, training prompts without a ``completion`` when lmbda < 1."""
+        """Take the run's seed; refuse, before any model loads, training prompts without a ``completion`` (lmbda < 1)."""
+        self.seed = run_seed(getattr(trainer, "datamodule", None))
         prompts = getattr(getattr(trainer, "datamodule", None), "prompts", {}).get("train", [])
         missing = next((p for p in prompts if p.completion is None), None) if self.lmbda < 1.0 else None
         if stage == "fit" and missing is not None:
