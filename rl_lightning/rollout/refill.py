@@ -56,14 +56,14 @@ def refill(generate: Callable[[list, int], list[Trajectory]], prompts: list, tra
         group: completions per prompt.
         filter_range: (low, high): groups whose mean reward lies strictly inside are kept (`keep_groups`).
         max_rounds: generation rounds at most (round 0 included).
-        seed: the refill stream's seed (the rollout's; hashed with the rank when `ranks` has no collectives).
+        seed: the refill stream's seed (the rollout's; hashed with the rank when several ranks have no collectives).
         ranks: the data-parallel ranks.
 
     Returns:
         (this rank's trajectories, refill rounds).
     """
     size = ranks.size if ranks.total is not None else 1  # without collectives: a stream and a batch of its own
-    rng = random.Random(seed if ranks.total is not None else derive_seed(seed, ranks.rank))
+    rng = random.Random(seed if ranks.total is not None or ranks.size == 1 else derive_seed(seed, ranks.rank))
     target, share = len(prompts) * size, len(prompts)
     kept: list[list[list[Trajectory]]] = []  # per round: this rank's kept groups
     low, high = filter_range
