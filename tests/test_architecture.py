@@ -358,6 +358,9 @@ PROCESS_WIDE = {
     "rl_lightning/rollout/engine_thread.py: _streams": "one engine stream per device, shared by the rank's threads",
     "rl_lightning/engines/registry.py: _SPECS": "the engine kinds model.rollout.engine takes: register() adds one "
                                                 "for the process, as defining a class does (issue 38: one line)",
+    "rl_lightning/envs/adapters.py: ADAPTERS": "the env_path prefixes this process can build (register_adapter)",
+    "rl_lightning/algorithms/advantages.py: OUTCOME_ESTIMATORS": "the advantage estimators registered by name "
+                                                                "(register_estimator), as the engine kinds are",
 }
 
 
