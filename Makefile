@@ -45,7 +45,7 @@ browser:
 		apt-get update -qq && apt-get install -y -qq chromium; } || \
 		echo "note: chromium is not installed; the MLflow UI test needs it: apt-get install chromium"
 
-# The Slurm tests (tests/test_slurm.py) start a real two-node cluster on this host (munged, slurmctld, two slurmd)
+# The Slurm tests (tests/cluster/test_slurm.py) start a real two-node cluster on this host (munged, slurmctld, two slurmd)
 # from Debian's slurm-wlm. Installed with apt-get where that works (root on Debian, as in CI); elsewhere this only
 # says so, and those tests skip naming the reason. The examples in examples/slurm/ need none of it.
 slurm:

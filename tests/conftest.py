@@ -49,7 +49,7 @@ def shared_tmp(tmp_path_factory, worker_id: str) -> Path:
 def sft_on_two_processes(tmp_path_factory, worker_id) -> dict[str, torch.Tensor]:
     """The exported weights of `TINY_SFT` run by ``torchrun --standalone --nproc-per-node 2`` (one node, two
     data-parallel CPU processes): the single-node reference that the two-node runs of tests/parallel/test_multinode.py
-    and tests/test_slurm.py must equal bit for bit. One run (two processes starting torch) serves both, also when
+    and tests/cluster/test_slurm.py must equal bit for bit. One run (two processes starting torch) serves both, also when
     the two files run in different pytest-xdist workers (the first one to need it runs it, under a file lock)."""
     from filelock import FileLock
     from safetensors.torch import load_file
@@ -81,8 +81,8 @@ def _sft_on_two_processes(tmp_path_factory) -> Path:
 LONG_FILES = (
     "tests/memory/test_plan.py", "tests/parallel/test_strategy.py", "tests/assets/test_real_model.py",
     "tests/cli/test_cli.py", "tests/models/test_lora.py", "tests/tasks/test_preference_tasks.py",
-    "tests/parallel/test_compile.py", "tests/tasks/test_ppo_variants.py", "tests/cli/test_eval.py",
-    "tests/test_gpu_script.py",
+    "tests/parallel/test_compile.py", "tests/tasks/ppo/test_ppo_variants.py", "tests/cli/test_eval.py",
+    "tests/benchmarks/test_gpu_script.py",
 )
 
 

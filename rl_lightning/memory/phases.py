@@ -170,7 +170,7 @@ def host_peak_mib() -> float:
 
 # The kernel's high-water mark (which ``ru_maxrss`` and GNU time read too) and CUDA's peak statistic are
 # process-wide: what the profiler's resets hid ("host", or a CUDA device) is kept here, process-wide too, so
-# `process_peak_mib` and `cuda_peak_mib` stay true (tests/test_architecture.py lists it as process-wide state).
+# `process_peak_mib` and `cuda_peak_mib` stay true (tests/house/test_architecture.py lists it as process-wide state).
 _PEAKS_BEFORE_RESETS: dict[str | torch.device, float] = {}
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "rl_lightning"  # recipes are named by their path in it: recipes/dpo.yaml (`--config dpo`)
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))

@@ -31,7 +31,7 @@ def reward_fn(messages, answer):
 CONTROLLED = {"kl": {"coef": 0.05, "controller": "adaptive", "target": 0.001, "horizon": 20.0},
               "constraints": {"entropy_min": 10.0, "kl_max": 0.05, "multiplier_lr": 0.5}}
 GAE = {"advantage_estimator": "gae", "critic_lr": 1e-3, "lam": 0.9, "gamma": 0.99}
-TEACHER = str(Path(__file__).resolve().parents[2] / "rl_lightning" / "assets" / "tiny-qwen2-sft")
+TEACHER = str(Path(__file__).resolve().parents[3] / "rl_lightning" / "assets" / "tiny-qwen2-sft")
 DISTILL = {"distill": {"teacher": TEACHER, "coef": 0.5}}  # the teacher's per-token reverse KL in the advantages
 GKD = {"distill": {"teacher": TEACHER, "type": "loss", "beta": 0.5}}  # its JSD over the vocabulary as a loss
 
