@@ -21,7 +21,7 @@ from rl_lightning.envs.environment import load_environment
 from rl_lightning.errors import ConfigError
 from rl_lightning.models.loading import load_causal_lm
 from rl_lightning.models.logprobs import target_logprobs
-from rl_lightning.parallel.reductions import data_parallel_sum
+from rl_lightning.parallel.reductions import data_parallel_sum, process_groups
 
 # ------------------------------------------------------------------------------ How to add an environment adapter
 
@@ -113,7 +113,8 @@ class NextToken(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         micro_batches = batch["micro_batches"]
-        num_tokens = data_parallel_sum(self.trainer, sum(mb["target_mask"].sum() for mb in micro_batches))
+        groups = process_groups(self.trainer)  # a real task builds them once, in setup
+        num_tokens = data_parallel_sum(groups, sum(mb["target_mask"].sum() for mb in micro_batches))
         nll = torch.zeros(())
         for micro_batch in micro_batches:
             logprobs = target_logprobs(self.model, micro_batch)[0]
