@@ -106,10 +106,10 @@ def test_rollout_keys_override_from_the_command_line(workdir, tmp_path):
     env.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
     cli = _cli(["--config", "recipes/grpo.yaml", "--model.rollout.env_path", str(env), "--model.rollout.engine", "hf",
                 "--model.rollout.responses_per_prompt", "3", "--model.rollout.temperature", "0.6"])
-    (callback,) = cli.model.configure_callbacks()
+    callback, _monitor = cli.model.configure_callbacks()  # the rollout, then the reward-hacking monitor
     assert isinstance(callback, RolloutCallback) and callback.env.path == str(env)
     config = callback.config
-    assert (config.engine, config.responses_per_prompt, config.temperature) == ("hf", 3, 0.6)
+    assert (config.engine.kind, config.responses_per_prompt, config.temperature) == ("hf", 3, 0.6)
     assert config.reward_weights == {"correct": 1.0, "format": 0.5}  # the recipe's other rollout keys stay
     # the run is named after the recipe and the settings the command line changed (MLflow's runs table, legends,
     # compare page); its output folder after the recipe only (made at setup: tests/test_cli_runs.py)

@@ -269,7 +269,7 @@ def test_a_run_that_cannot_fit_stops_before_the_weights_load(tmp_path, monkeypat
     model, data = _sft(tmp_path)
     with pytest.raises(ConfigError, match=r"^predicted peak memory [\d.]+ GiB per device exceeds the device's "
                                           r"available host memory, [\d.]+ GiB \(256 tokens per micro-batch\); "
-                                          r"[^\n]*model\.memory_check: false runs it anyway\)$"):
+                                          r"[^\n]*model\.lm\.memory_check: false runs it anyway\)$"):
         fit(model, data, 1)
     assert loads == []  # refused at setup, before configure_model
 

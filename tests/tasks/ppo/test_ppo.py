@@ -250,7 +250,10 @@ def test_aggregations_scale_the_gradient_as_documented(aggregation, parity_env):
 
 def test_task_owns_its_rollout_callback():
     model = ppo_task(ENV, rollout={"responses_per_prompt": 3, "engine": "hf"}, advantage_estimator="gae")
-    (callback,) = model.configure_callbacks()
+    from rl_lightning.rollout.shaping_monitor import ShapingMonitorCallback
+
+    callback, monitor = model.configure_callbacks()  # the rollout, then the reward-hacking monitor that reads it
     assert callback is model.rollout_callback and callback.config.responses_per_prompt == 3
+    assert isinstance(monitor, ShapingMonitorCallback) and monitor.config is callback.config
     assert isinstance(model, PPO) and model.lm.name == str(TINY_MODEL)
     assert model.hparams.rollout["responses_per_prompt"] == 3  # checkpoints keep plain data
