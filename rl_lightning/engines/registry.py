@@ -52,7 +52,8 @@ class EngineConfig:
         kv_cache_memory_bytes: ``vllm``, ``vllm_process``: KV-cache size in bytes; on CPU it is always explicit
             (default 1 GiB), on GPU it overrides `gpu_memory_utilization` when set.
         gpu_memory_utilization: ``vllm``, ``vllm_process`` on GPU: share of GPU memory the engine takes while awake
-            (the colocated one sleeps while the trainer trains). Default 0.3.
+            (the colocated one sleeps while the trainer trains). Default 0.3 for ``vllm`` (it shares the trainer's
+            GPU), 0.9 for ``vllm_process`` (vLLM's own default: the engine owns its GPU).
         weight_bucket_mb: ``vllm``, ``vllm_process``: weights are gathered and sent in buckets of this many MiB.
             Default 512.
         weight_sync: ``vllm``: what reaches the engine after each optimizer step: ``full`` (every weight; a LoRA

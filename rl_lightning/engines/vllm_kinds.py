@@ -64,7 +64,7 @@ class VLLMProcessEngineConfig:
     restarts: int = 2
     max_model_len: int | None = None
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float = 0.9  # vLLM's own default: the engine owns its GPU (nothing to share it with)
     weight_bucket_mb: int = 512
 
     def __post_init__(self) -> None:

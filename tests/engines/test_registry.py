@@ -55,6 +55,9 @@ def test_resolve_takes_the_shorthand_the_group_a_mapping_and_settings():
     settings = VLLMProcessEngineConfig(timeout_s=5.0)
     assert resolve(settings) is settings
     assert resolve(dataclasses.asdict(settings)) == settings  # round trip through a checkpoint
+    # issue 39.5: an engine of its own process owns its GPU (vLLM's default); the colocated one shares the trainer's
+    assert resolve("vllm_process").gpu_memory_utilization == 0.9 and resolve("vllm").gpu_memory_utilization == 0.3
+    assert resolve(EngineConfig(kind="vllm_process", gpu_memory_utilization=0.5)).gpu_memory_utilization == 0.5
 
 
 @pytest.mark.parametrize(("group", "expected"), [
