@@ -28,7 +28,7 @@ from rl_lightning.cli.recipes import resolve_config_args, resolve_references
 from rl_lightning.cli.renamed_keys import renamed_error
 from rl_lightning.cli.run_names import configs_name, run_name
 from rl_lightning.cli.run_seed import hand_seed, run_seed
-from rl_lightning.compat.jsonargparse import cli_subcommand_parsers
+from rl_lightning.compat.jsonargparse import cli_subcommand_parsers, nested_nulls
 from rl_lightning.compat.lightning import KeepArgumentsOnCkptPath
 from rl_lightning.errors import UserError
 from rl_lightning.redaction import redact_text, redact_yaml, remember_env
@@ -123,9 +123,9 @@ class RLLightningCLI(KeepArgumentsOnCkptPath, LightningCLI):
         if isinstance(args, list | None):  # --config grpo: the bundled recipe (rl_lightning.cli.recipes)
             raw = resolve_config_args(raw)
             if args is None:  # the command line itself (Lightning warns when given both it and `args`)
-                sys.argv[1:] = raw
+                sys.argv[1:] = nested_nulls(raw)
             else:
-                args = raw
+                args = nested_nulls(raw)
         self.raw_args, self.config_files = raw, []
         for i, arg in enumerate(raw):
             if arg == "--config" and i + 1 < len(raw):

@@ -8,6 +8,7 @@ LightningCLI's subcommand parsers in ``_subcommand_parsers`` and its loader help
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,3 +57,28 @@ def loader_exceptions(mode: str) -> tuple[type[Exception], ...]:
     from jsonargparse._loaders_dumpers import get_loader_exceptions
 
     return tuple(get_loader_exceptions(mode))
+
+
+def nested_nulls(args: list[str]) -> list[str]:
+    """``--model.lm.lm_head_chunk null`` as ``--model.lm '{"lm_head_chunk": null}'`` (jsonargparse 4.x quirk).
+
+    In a subclass-mode group (LightningCLI's ``model``/``data``) jsonargparse refuses ``null`` for a field of a nested
+    dataclass given on the command line ("Expected a <class 'NoneType'>", a ``NestedArg`` checked as the value),
+    while a JSON object for the dataclass merges into it. Other arguments pass unchanged.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if "=" in arg:
+            key, value, step = *arg.split("=", 1), 1
+        else:
+            key, value, step = arg, args[i + 1] if i + 1 < len(args) else None, 2
+        parts = key[2:].split(".") if key.startswith("--") else []
+        if value == "null" and len(parts) >= 3 and parts[0] in ("model", "data") and parts[1] != "init_args":
+            out += ["--" + ".".join(parts[:-1]), json.dumps({parts[-1]: None})]
+            i += step
+            continue
+        out.append(arg)
+        i += 1
+    return out
