@@ -104,6 +104,7 @@ def timed_task_class() -> type:
 def fit_mode(args: argparse.Namespace, name: str, engine: Any) -> tuple[dict[str, Any], Any]:
     """Fit mode `name` (sharing `engine` when given) and return its summary row and the engine it used."""
     from rl_lightning.data import PromptDataModule
+    from rl_lightning.models.config import LMConfig
     from rl_lightning.models.optim import OptimConfig
     from rl_lightning.rollout.callback import RolloutConfig
 
@@ -114,8 +115,8 @@ def fit_mode(args: argparse.Namespace, name: str, engine: Any) -> tuple[dict[str
                             temperature=args.temperature,
                             engine={"kind": engine_name, "kv_cache_memory_bytes": 256 << 20},
                             async_steps=async_steps, reward_workers=0, reward_weights=args.weights, **extra)
-    task = timed_task_class()(args.model, rollout, optim=OptimConfig(lr=args.lr, lr_schedule="constant"),
-                              max_rollouts=args.rollouts, max_length_per_device=512)
+    lm = LMConfig(args.model, optim=OptimConfig(lr=args.lr, lr_schedule="constant"))
+    task = timed_task_class()(lm, rollout, max_rollouts=args.rollouts, max_length_per_device=512)
     if name == "inflight" and engine is not None:  # the callback wraps only an engine it builds itself
         from rl_lightning.engines.segmented import SegmentedEngine
 
