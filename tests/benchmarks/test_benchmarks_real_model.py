@@ -24,10 +24,11 @@ def _smoke(script, tmp_path, *extra):
     return json.loads(out.read_text()), result.stdout
 
 
-def _check_accuracies(row, questions):
-    """Accuracies are shares of `questions`; pass@K (K = n samples) is at least the mean sampled accuracy."""
-    for key in ("greedy", "sampled", "pass_at_k"):
-        assert 0.0 <= row[key] <= 1.0 and (row[key] * questions) == pytest.approx(round(row[key] * questions))
+def _check_accuracies(row, questions, samples=2):
+    """Greedy accuracy and pass@K (K = n samples) are shares of `questions`, the mean sampled accuracy a share of
+    `questions` x `samples` completions; pass@K is at least the mean sampled accuracy."""
+    for key, count in (("greedy", questions), ("sampled", questions * samples), ("pass_at_k", questions)):
+        assert 0.0 <= row[key] <= 1.0 and (row[key] * count) == pytest.approx(round(row[key] * count)), (key, row)
     assert row["pass_at_k"] >= row["sampled"]
 
 
