@@ -67,4 +67,4 @@ def test_demo_overlay_instantiates_on_the_real_recipe(workdir):
     rollout = hp.rollout
     assert rollout["reward_weights"] == {"correct": 1.0, "format": 0.0} and hp.dapo["overlong_cache_length"] == 8
     assert (rollout["responses_per_prompt"], rollout["max_new_tokens"], rollout["temperature"]) == (4, 32, 0.7)
-    assert hp.lm["name"] == "asset:SmolLM2-135M-Instruct" and hp.rollout["engine"] == "vllm"
+    assert hp.lm["name"] == "asset:SmolLM2-135M-Instruct" and hp.rollout["engine"]["kind"] == "vllm"
