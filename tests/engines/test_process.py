@@ -62,9 +62,13 @@ def calls(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def expected_completions(prompt: list[int], n: int, tokens: int) -> list[Completion]:
-    """What the fake generates: token i of sample k is (sum(prompt) + k + i) % 97, each at log-probability -1."""
-    return [Completion([(sum(prompt) + k + i) % 97 for i in range(tokens)], [-1.0] * tokens, False) for k in range(n)]
+def expected_completions(prompt: list[int], n: int, tokens: int, params: SamplingParams, index: int
+                         ) -> list[Completion]:
+    """What the fake generates for prompt `index` of a call: token i of sample k is (sum(prompt) + d + i) % 97 with d
+    the sample's own seed mod 97 (each sample is a request of its own, `SamplingParams.sample_seed`), each at
+    log-probability -1."""
+    draws = [params.sample_seed(index, k) % 97 for k in range(n)]
+    return [Completion([(sum(prompt) + d + i) % 97 for i in range(tokens)], [-1.0] * tokens, False) for d in draws]
 
 
 def test_engine_process_on_cuda_generates_only_fully_awake(tmp_path):
@@ -76,11 +80,13 @@ def test_engine_process_on_cuda_generates_only_fully_awake(tmp_path):
                         call_log=str(log))
     try:
         within(60, engine.update_weights, [("model.norm.weight", torch.ones(4))])
-        groups = within(60, engine.generate, [[1, 2, 3], [5]], SamplingParams(n=2, max_new_tokens=4, seed=0))
+        params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+        groups = within(60, engine.generate, [[1, 2, 3], [5]], params)
     finally:
         if engine.process.is_alive():
             within(60, engine.shutdown)
-    assert groups == [expected_completions([1, 2, 3], 2, 4), expected_completions([5], 2, 4)]
+    assert groups == [expected_completions([1, 2, 3], 2, 4, params, 0), expected_completions([5], 2, 4, params, 1)]
+    assert groups[0][0] != groups[0][1]  # two samples, two streams
     assert [(c["call"], c["asleep"], c["paused"]) for c in calls(log)] == [
         ("init", [], False), ("reload_weights", [], False), ("apply_model", [], False),
         ("reset_prefix_cache", [], False), ("generate", [], False), ("shutdown", [], False)]
@@ -116,9 +122,10 @@ def test_colocated_engine_on_cuda_wakes_weights_loads_then_wakes_the_kv_cache(tm
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     engine.update_weights([("model.norm.weight", torch.ones(4))])
     engine.wake()
-    groups = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=3, seed=0))
+    params = SamplingParams(n=2, max_new_tokens=3, seed=0)
+    groups = engine.generate([[1, 2, 3]], params)
     engine.sleep()
-    assert groups == [expected_completions([1, 2, 3], 2, 3)]
+    assert groups == [expected_completions([1, 2, 3], 2, 3, params, 0)]
     assert [(c["call"], c.get("tags"), c["asleep"]) for c in calls(log)] == [
         ("init", None, []), ("sleep", None, []), ("generate_refused", None, ["kv_cache", "weights"]),
         ("wake_up", ["weights"], ["kv_cache", "weights"]), ("reload_weights", None, ["kv_cache"]),

@@ -99,6 +99,9 @@ class LLM:
 
 
 def _output(prompt: list[int], params: SamplingParams, sample: int) -> Any:
-    tokens = [(sum(prompt) + sample + i) % 97 for i in range(params.max_tokens)]
+    """Token i: (sum(prompt) + draw + i) % 97, the draw being the request's seed (mod 97) or, unseeded, the sample."""
+    seed = getattr(params, "seed", None)
+    draw = sample if seed is None else (seed + sample) % 97
+    tokens = [(sum(prompt) + draw + i) % 97 for i in range(params.max_tokens)]
     return SimpleNamespace(token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in tokens],
                            finish_reason="length")
