@@ -169,7 +169,10 @@ def _two_ranks(rank, env_path, results):
 
     callback = RolloutCallback(RolloutConfig(env_path, **ROLLOUT))
     trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(reduce=reduce), world_size=2, global_step=0,
-                                    is_global_zero=rank == 0, loggers=[])
+                                    global_rank=rank, is_global_zero=rank == 0, loggers=[])
+    from rl_lightning.parallel.reductions import process_groups
+
+    callback.groups = process_groups(trainer)  # what the callback's setup builds (the reductions take the groups)
     module = types.SimpleNamespace(device=torch.device("cpu"), rollouts=0)
     share = {0: [(1.0, 0.0)], 1: [(0.0, 1.0)] * 3}[rank], {0: [(0.5, 0.5)] * 2, 1: [(0.5, 0.5)]}[rank]
     metrics = []

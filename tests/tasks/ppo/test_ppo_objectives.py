@@ -149,8 +149,11 @@ class CaptureLogger(Logger):
 
 
 def _val_reward(model, tokenizer, prompts, env, temperature, n):
+    from rl_lightning.engines.protocol import derive_seed
+    from rl_lightning.rollout.callback import VALIDATION
+
     params = SamplingParams(n=n, temperature=temperature, max_new_tokens=8, stop_token_ids=[tokenizer.eos_token_id],
-                            seeds=[999_983 + p.index for p in prompts])  # the callback's validation seeds (seed 0)
+                            seeds=[derive_seed(0, VALIDATION, p.index) for p in prompts])  # the callback's (seed 0)
     trajectories = rollout(HFEngine(model, tokenizer.pad_token_id), prompts, env, tokenizer, params)
     return sum(t.reward for t in trajectories) / len(trajectories)
 

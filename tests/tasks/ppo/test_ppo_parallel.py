@@ -120,7 +120,8 @@ def test_ppo_parallel_equals_single_process(sizes, task_kwargs, strategy_kwargs,
     assert len(parallel) == len(single) == 3 and set(parallel[0]) == set(single[0])
     for step, (a, b) in enumerate(zip(parallel, single, strict=True)):
         for name in a:
-            assert abs(a[name] - b[name]) < 1e-5, (step, name, parallel, single)
+            # 1e-5, relative above 1: gradient norms of ~4 summed in another float32 order per layout differ by ~1e-5
+            assert abs(a[name] - b[name]) < 1e-5 * max(1.0, abs(b[name])), (step, name, parallel, single)
     # not a vacuous match: gradients flow, and each rollout's second minibatch is off-policy (approx KL > 0)
     assert all(h["train/grad_norm"] > 0 and h["train/approx_kl"] > 1e-7 for h in single)
     if strategy_kwargs.get("peers_sample_apart"):  # rank 1 sampled its own, other completions every rollout, and
