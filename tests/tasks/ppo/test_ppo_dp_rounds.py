@@ -32,7 +32,8 @@ def reward_fn(messages, answer):
     return float(len(messages[-1]["content"]) % 2)
 
 def interact(messages):
-    wanted = 3 if "*" in next(m["content"] for m in messages if m["role"] == "user") else 1
+    question = next(m["content"] for m in messages if m["role"] == "user")
+    wanted = 3 if "*" in question or "+" in question else 1  # unequal turns per prompt, and enough that go on
     done = sum(m["role"] == "assistant" for m in messages)
     return [{"role": "tool", "content": "go on"}] if done < wanted else []
 '''
