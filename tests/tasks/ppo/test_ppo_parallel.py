@@ -103,8 +103,7 @@ SINGLE = {}  # single-process histories, shared by the layouts that compare agai
     ("sizes", "task_kwargs", "strategy_kwargs"),
     [((2, 1, 1), CONTROLLED, {}), ((1, 1, 2), CONTROLLED, {}), ((1, 2, 1), CONTROLLED, {}), ((2, 1, 1), GAE, {}),
      ((1, 2, 1), {**GAE, "kl": {"coef": 0.05, "type": "reward"}}, {}), ((2, 1, 1), CONTROLLED, {"cpu_offload": True}),
-     ((2, 1, 1), DISTILL, {}), ((1, 2, 1), GKD, {}), ((1, 2, 1), CONTROLLED, {"peers_sample_apart": True}),
-     ((1, 1, 2), CONTROLLED, {"peers_sample_apart": True})],
+     ((2, 1, 1), DISTILL, {}), ((1, 2, 1), GKD, {}), ((1, 2, 1), CONTROLLED, {"peers_sample_apart": True})],
     ids=["dp2", "tp2", "cp2", "dp2-gae", "cp2-gae-kl-reward", "dp2-cpu-offload", "dp2-distill", "cp2-gkd",
          "cp2-peers-sample-apart"],
 )
