@@ -15,8 +15,8 @@ models included (`rms_norm` hands the input's two gradient terms to autograd sep
 its three terms in the stock order). Under autocast the forward's ops are autocast as in the stock forward. Tested on
 CPU in fp32, bf16 autocast and bf16 weights; the norm has no double backward.
 
-`apply_lean_activations` installs them per module instance (the bound ``forward`` replaced, the original kept);
-`remove_lean_activations` restores the originals. A patched forward falls back to the original whenever the lean one
+`apply_lean_activations` installs them per module instance (its class swapped for a subclass with the lean forward,
+as FSDP2 swaps a sharded module's class); `remove_lean_activations` restores the original classes. A patched forward falls back to the original whenever the lean one
 cannot stand in for it: no autograd, tensor subclasses (DTensor under tensor parallelism), PEFT LoRA layers or
 subclasses in place of the plain ``nn.Linear`` projections, or hooks on the projections. FSDP2 gathers a decoder
 layer's parameters before its forward, so inside it they are plain tensors and the lean path runs.
@@ -24,6 +24,7 @@ layer's parameters before its forward, so inside it they are plain tensors and t
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Any
 
@@ -227,37 +228,42 @@ def _lean_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, module.weight, module.variance_epsilon)
 
 
-class LeanForward:
-    """A patched module's ``forward``: the lean path where it applies, else the module's original forward.
+class LeanModule:
+    """Mixin of a patched module's class: the lean forward where it applies, else the class's own forward.
 
-    Args:
-        module: the patched module.
-        lean: ``lean(module, x)``, the lean forward.
-        applies: ``applies(module, x)``, whether the lean forward may run now.
-        instance_forward: a ``forward`` the instance itself had before the patch, or None (the class's).
+    `apply_lean_activations` gives a module the class ``Lean<its class>`` (the same name, one class per original
+    class and kind, made once per process), so every block's norms and MLPs share one forward: torch.compile
+    compiles a block once for all layers (an object per instance as ``forward`` made it guard on that object's id
+    and recompile per layer, falling back to eager after eight; seen on an H200, 2026-11-28). Under torch.compile
+    the stock forward runs: inductor's partitioner already recomputes the pointwise ops rather than saving them,
+    and the lean norm's input-twice autograd Function would break the graph.
     """
 
-    def __init__(self, module: nn.Module, lean: Any, applies: Any, instance_forward: Any) -> None:
-        self.module, self.lean, self.applies, self.instance_forward = module, lean, applies, instance_forward
+    lean: Any  # lean(module, x): the lean forward
+    applies: Any  # applies(module, x): whether the lean forward may run now
+    base: type  # the class the module had before the patch
 
-    def original(self, *args: Any, **kwargs: Any) -> Any:
-        """The forward the module had before the patch."""
-        if self.instance_forward is not None:
-            return self.instance_forward(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The lean forward when ``applies(module, x)`` for a single positional argument x, else the original."""
-        if len(args) == 1 and not kwargs and self.applies(self.module, args[0]):
-            return self.lean(self.module, args[0])
-        return self.original(*args, **kwargs)
+        if not torch.compiler.is_compiling() and len(args) == 1 and not kwargs and type(self).applies(self, args[0]):
+            return type(self).lean(self, args[0])
+        return type(self).base.forward(self, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _lean_class(base: type, lean: Any, applies: Any) -> type:
+    """The class of a patched `base` module (`LeanModule` first, so its forward is the one called)."""
+    return type(base.__name__, (LeanModule, base), {"lean": staticmethod(lean), "applies": staticmethod(applies),
+                                                    "base": base, "__qualname__": base.__qualname__,
+                                                    "__module__": base.__module__})
 
 
 def apply_lean_activations(model: nn.Module) -> int:
     """Give every Llama-style SwiGLU MLP and RMSNorm of `model` the lean forward; returns how many were patched.
 
-    Patches each module instance (its ``forward`` attribute; the class is untouched), so two models never share a
-    patch. Modules already patched are left alone (a second call returns 0). Matches MLPs with plain ``nn.Linear``
+    Patches each module instance: its class becomes a subclass with the lean forward (`LeanModule`; the original
+    class is untouched, other instances and models keep it). Modules already patched, and modules whose ``forward``
+    was replaced on the instance, are left alone (a second call returns 0). Matches MLPs with plain ``nn.Linear``
     ``gate_proj``/``up_proj``/``down_proj`` and a SiLU ``act_fn`` (an MLP whose projections are already LoRA layers is
     not patched), and ``*RMSNorm`` modules with ``weight`` and ``variance_epsilon``, in both cases only where the
     class's forward is transformers' Llama one (Qwen2, Qwen3, Mistral... copy it; Gemma's and OLMo-2's norms differ).
@@ -271,7 +277,7 @@ def apply_lean_activations(model: nn.Module) -> int:
     """
     patched = 0
     for module in model.modules():
-        if isinstance(vars(module).get("forward"), LeanForward):
+        if isinstance(module, LeanModule) or "forward" in vars(module):  # patched, or its forward replaced by hand
             continue
         if _is_swiglu_mlp(module):
             lean, applies = _lean_mlp, _mlp_applies
@@ -279,7 +285,7 @@ def apply_lean_activations(model: nn.Module) -> int:
             lean, applies = _lean_norm, _norm_applies
         else:
             continue
-        module.forward = LeanForward(module, lean, applies, vars(module).get("forward"))
+        module.__class__ = _lean_class(type(module), lean, applies)
         patched += 1
     return patched
 
@@ -295,12 +301,7 @@ def remove_lean_activations(model: nn.Module) -> int:
     """
     restored = 0
     for module in model.modules():
-        patch = vars(module).get("forward")
-        if not isinstance(patch, LeanForward):
-            continue
-        if patch.instance_forward is None:
-            del module.forward
-        else:
-            module.forward = patch.instance_forward
-        restored += 1
+        if isinstance(module, LeanModule):
+            module.__class__ = type(module).base
+            restored += 1
     return restored
