@@ -250,7 +250,7 @@ class LeanModule:
         return type(self).base.forward(self, *args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lean_class(base: type, lean: Any, applies: Any) -> type:
     """The class of a patched `base` module (`LeanModule` first, so its forward is the one called)."""
     return type(base.__name__, (LeanModule, base), {"lean": staticmethod(lean), "applies": staticmethod(applies),
