@@ -241,7 +241,7 @@ class LeanModule:
 
     lean: Any  # lean(module, x): the lean forward
     applies: Any  # applies(module, x): whether the lean forward may run now
-    base: type  # the class the module had before the patch
+    base: Any  # the class the module had before the patch
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The lean forward when ``applies(module, x)`` for a single positional argument x, else the original."""
@@ -251,7 +251,7 @@ class LeanModule:
 
 
 @functools.cache
-def _lean_class(base: type, lean: Any, applies: Any) -> type:
+def _lean_class(base: Any, lean: Any, applies: Any) -> type:
     """The class of a patched `base` module (`LeanModule` first, so its forward is the one called)."""
     return type(base.__name__, (LeanModule, base), {"lean": staticmethod(lean), "applies": staticmethod(applies),
                                                     "base": base, "__qualname__": base.__qualname__,
