@@ -106,12 +106,18 @@ class SideStreamCopies:
 
 
 class _Group:
-    """What one forward of an attached module (a decoder block) saved, and the block that ran before it."""
+    """What one forward of an attached module (a decoder block) saved, and the block that ran before it.
+
+    Entries are weak references: autograd owns each `_Saved` (and through it, its group), so a host copy is freed
+    by reference counting as soon as the backward is done with it and the pinned block is reused in the next step
+    (with strong references both ways the copies lived until a garbage collection: a new ``cudaHostAlloc`` for
+    every activation of every step, 61 a step and 14.6 s steps on an H200).
+    """
 
     __slots__ = ("__weakref__", "entries", "previous", "prefetched")
 
     def __init__(self, previous: _Group | None) -> None:
-        self.entries: list[_Saved] = []
+        self.entries: list[weakref.ref[_Saved]] = []
         self.previous = None if previous is None else weakref.ref(previous)
         self.prefetched = False
 
@@ -119,7 +125,7 @@ class _Group:
 class _Saved:
     """One offloaded activation: its device, its host copy, a prefetched device copy (and its event) if any."""
 
-    __slots__ = ("device", "event", "group", "host", "tensor")
+    __slots__ = ("__weakref__", "device", "event", "group", "host", "tensor")
 
     def __init__(self, device: torch.device, host: torch.Tensor, group: _Group | None) -> None:
         self.device, self.host, self.group = device, host, group
@@ -165,7 +171,7 @@ class ActivationOffload:
             return _Saved(tensor.device, tensor, None)
         saved = _Saved(tensor.device, mover.to_host(tensor), self.group)
         if self.group is not None:
-            self.group.entries.append(saved)
+            self.group.entries.append(weakref.ref(saved))
         return saved
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -179,8 +185,10 @@ class ActivationOffload:
             group.prefetched = True
             before = group.previous() if group.previous is not None else None
             if before is not None and not before.prefetched:
-                for entry in before.entries:
-                    entry.tensor, entry.event = self.copies.prefetch(entry.host, entry.device)
+                for ref in before.entries:
+                    entry = ref()
+                    if entry is not None:  # None: autograd freed it (a tensor saved by a graph already run)
+                        entry.tensor, entry.event = self.copies.prefetch(entry.host, entry.device)
         if packed.tensor is not None:
             tensor, packed.tensor = self.copies.ready(packed.tensor, packed.event), None
             return tensor

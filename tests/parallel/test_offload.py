@@ -281,3 +281,30 @@ def test_a_resumed_state_is_in_pinned_host_memory_before_the_first_step():
     opt_r.load_state_dict(saved)
     state = [v for s in opt_r.state.values() for k, v in s.items() if k != "step"]
     assert [(v.device.type, v.is_pinned()) for v in state] == [("cpu", True)] * 4
+
+
+def test_host_copies_are_freed_by_the_backward_without_the_garbage_collector():
+    """Each activation's host copy is freed when the backward is done with it, by reference counting: on CUDA the
+    pinned host allocator reuses a freed block in the next step, while a block kept alive until a garbage
+    collection means a new ``cudaHostAlloc`` (~7 ms each) for every activation of every step (the H200 quick run
+    of 2026-11-28: 61 a step, 14.6 s steps). A reference cycle between a block's group and its entries did that."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)))
+    copies = _LoggingCopies()
+    offload = ActivationOffload(min_bytes=0, copies=copies)
+    copies.offload = offload
+    hosts = []
+    to_host = copies.to_host
+    copies.to_host = lambda tensor: hosts.append(weakref.ref(host := to_host(tensor))) or host
+    for block in model:
+        offload.attach(block)
+    gc.disable()
+    try:
+        model(torch.randn(8, 16, requires_grad=True)).square().sum().backward()
+        alive = sum(ref() is not None for ref in hosts)
+    finally:
+        gc.enable()
+    assert len(hosts) == 6 and alive == 0
