@@ -262,7 +262,10 @@ class OptimizerStateOffload:
         optimizer.rl_lightning_state_offload = self  # type: ignore[attr-defined]
         self.copies: SideStreamCopies | None = None
         # Optimizer.load_state_dict puts the moments on the parameters' device: back to the host at once (a resume)
-        optimizer.register_load_state_dict_post_hook(lambda _: self.to_host_now())
+        optimizer.register_load_state_dict_post_hook(self._resumed)
+
+    def _resumed(self, optimizer: torch.optim.Optimizer) -> None:
+        self.to_host_now()
 
     def to_host_now(self) -> int:
         """Move every parameter's optimizer state to the host now (after a resume); the bytes moved."""
