@@ -13,6 +13,9 @@ from collections.abc import Iterable
 from typing import Any
 
 TESTED = "vllm 0.32"
+# vLLM's start-up error when the device's free memory is below its budget (vllm/v1/worker/utils.py), as after a
+# restart while the driver still releases the lost engine process's memory
+NOT_FREE_YET = ("Free memory on device", "on startup", "is less than")
 
 
 def model_dtype(llm: Any) -> Any:
@@ -46,3 +49,8 @@ def external_launcher_environment(rank: int, local_rank: int, world_size: int,
     if rendezvous is not None:
         os.environ.setdefault("MASTER_ADDR", rendezvous[0])
         os.environ.setdefault("MASTER_PORT", str(rendezvous[1]))
+
+
+def memory_not_free_yet(message: str) -> bool:
+    """Whether `message` is vLLM's refusal to start because the device's memory is not (yet) free."""
+    return all(part in message for part in NOT_FREE_YET)

@@ -12,6 +12,10 @@ the model in host memory, held for the whole run; none with ``restarts: 0``; the
 none). They are the trainer's current weights in a synchronous run; with ``async_steps: 1`` they are the version the
 background rollout was sampling with, which the trainer may already have updated, so staleness stays exactly one step.
 
+A fresh process that vLLM refuses to start because the device's memory is not free yet (the driver still releasing
+the lost process's memory) is started again, waiting 1, 2, 4... s, for up to ``start_wait_s`` (60 s) in all; that is
+not a restart.
+
 Bounded: after ``engine.restarts`` restarts the next loss stops the run with one `TrainingError` line naming the key,
 how many times the engine was lost and the last reason. An error the engine process reported itself (an exception in
 vLLM: a fresh engine would fail the same way) is not retried. The count is logged as ``rollout/engine_restarts``
@@ -21,13 +25,15 @@ once it is non-zero.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
 
-from rl_lightning.engines.process import EngineProcess, EngineProcessLost
+from rl_lightning.compat.vllm import memory_not_free_yet
+from rl_lightning.engines.process import EngineProcess, EngineProcessError, EngineProcessLost
 from rl_lightning.engines.protocol import Completion, SamplingParams
 from rl_lightning.errors import TrainingError
 
@@ -41,6 +47,7 @@ class RestartingEngine:
 
     Args:
         restarts: how many times a lost engine process is replaced before the run stops (0: never).
+        start_wait_s: how long a fresh process is started again while vLLM finds the device's memory not free yet.
         **process_kwargs: the `EngineProcess` arguments (each fresh process gets the same).
 
     Attributes:
@@ -48,10 +55,11 @@ class RestartingEngine:
         busy: a generate call is waiting on the engine process.
     """
 
-    def __init__(self, restarts: int, **process_kwargs: Any) -> None:
+    def __init__(self, restarts: int, start_wait_s: float = 60.0, **process_kwargs: Any) -> None:
         if restarts < 0:
             raise ValueError(f"restarts must be >= 0, got {restarts}")
         self._start, self.max_restarts = partial(EngineProcess, **process_kwargs), restarts
+        self.start_wait_s = start_wait_s
         self.restarts, self.busy = 0, False
         self._weights: dict[str, torch.Tensor] = {}  # by Hugging Face name: what the engine holds
         self.engine = self._start()
@@ -121,13 +129,29 @@ class RestartingEngine:
         while True:
             try:
                 if fresh:
-                    self.engine = self._start()
+                    self.engine = self._start_when_free()
                     if self._weights:
                         self.engine.update_weights(list(self._weights.items()))
                 return call()
             except EngineProcessLost as lost:
                 self._count(lost)
                 fresh = True
+
+    def _start_when_free(self) -> EngineProcess:
+        """A fresh engine process, started again (1, 2, 4... s apart) while vLLM finds the memory not free yet."""
+        deadline, pause = time.monotonic() + self.start_wait_s, 1.0
+        while True:
+            try:
+                return self._start()
+            except EngineProcessLost:
+                raise
+            except EngineProcessError as refused:
+                if not memory_not_free_yet(str(refused)) or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("fresh engine process: the device's memory is not free yet; starting again in %.0f s",
+                            pause)
+                time.sleep(pause)
+                pause *= 2
 
     def _count(self, lost: EngineProcessLost) -> None:
         """One more restart, or the run stopped in one line once `max_restarts` are spent."""

@@ -90,3 +90,16 @@ def test_the_environment_the_external_launcher_reads(monkeypatch):
         "VLLM_LOGGING_LEVEL": "ERROR"}
     vllm = pytest.importorskip("vllm")
     _pinned("VLLM_LOGGING_LEVEL" in vllm.envs.environment_variables, "the VLLM_LOGGING_LEVEL variable")
+
+
+def test_the_start_up_refusal_when_the_memory_is_not_free():
+    """`compat.memory_not_free_yet` recognises vLLM's start-up check, as vLLM words it today (its source)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker import utils
+
+    source = inspect.getsource(utils)
+    _pinned(all(part in source for part in compat.NOT_FREE_YET), "the 'Free memory on device' start-up error",
+            "is worded differently")
+    refused = ("EngineProcess: the engine process failed to start: ValueError: Free memory on device cuda:0 "
+               "(1.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.9, 71.2 GiB).")
+    assert compat.memory_not_free_yet(refused) and not compat.memory_not_free_yet("ValueError: tp_size=2")

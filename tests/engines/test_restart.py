@@ -108,6 +108,35 @@ def test_a_hung_engine_is_restarted_and_an_error_it_reports_is_not(tmp_path):
     assert not isinstance(reported.value, EngineProcessLost) and "engine.tp_size=2" in str(reported.value)
 
 
+def test_a_restart_refused_while_the_memory_is_not_free_yet_is_started_again(tmp_path):
+    """After a loss, the fresh process's first start fails as vLLM does while the driver still releases the lost
+    process's memory ("Free memory on device ... on startup is less than ..."): it is started again after 1 s,
+    without counting a restart, gets the weights and repeats the generate. Past `start_wait_s` the refusal is raised."""
+    from rl_lightning.engines.process import EngineProcessError
+
+    log = tmp_path / "calls.jsonl"
+    sys.path.insert(0, FAKE_VLLM)
+    try:
+        engine = RestartingEngine(1, start_wait_s=30, model_path=str(TINY_MODEL), device_type="cuda",
+                                  max_model_len=64, call_log=str(log), fake_busy_starts=1, timeout_s=60)
+        engine.update_weights([("model.norm.weight", torch.arange(4.0))])
+        engine.process.kill()
+        completions = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        calls = [c["call"] for c in map(json.loads, log.read_text().splitlines())]
+        engine.shutdown()
+        impatient = RestartingEngine(1, start_wait_s=0, model_path=str(TINY_MODEL), device_type="cuda",
+                                     max_model_len=64, call_log=str(tmp_path / "impatient.jsonl"), fake_busy_starts=1,
+                                     timeout_s=60)
+        impatient.process.kill()
+        with pytest.raises(EngineProcessError, match="Free memory on device cuda:0 .* on startup is less than"):
+            impatient.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    finally:
+        sys.path.remove(FAKE_VLLM)
+    assert engine.restarts == 1 and len(completions) == 1 and len(completions[0][0].token_ids) == 2
+    assert calls == ["init", "reload_weights", "apply_model", "reset_prefix_cache", "init_busy", "init",
+                     "reload_weights", "apply_model", "reset_prefix_cache", "generate"]
+
+
 def _cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) process `pid` has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

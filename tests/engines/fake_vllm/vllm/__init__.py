@@ -9,7 +9,9 @@ refused too.
 Every call is appended, as one JSON line, to the file given as the ``call_log`` argument (engine kwargs reach
 ``LLM``), with what is asleep at that moment; ``init`` also records the process's ``CUDA_VISIBLE_DEVICES``.
 ``fake_hang`` / ``fake_exit`` (``"init"`` or ``"generate"``) make that call never return / end the process with exit
-code 17.
+code 17. ``fake_busy_starts=N``: the first N starts after the first one (restarts) fail as vLLM 0.32 does when the
+device's memory is not free yet (``ValueError: Free memory on device ... on startup is less than desired GPU memory
+utilization``; vllm/v1/worker/utils.py), as a restart can while the driver still releases the lost process's memory.
 """
 
 from __future__ import annotations
@@ -38,8 +40,15 @@ class LLM:
     """Records its calls; generates only when fully awake (see the module docstring)."""
 
     def __init__(self, model: str, *, call_log: str, enable_sleep_mode: bool = False, fake_hang: str | None = None,
-                 fake_exit: str | None = None, **kwargs: Any) -> None:
+                 fake_exit: str | None = None, fake_busy_starts: int = 0, **kwargs: Any) -> None:
         self.call_log, self.sleep_mode, self.hang, self.exit = call_log, enable_sleep_mode, fake_hang, fake_exit
+        calls = [json.loads(line)["call"] for line in open(call_log)] if os.path.exists(call_log) else []
+        if "init" in calls and calls.count("init_busy") < fake_busy_starts:
+            self.asleep, self.paused = set(), False
+            self._record("init_busy")
+            raise ValueError("Free memory on device cuda:0 (1.20/79.11 GiB) on startup is less than desired GPU memory "
+                             "utilization (0.9, 71.20 GiB). Decrease GPU memory utilization or reduce GPU memory used "
+                             "by other processes.")
         self.asleep: set[str] = set()
         self.paused = False
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32),
