@@ -26,20 +26,15 @@ segment a weight push lands between depends on timing (the trainer's step vs the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-import torch
+from typing import Any
 
 from rl_lightning.engines.segmented import SegmentedEngine
-from rl_lightning.rollout.async_rollout import ThreadGenerator, pending_state, read_ahead, restore_pending
-from rl_lightning.rollout.schedule import RolloutSteps, rollout_key, submit_ahead
+from rl_lightning.rollout.async_rollout import read_ahead
+from rl_lightning.rollout.schedule import Background, RolloutSteps, rollout_key, submit_ahead
 from rl_lightning.rollout.trajectory import Rollout
 
-T = TypeVar("T")
 
-
-class InFlight:
+class InFlight(Background):
     """One-step-off rollouts whose weights load in flight: a `rl_lightning.rollout.schedule.SchedulingPolicy`.
 
     See the module's docstring.
@@ -52,15 +47,9 @@ class InFlight:
         segment_tokens: tokens per request per segment (``model.rollout.inflight_segment_tokens``).
     """
 
-    background = True
-
     def __init__(self, segment_tokens: int) -> None:
+        super().__init__(max_pending=2)  # rollout k+1 starts while rollout k finishes
         self.segment_tokens = segment_tokens
-        self.generator = ThreadGenerator(max_pending=2)  # rollout k+1 starts while rollout k finishes
-
-    def start(self, device: torch.device) -> None:
-        """The engine threads select `device` (and the rank's engine stream) before their first call."""
-        self.generator.device = device
 
     def wrap_engine(self, engine: Any) -> SegmentedEngine:
         """`engine` generating in segments that take new weights between them."""
@@ -92,25 +81,3 @@ class InFlight:
                         # completion tokens sampled by an older policy than the one trained (the rest: in flight)
                         "rollout/stale_token_share": sum(v < index for v in versions) / max(1, len(versions))})
         return steps.finish(trainer, task, trajectories, metrics)
-
-    def call(self, work: Callable[[], T]) -> T:
-        """`work()` on an engine thread, once no background generation uses the engine."""
-        self.generator.idle()
-        return self.generator.run(work)
-
-    def idle(self) -> None:
-        """Wait for the background generations."""
-        self.generator.idle()
-
-    def close(self) -> None:
-        """Drop the in-flight rollouts (they still use the reward workers) and stop the engine threads."""
-        self.generator.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's pending rollout, with its tokens' versions (`pending_state`)."""
-        return {"pending": pending_state(self.generator)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This rank's pending rollout back."""
-        if state.get("pending"):
-            restore_pending(self.generator, state["pending"])

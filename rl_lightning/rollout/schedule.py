@@ -115,13 +115,14 @@ class Synchronous:
         """Nothing to restore."""
 
 
-class OneStepOff:
-    """``async_steps: 1``: take rollout k (generated during step k-1), push the current weights, submit rollout k+1.
+class Background:
+    """The engine thread that the policies generating off the main thread share.
 
-    See `rl_lightning.rollout.async_rollout`. The engine stays awake: the background generation runs during training.
+    Waiting for it, closing it, and the pending rollout in checkpoints; `OneStepOff` and
+    `rl_lightning.rollout.inflight.InFlight` add the schedule.
 
     Args:
-        max_pending: rollouts generating at once (2 for in-flight updates).
+        max_pending: rollouts generating at once.
     """
 
     background = True
@@ -130,8 +131,37 @@ class OneStepOff:
         self.generator = ThreadGenerator(max_pending)
 
     def start(self, device: torch.device) -> None:
-        """The engine thread selects `device` (and a stream of its own on it) before its first call."""
+        """The engine threads select `device` (and the rank's engine stream) before their first call."""
         self.generator.device = device
+
+    def call(self, work: Callable[[], T]) -> T:
+        """`work()` on the engine thread, once no background generation uses the engine."""
+        self.generator.idle()
+        return self.generator.run(work)
+
+    def idle(self) -> None:
+        """Wait for the background generation."""
+        self.generator.idle()
+
+    def close(self) -> None:
+        """Drop any in-flight rollout (it still uses the reward workers) and stop the engine threads."""
+        self.generator.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's in-flight rollout (with its tokens' versions), for an exact resume (`pending_state`)."""
+        return {"pending": pending_state(self.generator)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's in-flight rollout back as the pending one."""
+        if state.get("pending"):
+            restore_pending(self.generator, state["pending"])
+
+
+class OneStepOff(Background):
+    """``async_steps: 1``: take rollout k (generated during step k-1), push the current weights, submit rollout k+1.
+
+    See `rl_lightning.rollout.async_rollout`. The engine stays awake: the background generation runs during training.
+    """
 
     def wrap_engine(self, engine: Any) -> Any:
         """`engine` itself."""
@@ -153,28 +183,6 @@ class OneStepOff:
         result = steps.finish(trainer, task, trajectories, metrics)
         submit_ahead(generator, steps, trainer, task, read_ahead(trainer, task, batch_idx), index)
         return result
-
-    def call(self, work: Callable[[], T]) -> T:
-        """`work()` on the engine thread, once no background generation uses the engine."""
-        self.generator.idle()
-        return self.generator.run(work)
-
-    def idle(self) -> None:
-        """Wait for the background generation."""
-        self.generator.idle()
-
-    def close(self) -> None:
-        """Drop any in-flight rollout (it still uses the reward workers) and stop the engine thread."""
-        self.generator.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's in-flight rollout, for an exact resume (`pending_state`)."""
-        return {"pending": pending_state(self.generator)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This rank's in-flight rollout back as the pending one."""
-        if state.get("pending"):
-            restore_pending(self.generator, state["pending"])
 
 
 def rollout_key(index: int, prompts: list) -> tuple[int, ...]:
