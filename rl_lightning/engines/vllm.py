@@ -156,7 +156,7 @@ class VLLMEngine:
             `gpu_memory_utilization` on CUDA when set.
         dtype: engine dtype (default: float32 on CPU, the checkpoint's on CUDA).
         lora_rank: build the engine with LoRA support for adapters up to this rank (adapter-only weight sync:
-            `update_adapter`); on CUDA the engine then sleeps at level 1 (base weights kept in host memory).
+            `update_adapter`); on CUDA its sleep then releases the KV cache only (the base weights stay on the device).
         rank: this process's global rank (default: from torch.distributed, else 0).
         local_rank: this process's rank on its node (default: `rank`).
         world_size: processes in the job (default: from torch.distributed, else 1).
@@ -237,7 +237,11 @@ class VLLMEngine:
             self.sleep()
 
     def sleep(self) -> None:
-        """Release the weights and KV cache (CUDA; level 2: the next `update_weights` must resend every weight)."""
+        """Release the weights and KV cache (CUDA; level 2: the next `update_weights` must resend every weight).
+
+        With LoRA adapter sync only the KV cache is released: the base weights stay on the device (the plan counts
+        them in every phase), as pushing them again, or vLLM's level 1 (a pinned host copy), would cost more.
+        """
         if not self.sleep_mode:
             if not self._logged_no_sleep:
                 log.info("vLLM on CPU has no sleep mode: the engine keeps its weights and KV cache while training")
@@ -245,9 +249,12 @@ class VLLMEngine:
             return
         if self._asleep:
             return
-        if self.adapter_root is not None:  # LoRA: the base weights are pushed once, keep them (in host memory)
-            self.llm.sleep(level=1)
-            self._asleep = {"weights", "kv_cache"}
+        if self.adapter_root is not None:  # LoRA: the base weights were pushed once and stay on the device
+            # level 1 would copy them to pinned host memory at every sleep (an 8B model: 16 GB per rank); a paused
+            # scheduler and the KV cache released leave the weights in place, and nothing to push again
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            self._asleep = {"kv_cache"}
             return
         self.llm.sleep(level=2)
         self._asleep, self.needs_weights = {"weights", "kv_cache"}, True

@@ -134,6 +134,29 @@ def test_colocated_engine_on_cuda_wakes_weights_loads_then_wakes_the_kv_cache(tm
     assert [c["paused"] for c in calls(log) if c["call"].startswith("generate")] == [True, False]
 
 
+def test_an_adapter_sync_engine_on_cuda_keeps_its_base_weights_on_the_device_while_asleep(tmp_path, fake_vllm):
+    """LoRA adapter sync: the base weights are pushed once; each sleep pauses the scheduler and releases the KV cache
+    only (vLLM 0.32 ``sleep(level=0)`` + ``release_kv_cache_memory``), so they are never copied to host memory (level
+    1 would pin a host copy of the whole model on every rank at every sleep), and a wake brings the KV cache back."""
+    from rl_lightning.engines.vllm import VLLMEngine
+
+    log = tmp_path / "calls.jsonl"
+    engine = VLLMEngine(str(TINY_MODEL), max_model_len=64, device_type="cuda", rank=0, local_rank=0, world_size=1,
+                        lora_rank=4, call_log=str(log))
+    engine.update_weights([("model.norm.weight", torch.ones(4))])
+    for _ in range(2):  # two steps: wake, generate, sleep
+        engine.wake()
+        assert len(engine.generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=2, seed=0))[0]) == 1
+        engine.sleep()
+    engine.shutdown()
+    made = calls(log)
+    assert [c["level"] for c in made if c["call"] == "sleep"] == [0, 0, 0]
+    assert not any("weights" in c["asleep"] for c in made)
+    assert [c["call"] for c in made if c["call"] in ("release_kv_cache_memory", "wake_up")] == [
+        "release_kv_cache_memory", "wake_up", "release_kv_cache_memory", "wake_up", "release_kv_cache_memory"]
+    assert [c["tags"] for c in made if c["call"] == "wake_up"] == [["kv_cache"], ["kv_cache"]]
+
+
 def fake_engine(tmp_path: Path, **kwargs: Any) -> EngineProcess:
     """An engine process on the fake vLLM ("CUDA"), its calls logged to ``tmp_path/calls.jsonl``."""
     with fake_vllm_in_children():

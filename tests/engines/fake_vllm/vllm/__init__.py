@@ -71,7 +71,17 @@ class LLM:
         self._record("sleep", level=level)
         if not self.sleep_mode:
             raise ValueError("fake vLLM: sleep mode is not enabled (LLM(enable_sleep_mode=True))")
+        if level == 0:  # pause the scheduler only
+            self.paused = True
+            return
         self.asleep, self.paused = set(TAGS), True
+
+    def release_kv_cache_memory(self) -> None:
+        self._record("release_kv_cache_memory")
+        if not self.paused or self.asleep:  # vLLM 0.32: a completed pause, all executor memory resident
+            raise RuntimeError("fake vLLM: release_kv_cache_memory() requires a completed pause first, and all "
+                               "executor memory resident")
+        self.asleep = {"kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         self._record("wake_up", tags=tags)
