@@ -113,6 +113,21 @@ def data_parallel_max(groups: Groups, value: torch.Tensor | float) -> torch.Tens
     return _all_reduce(value, groups, ("dp",), "max")
 
 
+def min_max_over_world(low: float, high: float, device: torch.device) -> tuple[float, float]:
+    """(the least `low`, the largest `high`) over every process of the default group; as given in one process.
+
+    For what every rank must agree on before it decides alone, e.g. the memory plan's device memory (the least free)
+    and baseline (the largest), so that every rank refuses a run, or picks a token budget, as the others do.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return low, high
+    if torch.distributed.get_world_size() == 1:
+        return low, high
+    values = torch.tensor([-float(low), float(high)], dtype=torch.float64, device=device)  # exact below 2**53
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return -float(values[0]), float(values[1])
+
+
 def shard_sum(groups: Groups, value: torch.Tensor | float) -> torch.Tensor:
     """Sum a detached quantity measured on this rank's tokens over data x context parallel ranks (on the device).
 

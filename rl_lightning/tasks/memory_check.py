@@ -27,6 +27,7 @@ from rl_lightning.memory.fit import Keys, largest_budget, refusal
 from rl_lightning.memory.model_shape import ModelShape, load_model_shape
 from rl_lightning.memory.phases import rss_mib
 from rl_lightning.memory.plan import MIB, SAFETY, EngineSetup, Layout, MemoryPlan, TrainSetup, plan_memory
+from rl_lightning.parallel.reductions import min_max_over_world
 
 
 def host_memory_available() -> int:
@@ -62,6 +63,17 @@ def device_memory(trainer: Any) -> tuple[int, int]:
     resident = int(rss_mib() * MIB)
     processes = max(1, int(getattr(trainer, "num_devices", 1) or 1))  # this node's ranks share its memory
     return resident + host_memory_available() // processes, resident
+
+
+def agreed_device_memory(trainer: Any) -> tuple[int, int]:
+    """`device_memory` agreed by every rank: the least memory and the largest baseline of any rank.
+
+    Every rank then plans the same run: a refusal stops all of them (none waits in a collective for a rank that
+    stopped), and ``max_length_per_device: auto`` picks one budget (micro-batches packed alike on every rank).
+    """
+    limit, baseline = device_memory(trainer)
+    low, high = min_max_over_world(limit, baseline, trainer.strategy.root_device)
+    return int(low), int(high)
 
 
 def parallel_layout(trainer: Any) -> tuple[Layout, bool]:
@@ -164,7 +176,7 @@ def plan_for(module: Any, task: str, shape: ModelShape) -> tuple[TrainSetup, Key
     """The `TrainSetup` of `module`'s run (``task``: ``sft``, ``dpo``, ``reward`` or ``ppo``), its keys and minimum."""
     trainer, hp = module.trainer, module.hparams
     layout, fsdp_bf16 = parallel_layout(trainer)
-    limit, baseline = device_memory(trainer)
+    limit, baseline = agreed_device_memory(trainer)
     if task == "ppo":
         fields, minimum = _ppo_fields(module, trainer)
         keys = Keys(budget="model.max_length_per_device")

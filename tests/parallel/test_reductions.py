@@ -1,5 +1,6 @@
 """`rl_lightning.parallel.reductions` on real gloo groups: `process_groups` reads a device mesh once, and the
-reductions take the `Groups` it returns (never the Trainer) and give the hand-computed sums.
+reductions take the `Groups` it returns (never the Trainer) and give the hand-computed sums; `min_max_over_world` and
+the memory plan's device memory agreed across ranks (`rl_lightning.tasks.memory_check.agreed_device_memory`).
 
 One spawn of 2 processes runs every check; rank r contributes r + 1.
 """
@@ -14,6 +15,7 @@ from rl_lightning.parallel.reductions import (
     Groups,
     data_parallel_max,
     data_parallel_sum,
+    min_max_over_world,
     process_groups,
     shard_sum,
     shard_sum_dict,
@@ -46,7 +48,22 @@ def _checks(rank: int, results: dict) -> None:
             "dict": {k: float(v) for k, v in shard_sum_dict(groups, {"a": value, "b": 2 * value}).items()},
         }
     out["one"] = float(data_parallel_sum(Groups(), value))  # one process: no collective at all
+    out["extremes"] = min_max_over_world(100 - rank, 5 + rank, torch.device("cpu"))
+    out["agreed"] = _agreed_memory(rank)
     results[rank] = out
+
+
+def _agreed_memory(rank: int) -> tuple[int, int]:
+    """The memory plan's device memory as each rank would see it alone, then agreed: (the least, the largest)."""
+    from rl_lightning.tasks import memory_check
+
+    alone = memory_check.device_memory
+    memory_check.device_memory = lambda trainer: ((80 - 10 * rank) << 30, (2 + rank) << 30)  # rank 1: less free
+    try:
+        trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cpu")))
+        return memory_check.agreed_device_memory(trainer)
+    finally:
+        memory_check.device_memory = alone
 
 
 def test_reductions_over_real_groups_give_the_hand_sums():
@@ -66,3 +83,6 @@ def test_reductions_over_real_groups_give_the_hand_sums():
         assert out["ddp"] == {"coords": (rank, 2, 0, 1, 2, 2), "dp_sum": 3.0, "dp_max": 2.0, "shard_sum": 3.0,
                               "dict": {"a": 3.0, "b": 6.0}}
         assert out["one"] == rank + 1.0
+        assert out["extremes"] == (99.0, 6.0)  # the least low (rank 1's 99), the largest high (rank 1's 6)
+        # every rank plans with the least memory and the largest baseline, so all refuse (or pick a budget) alike
+        assert out["agreed"] == (70 << 30, 3 << 30)
