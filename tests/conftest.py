@@ -18,6 +18,12 @@ DEMO_DATA = REPO / "rl_lightning" / "assets" / "data"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch (OpenMP) thread per test process unless the caller chose: `make test` runs two pytest-xdist workers on CI's
+# two cores, and each worker's default of one thread per core (plus spawned ranks, engines and CLI subprocesses, which
+# inherit this) oversubscribes them; OpenMP threads then spin waiting for a descheduled peer. The spawned ranks
+# (tests/helpers.py) and the timed benchmarks already run with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # completion-length parity: rewards vary within groups, so advantages (and per-set means) are non-zero
