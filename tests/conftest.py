@@ -84,11 +84,15 @@ def _sft_on_two_processes(tmp_path_factory) -> Path:
 # first. They are collected first, and `make test` hands files to its two pytest-xdist workers in collection order
 # (`--no-loadscope-reorder`; xdist's default orders files by their number of tests): the workers start on the long
 # files and end on short ones, where one of these picked up last would run on alone at the end.
-LONG_FILES = (
-    "tests/memory/test_plan.py", "tests/parallel/test_strategy.py", "tests/assets/test_real_model.py",
-    "tests/cli/test_cli.py", "tests/models/test_lora.py", "tests/tasks/test_preference_tasks.py",
-    "tests/parallel/test_compile.py", "tests/tasks/ppo/test_ppo_variants.py", "tests/cli/test_eval.py",
-    "tests/benchmarks/test_gpu_script.py",
+LONG_FILES = (  # worker-seconds per file in the full run of 2026-11-28 13:41 (its log's PASSED timestamps)
+    "tests/cli/test_demo.py", "tests/e2e/test_e2e.py", "tests/memory/test_plan.py", "tests/assets/test_real_model.py",
+    "tests/benchmarks/test_benchmarks.py", "tests/parallel/test_compile.py", "tests/cli/test_resume_bitwise.py",
+    "tests/cli/test_resume_check.py", "tests/engines/test_restart.py", "tests/cli/test_atomic_checkpoints.py",
+    "tests/benchmarks/test_gpu_script.py", "tests/benchmarks/test_benchmarks_real_model.py",
+    "tests/rewards/test_reward_model.py", "tests/tasks/ppo/test_ppo_parallel.py", "tests/parallel/test_multinode.py",
+    "tests/engines/test_vllm.py", "tests/rollout/test_async_rollout.py", "tests/cluster/test_slurm.py",
+    "tests/engines/test_shared.py", "tests/cli/test_cli.py", "tests/tasks/ppo/test_ppo_dp_rounds.py",
+    "tests/tracking/test_mlflow_ui.py", "tests/e2e/test_wheel.py", "tests/parallel/test_strategy.py",
 )
 
 
