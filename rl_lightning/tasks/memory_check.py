@@ -162,7 +162,8 @@ def _distill_setup(module: Any) -> DistillSetup | None:
     if config is None:
         return None
     base = config.teacher == module.lm.name and module.lm.lora is not None
-    return DistillSetup(teacher=None if base else load_model_shape(config.teacher), jsd=config.type == "loss")
+    return DistillSetup(teacher=None if base else load_model_shape(config.teacher), jsd=config.type == "loss",
+                        jsd_chunk=module.lm.lm_head_chunk)
 
 
 def _mesh_groups(trainer: Any) -> int:

@@ -42,6 +42,7 @@ from rl_lightning.algorithms.policy import token_mean
 from rl_lightning.assets.real import resolve_model
 from rl_lightning.data.datamodule import run_seed
 from rl_lightning.errors import ConfigError
+from rl_lightning.models.head_chunks import head_inputs, head_weight, map_head_chunks
 from rl_lightning.models.loading import load_causal_lm, load_tokenizer
 from rl_lightning.models.logprobs import model_inputs
 from rl_lightning.models.lora import AdaptersDisabled
@@ -148,7 +149,7 @@ def load_teacher(task: Any, config: DistillConfig, student: Any) -> Any:
 
 
 def jsd_loss(model: Any, teacher: Any, mb: dict[str, Any], normaliser: torch.Tensor, config: DistillConfig,
-             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+             temperature: float, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``coef`` x this micro-batch's share of the token-mean JSD_beta(teacher || student), and the JSD's token sum.
 
     Args:
@@ -158,6 +159,8 @@ def jsd_loss(model: Any, teacher: Any, mb: dict[str, Any], normaliser: torch.Ten
         normaliser: the minibatch's global token normaliser (the policy loss's).
         config: ``model.distill``.
         temperature: the rollout's temperature (both distributions are taken at it).
+        chunk_size: ``model.lm.lm_head_chunk``: the JSD `chunk_size` positions at a time, neither model's
+            ``[K, V]`` logits whole (`chunked_jsd`); None: both models' full logits.
 
     Returns:
         The scalar loss and the (detached) sum of the per-token JSD over the target tokens.
@@ -166,12 +169,36 @@ def jsd_loss(model: Any, teacher: Any, mb: dict[str, Any], normaliser: torch.Ten
     keep = (mask > 0).any(0).nonzero()[:, 0]
     if len(keep) == 0:  # a filler micro-batch: one position, so the backward still reaches every parameter
         keep = keep.new_zeros(1)
-    student_logits = model(**model_inputs(mb), logits_to_keep=keep).logits  # (1, K, V)
-    with torch.no_grad():
-        teacher_logits = teacher(**model_inputs(mb), logits_to_keep=keep).logits  # (1, K, V)
-    per_token = generalized_jsd(student_logits, teacher_logits, config.beta, temperature)  # (1, K)
+    if chunk_size is not None:
+        per_token = chunked_jsd(model, teacher, mb, keep, config.beta, temperature, chunk_size)  # (1, K)
+    else:
+        student_logits = model(**model_inputs(mb), logits_to_keep=keep).logits  # (1, K, V)
+        with torch.no_grad():
+            teacher_logits = teacher(**model_inputs(mb), logits_to_keep=keep).logits  # (1, K, V)
+        per_token = generalized_jsd(student_logits, teacher_logits, config.beta, temperature)  # (1, K)
     kept_mask = mask[:, keep]  # (1, K)
     return config.coef * token_mean(per_token, kept_mask, normaliser), (per_token.detach() * kept_mask).sum()
+
+
+def chunked_jsd(model: Any, teacher: Any, mb: dict[str, Any], keep: torch.Tensor, beta: float, temperature: float,
+                chunk_size: int) -> torch.Tensor:
+    """(1, K) JSD_beta(teacher || student) at positions `keep`, `chunk_size` positions at a time.
+
+    The teacher's forward stops before its head (its (1, K, H_t) hidden states, no gradient); the student's head runs
+    chunk by chunk inside the student's forward (`map_head_chunks`), each chunk's teacher logits computed from the
+    teacher's gathered head weight beside it, under checkpointing: the largest vocabulary tensors are (chunk, V).
+    """
+    with torch.no_grad():
+        teacher_hidden = head_inputs(teacher, mb, keep)  # (1, K, H_t)
+        weight, bias = head_weight(teacher)  # (V, H_t): gathered once for the micro-batch
+
+    def per_chunk(student_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            teacher_logits = torch.nn.functional.linear(hidden, weight.to(hidden.dtype),
+                                                        None if bias is None else bias.to(hidden.dtype))  # (C, V)
+        return generalized_jsd(student_logits, teacher_logits, beta, temperature)  # (C,)
+
+    return map_head_chunks(model, mb, keep, per_chunk, [teacher_hidden], chunk_size)
 
 
 def add_jsd(task: Any, mb: dict[str, Any], normaliser: torch.Tensor, loss: torch.Tensor | None = None,
@@ -192,7 +219,7 @@ def add_jsd(task: Any, mb: dict[str, Any], normaliser: torch.Tensor, loss: torch
     if config is None or config.type != "loss":
         return loss, sums
     jsd, sums["distill_jsd"] = jsd_loss(task.model, task._teacher, mb, normaliser, config,
-                                        task.rollout_config.temperature)
+                                        task.rollout_config.temperature, task.lm.lm_head_chunk)
     return jsd if loss is None else loss + jsd, sums
 
 
