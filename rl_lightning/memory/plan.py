@@ -17,14 +17,9 @@ The phases (the peak is the largest):
 - **rollout** (PPO): the resident state and the awake engine (vLLM on CUDA; the HF engine's KV cache), and one
   bucket of vLLM's weight sync.
 
-Formulas (elements per token per decoder layer; h hidden, q heads x head_dim, kv key-value heads x head_dim,
-i intermediate; counted with ``torch.autograd.graph.saved_tensors_hooks`` on Llama/Qwen2 blocks, see
-benchmarks/results/memory_plan_cpu.md): fp32, saved for backward: 6h (two RMSNorms: input, normalised input,
-output) + 3q (q, the attention output and its reshaped copy) + 2kv + 4i (SwiGLU: gate, act(gate), up, act x up).
-bf16 autocast: the norms' 4h stay fp32, 3h + 5q + 2kv + 4i are bf16, and the block weights' bf16 copies are cached
-for the step. bf16 parameters: 2h fp32, 4h + 3q + 2kv + 4i bf16. One layer more for the backward's working set.
-Gradient checkpointing keeps h per layer (the block input) plus one block's activations and their gradients while it
-is recomputed. Tensor parallelism divides the q, kv and i terms.
+Activations per token and decoder layer (lean forwards included): `rl_lightning.memory.activations`. One layer
+more for the backward's working set. Gradient checkpointing keeps h per layer (the block input) plus one block's
+activations and their gradients while it is recomputed.
 The output head: the full path keeps (K, V) fp32 logits for the K target positions and peaks at `FULL_HEAD_COPIES`
 of them; the chunked path (`lm_head_chunk` = C) keeps the last chunk's (C, V) logits and peaks at
 `CHUNK_HEAD_COPIES` more (C, V) fp32 tensors; a frozen head (LoRA) keeps (K, H) fp32 gradients per unit instead.
@@ -44,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rl_lightning.memory import extras
+from rl_lightning.memory.activations import activation_bytes, precision_bytes
 from rl_lightning.memory.extras import DistillSetup
 from rl_lightning.memory.model_shape import ModelShape, lora_parameters
 
@@ -90,6 +86,7 @@ class Layout:
     activation_offload: bool = False  # CUDA: saved activations on the host, two blocks' on the device
     optimizer_offload: bool = False  # CUDA: AdamW's moments on the host, one bucket on the device during the step
     offload_bucket_bytes: int = 256 << 20
+    compiled: bool = False  # strategy.compile: the blocks run the stock forwards (no lean activations)
 
 
 @dataclass(frozen=True)
@@ -133,6 +130,8 @@ class TrainSetup:
         target_fraction: share of a micro-batch's tokens the output head runs on (completion tokens).
         lm_head_chunk: positions per chunk of the output head; None: the full logits.
         gradient_checkpointing: recompute each block in the backward.
+        lean_activations: ``model.lm.lean_activations``: the lean SwiGLU MLP and RMSNorm forwards where they run
+            (`rl_lightning.memory.activations.lean_paths`); False: the stock forwards (the larger count).
         lora_rank: LoRA's r, or None for full fine-tuning.
         lora_targets: LoRA's target module names, or ``all-linear``.
         lora_saved: parameters LoRA trains in full and copies (``modules_to_save``).
@@ -160,6 +159,7 @@ class TrainSetup:
     target_fraction: float = 1.0
     lm_head_chunk: int | None = 1024
     gradient_checkpointing: bool = False
+    lean_activations: bool = False
     lora_rank: int | None = None
     lora_targets: Sequence[str] | str = ()
     lora_saved: int = 0
@@ -221,53 +221,6 @@ class MemoryPlan:
 def micro_batch_tokens(s: TrainSetup) -> int:
     """Tokens in the largest micro-batch: the budget, or less when a whole step holds fewer tokens."""
     return max(1, min(s.tokens, s.tokens_cap or s.tokens))
-
-
-def precision_bytes(s: TrainSetup) -> tuple[int, int, bool]:
-    """(parameter bytes, compute bytes, autocast) of `s.precision` (and FSDP2's bf16 compute)."""
-    p = str(s.precision)
-    param = 8 if p.startswith("64") else 2 if p in ("bf16-true", "16-true", "bf16", "16") else 4
-    autocast = "mixed" in p
-    compute = 2 if autocast or s.fsdp_bf16 else param
-    return param, compute, autocast
-
-
-def layer_activation_bytes(s: TrainSetup) -> float:
-    """Bytes saved for the backward per token by one decoder layer (this device's tensor-parallel share)."""
-    m, tp = s.model, s.layout.tp
-    _, compute, autocast = precision_bytes(s)
-    h, q, kv, i = m.hidden, m.q_dim / tp, m.kv_dim / tp, m.intermediate / tp
-    if compute == 4:
-        size = 4 * (6 * h + 3 * q + 2 * kv + 4 * i)
-    elif autocast:  # the residual stream and the norms stay fp32; linear outputs are bf16
-        size = 4 * 4 * h + compute * (3 * h + 5 * q + 2 * kv + 4 * i)
-    else:  # bf16 parameters: the norms upcast their input to fp32
-        size = 4 * 2 * h + compute * (4 * h + 3 * q + 2 * kv + 4 * i)
-    size += 4 * (m.heads / tp + 2)  # attention's log-sum-exp per head, the norms' inverse RMS
-    if s.lora_rank is not None:  # each adapter keeps A x (r values per token)
-        targets = [n for n, _, _ in m.linears if s.lora_targets == "all-linear" or n in s.lora_targets]
-        size += compute * s.lora_rank * len(targets)
-    return size
-
-
-def activation_bytes(s: TrainSetup, tokens: int) -> float:
-    """Bytes of one micro-batch's activations at the backward's peak (its context-parallel share of `tokens`).
-
-    Every block's saved tensors, one block's more (the backward's working set: the gradients of a block's
-    activations), and outside the blocks the embedding output and the final norm's input, normalised input and
-    output (4h fp32). With checkpointing each block keeps only its input (h in the residual stream's dtype) while
-    one block is recomputed at a time (its activations and their gradients).
-    """
-    m = s.model
-    param, _, _ = precision_bytes(s)
-    local = tokens / s.layout.cp
-    per_layer = layer_activation_bytes(s)
-    outside = 4 * 4 * m.hidden
-    if s.gradient_checkpointing:
-        return local * (m.layers * m.hidden * min(param, 4) + 2 * per_layer + outside)
-    if s.layout.activation_offload and s.device == "cuda":  # the block computed and the one prefetched stay
-        return local * (3 * per_layer + outside)
-    return local * ((m.layers + 1) * per_layer + outside)
 
 
 def host_activation_bytes(s: TrainSetup, tokens: int) -> float:
@@ -356,7 +309,6 @@ def _engine(s: TrainSetup) -> tuple[dict[str, float], float, float]:
         parts = {"engine awake (vllm, gpu_memory_utilization)": e.gpu_memory_utilization * s.device_memory}
     awake = sum(parts.values())
     return parts, awake if e.awake_while_training else 0.0, awake
-
 
 
 def plan_memory(s: TrainSetup) -> MemoryPlan:

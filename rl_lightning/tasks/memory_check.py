@@ -88,7 +88,8 @@ def parallel_layout(trainer: Any) -> tuple[Layout, bool]:
         return Layout(shards=shards, tp=strategy.tp_size, cp=strategy.cp_size, cpu_offload=strategy.cpu_offload,
                       reshard_after_forward=strategy.reshard_after_forward,
                       activation_offload=strategy.activation_offload, optimizer_offload=strategy.optimizer_offload,
-                      offload_bucket_bytes=strategy.offload_bucket_mb << 20), strategy.mixed_precision == "bf16"
+                      offload_bucket_bytes=strategy.offload_bucket_mb << 20,
+                      compiled=bool(strategy.compile)), strategy.mixed_precision == "bf16"
     return Layout(ddp=isinstance(strategy, DDPStrategy) and trainer.world_size > 1), False
 
 
@@ -194,7 +195,8 @@ def plan_for(module: Any, task: str, shape: ModelShape) -> tuple[TrainSetup, Key
         model=shape, device=trainer.strategy.root_device.type, device_memory=limit, baseline=baseline,
         precision=str(trainer.precision), fsdp_bf16=fsdp_bf16,
         lm_head_chunk=None if task == "reward" else module.lm.lm_head_chunk,
-        gradient_checkpointing=module.lm.gradient_checkpointing, lm_head=task != "reward", layout=layout,
+        gradient_checkpointing=module.lm.gradient_checkpointing, lean_activations=bool(module.lm.lean_activations),
+        lm_head=task != "reward", layout=layout,
         **_lora_fields(module.lm.lora, shape), **fields)
     return setup, keys, minimum
 

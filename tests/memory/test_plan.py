@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO, TINY_MODEL
 
 from rl_lightning.errors import ConfigError
+from rl_lightning.memory.activations import layer_activation_bytes, lean_saved_bytes
 from rl_lightning.memory.extras import CUDA_WORKSPACES, JSD_COPIES, NCCL_PER_GROUP, VLLM_ASLEEP, DistillSetup
 from rl_lightning.memory.fit import Keys, fit_suggestions, largest_budget, refusal
 from rl_lightning.memory.model_shape import ModelShape, lora_parameters, model_shape
@@ -25,7 +26,6 @@ from rl_lightning.memory.plan import (
     TrainSetup,
     activation_bytes,
     head_bytes,
-    layer_activation_bytes,
     plan_memory,
 )
 from rl_lightning.models.config import LMConfig
@@ -94,6 +94,46 @@ def test_activation_formula_per_token_and_layer():
     assert activation_bytes(setup(layout=Layout(cp=2)), 1000) == activation_bytes(setup(), 500)
     mixed = layer_activation_bytes(setup(precision="bf16-mixed"))
     assert mixed == 4 * 4 * H + 2 * (3 * H + 5 * Q + 2 * KV + 4 * INTER) + 4 * (HEADS + 2)
+
+
+def test_lean_activations_save_2i_in_the_compute_dtype_and_4h_per_norm():
+    """The lean SwiGLU keeps gate and up (2i values less), each lean RMSNorm its input and rstd (4h bytes less)."""
+    norms = 2 * 4 * H  # two per block: fp32 normalised (fp32, autocast) or fp32 upcast + bf16 normalised - bf16 input
+    for precision, fsdp_bf16, compute in (("32-true", False, 4), ("bf16-mixed", False, 2), ("bf16-true", False, 2),
+                                          ("32-true", True, 2)):  # the last: FSDP2 mixed_precision bf16 (H200 runs)
+        stock = setup(precision=precision, fsdp_bf16=fsdp_bf16)
+        lean = replace(stock, lean_activations=True)
+        assert layer_activation_bytes(stock) - layer_activation_bytes(lean) == 2 * INTER * compute + norms
+        # the final norm outside the blocks: 4h bytes less too
+        saved = (LAYERS + 1) * (2 * INTER * compute + norms) + 4 * H
+        assert activation_bytes(stock, 1000) - activation_bytes(lean, 1000) == 1000 * saved
+    fp32 = setup(lean_activations=True)
+    assert layer_activation_bytes(fp32) == 4 * (4 * H + 3 * Q + 2 * KV + 2 * INTER) + 4 * (HEADS + 2)  # 3096
+    # compiled blocks run the stock forwards; TP's DTensor projections and LoRA on the MLP keep the stock MLP
+    assert lean_saved_bytes(setup(lean_activations=True, layout=Layout(compiled=True))) == (0, 0)
+    assert lean_saved_bytes(setup(lean_activations=True, layout=Layout(tp=2))) == (norms, 4 * H)
+    lora = {"lora_rank": 8, "head_trainable": False, "lean_activations": True}
+    assert lean_saved_bytes(setup(**lora, lora_targets=("q_proj", "v_proj"))) == (8 * INTER + norms, 4 * H)
+    assert lean_saved_bytes(setup(**lora, lora_targets=("q_proj", "up_proj"))) == (norms, 4 * H)
+    assert lean_saved_bytes(setup(**lora, lora_targets="all-linear")) == (norms, 4 * H)
+
+
+def test_the_lean_plan_of_the_h200_sft_fit_is_within_5_percent_of_its_measured_peak():
+    """benchmarks/gpu/quick_memory.py's SFT fit on an H200 (2026-11-28): Qwen3-0.6B's shape, FSDP2 over one GPU in
+    bf16 (fp32 shards), 4096-token micro-batches of 8192-token steps; measured 14,305 MiB of max_memory_allocated,
+    planned 17,211 MiB without the lean forwards."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                  num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                                  tie_word_embeddings=True)
+    stock = setup(model=model_shape(config), tokens=4096, tokens_cap=8192, fsdp_bf16=True)
+    lean = replace(stock, lean_activations=True)
+    assert (layer_activation_bytes(stock), layer_activation_bytes(lean)) == (57416, 36936)  # 20,480 B less
+    assert round(plan_memory(stock).phases["train"] / MIB) == 17211  # what the H200 run printed
+    saved = plan_memory(stock).phases["train"] - plan_memory(lean).phases["train"]
+    assert saved == pytest.approx(4096 * (29 * 20480 + 4 * 1024), abs=1)  # 28 layers + the working set; final norm
+    assert plan_memory(lean).phases["train"] / MIB == pytest.approx(14305, rel=0.05)
 
 
 def test_lora_trains_r_times_in_plus_out_per_target():
@@ -282,6 +322,7 @@ def test_memory_check_false_prints_the_plan_and_runs(tmp_path, monkeypatch, capl
     with caplog.at_level("INFO"):
         fit(model, data, 1)
     assert model.model is not None and not model.memory_plan.fits
+    assert model.memory_plan.setup.lean_activations and not model.memory_plan.setup.layout.compiled  # LMConfig's
     table = next(r.message for r in caplog.records if r.message.startswith("memory plan per device"))
     assert "weights" in table and "activations (256 tokens)" in table and "peak " in table.splitlines()[-1]
 

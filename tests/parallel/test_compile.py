@@ -20,6 +20,7 @@ from helpers import fit, run_on_cpu_ranks
 
 from rl_lightning.data import SFTDataModule
 from rl_lightning.errors import ConfigError
+from rl_lightning.memory.activations import lean_saved_bytes
 from rl_lightning.models.config import LMConfig
 from rl_lightning.models.lora import LoRAConfig
 from rl_lightning.models.optim import OptimConfig
@@ -93,6 +94,9 @@ def test_compiled_dp1_matches_eager(compiled_dp1, eager):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     # nn.Module.compile adds no `_orig_mod.` wrapper: checkpoints and exports keep the eager parameter names
     assert not any("_orig_mod" in name for name in trainer.lightning_module.model.state_dict())
+    # compiled blocks run the stock forwards: the memory plan counts their activations, not the lean ones
+    setup = trainer.lightning_module.memory_plan.setup
+    assert setup.layout.compiled and setup.lean_activations and lean_saved_bytes(setup) == (0, 0)
     _assert_matches(recorder, eager)
 
 
