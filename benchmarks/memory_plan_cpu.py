@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +123,7 @@ def measure(name: str) -> dict:
     import lightning as L
 
     from rl_lightning.memory.phases import PhaseProfiler, process_peak_mib
-    from rl_lightning.memory.plan import MIB, plan_memory
+    from rl_lightning.memory.plan import MIB
 
     config = CONFIGS[name]
     L.seed_everything(0)
@@ -138,9 +137,7 @@ def measure(name: str) -> dict:
             trainer.fit(module, datamodule=data)
         seconds = time.perf_counter() - started
     plan = module.memory_plan
-    stock = plan_memory(replace(plan.setup, lean_activations=False))  # the count without the lean forwards
     return {"name": name, "predicted_mib": plan.peak / MIB, "measured_mib": process_peak_mib(),
-            "predicted_stock_mib": stock.peak / MIB,
             "baseline_mib": plan.setup.baseline / MIB, "tokens": plan.tokens, "seconds": seconds,
             "components_mib": {k: v / MIB for k, v in plan.components.items()},
             "phases_mib": {k: v / MIB for k, v in plan.phases.items()},

@@ -17,19 +17,17 @@ Where the lean forward runs (`lean_paths`): not under ``strategy.compile`` (comp
 inductor's partitioner recomputes pointwise ops, counted here as the stock formula, an upper bound); the MLP not
 under tensor parallelism (its projections are DTensors; the norms are not sharded and stay lean) nor where LoRA
 adapts one of its projections (PEFT's layers replace the plain linears; the norms stay lean).
+Every function takes a `rl_lightning.memory.plan.TrainSetup` (``Any`` here: plan imports this module).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rl_lightning.memory.plan import TrainSetup
+from typing import Any
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def precision_bytes(s: TrainSetup) -> tuple[int, int, bool]:
+def precision_bytes(s: Any) -> tuple[int, int, bool]:
     """(parameter bytes, compute bytes, autocast) of `s.precision` (and FSDP2's bf16 compute)."""
     p = str(s.precision)
     param = 8 if p.startswith("64") else 2 if p in ("bf16-true", "16-true", "bf16", "16") else 4
@@ -38,7 +36,7 @@ def precision_bytes(s: TrainSetup) -> tuple[int, int, bool]:
     return param, compute, autocast
 
 
-def lean_paths(s: TrainSetup) -> tuple[bool, bool]:
+def lean_paths(s: Any) -> tuple[bool, bool]:
     """(the lean MLP runs, the lean RMSNorms run) in `s`'s training forward (see the module)."""
     if not s.lean_activations or s.layout.compiled:
         return False, False
@@ -47,7 +45,7 @@ def lean_paths(s: TrainSetup) -> tuple[bool, bool]:
     return s.layout.tp == 1 and not lora_mlp, True
 
 
-def lean_saved_bytes(s: TrainSetup) -> tuple[float, float]:
+def lean_saved_bytes(s: Any) -> tuple[float, float]:
     """(bytes per token per decoder layer, bytes per token outside the blocks) the lean forwards do not save."""
     mlp, norms = lean_paths(s)
     _, compute, _ = precision_bytes(s)
@@ -56,7 +54,7 @@ def lean_saved_bytes(s: TrainSetup) -> tuple[float, float]:
     return per_layer, 4 * h if norms else 0.0  # the final norm
 
 
-def layer_activation_bytes(s: TrainSetup) -> float:
+def layer_activation_bytes(s: Any) -> float:
     """Bytes saved for the backward per token by one decoder layer (this device's tensor-parallel share)."""
     m, tp = s.model, s.layout.tp
     _, compute, autocast = precision_bytes(s)
@@ -74,7 +72,7 @@ def layer_activation_bytes(s: TrainSetup) -> float:
     return size - lean_saved_bytes(s)[0]
 
 
-def activation_bytes(s: TrainSetup, tokens: int) -> float:
+def activation_bytes(s: Any, tokens: int) -> float:
     """Bytes of one micro-batch's activations at the backward's peak (its context-parallel share of `tokens`).
 
     Every block's saved tensors, one block's more (the backward's working set: the gradients of a block's
