@@ -103,6 +103,7 @@ class EngineSetup:
         gpu_memory_utilization: vLLM on CUDA without `kv_cache_bytes`: its share of the device while awake.
         awake_while_training: ``async_steps`` > 0: a CUDA engine does not sleep while the trainer trains.
         weight_bucket_bytes: vLLM's weight sync gathers and sends the weights in buckets of this size.
+        weights_stay: LoRA adapter sync on CUDA: the engine's base weights stay on the device while it sleeps.
     """
 
     kind: str = "policy"
@@ -112,6 +113,7 @@ class EngineSetup:
     gpu_memory_utilization: float = 0.3
     awake_while_training: bool = False
     weight_bucket_bytes: int = 512 * MIB
+    weights_stay: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,8 @@ def _engine(s: TrainSetup) -> tuple[dict[str, float], float, float]:
     else:
         parts = {"engine awake (vllm, gpu_memory_utilization)": e.gpu_memory_utilization * s.device_memory}
     awake = sum(parts.values())
-    return parts, awake if e.awake_while_training else 0.0, awake
+    asleep = 2.0 * m.params if e.weights_stay else 0.0  # adapter sync: the 16-bit base weights stay
+    return parts, awake if e.awake_while_training else asleep, awake
 
 
 def plan_memory(s: TrainSetup) -> MemoryPlan:

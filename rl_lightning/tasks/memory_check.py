@@ -132,7 +132,11 @@ def _ppo_fields(module: Any, trainer: Any) -> tuple[dict[str, Any], int]:
                          kv_cache_bytes=getattr(settings, "kv_cache_memory_bytes", None),
                          gpu_memory_utilization=getattr(settings, "gpu_memory_utilization", 0.3),
                          awake_while_training=rollout.async_steps > 0,
-                         weight_bucket_bytes=getattr(settings, "weight_bucket_mb", 512) * MIB)
+                         weight_bucket_bytes=getattr(settings, "weight_bucket_mb", 512) * MIB,
+                         # adapter sync (as `auto` resolves it with a LoRA policy; the plan errs large where it falls
+                         # back to full sync): the engine's base weights stay on the device while it sleeps
+                         weights_stay=module.lm.lora is not None
+                         and getattr(settings, "weight_sync", None) in ("auto", "adapter"))
     cap = -(-rows // hp.update_per_rollout) * longest
     return {"tokens": module.max_length_per_device, "tokens_cap": cap,
             "target_fraction": completion / (min(prompts) + completion) if single_turn else 1.0,

@@ -184,6 +184,10 @@ def test_engines():
     assert asleep.phases["train"] == plan_memory(setup()).phases["train"] + VLLM_ASLEEP
     # weights, AdamW, the awake engine, one bucket of the weight sync (here all the weights) and CUDA's workspaces
     assert asleep.phases["rollout"] == pytest.approx(12 * P + GIB / 2 + 4 * P + CUDA_WORKSPACES, abs=4)
+    # LoRA adapter sync: the sleeping engine keeps its 16-bit base weights on the device while the trainer trains
+    lora = plan_memory(setup(engine=EngineSetup(kind="vllm", gpu_memory_utilization=0.5, weights_stay=True)))
+    assert lora.phases["train"] - asleep.phases["train"] == 2 * P
+    assert lora.phases["rollout"] == asleep.phases["rollout"]  # awake, they are part of the engine's share
     hf = plan_memory(setup(engine=EngineSetup(kind="policy", rows=8, sequence=100)))
     assert hf.components["engine KV cache (hf)"] == 2 * 8 * 100 * LAYERS * 2 * KV * 4  # grown by concatenation
 
