@@ -1,0 +1,103 @@
+"""The panel's bookkeeping (`benchmarks/panel.py`): units, the results file, and the Markdown table.
+
+Pure functions on JSON records, no model: `tests/benchmarks/test_panel.py` runs them on a small fake results file.
+
+A *unit* is one measurement, named by ``(task, seed, setting)``: the setting ``base`` (seed 0) is the starting model's
+held-out greedy accuracy on the task, any other setting a GRPO run with that seed and its held-out accuracy after. The
+results file holds one JSON object per finished unit, one a line, appended as each finishes; a unit already in it is
+not run again, and a last line cut short (the sweep killed while writing) is ignored, so a sweep can be stopped at any
+time and started again.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+BASE = "base"
+
+
+def unit_key(record: dict[str, Any]) -> tuple[str, int, str]:
+    """The unit `record` measured: ``(task, seed, setting)``."""
+    return record["task"], int(record["seed"]), record["setting"]
+
+
+def load_results(path: Path) -> list[dict[str, Any]]:
+    """The finished units in the results file `path` (none when it does not exist); a line that is not a whole JSON
+    object (a write cut short) is skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and {"task", "seed", "setting"} <= record.keys():
+            records.append(record)
+    return records
+
+
+def append_result(path: Path, record: dict[str, Any]) -> None:
+    """Append `record` as one line of the results file `path` (created with its folder if needed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.is_file() else ""
+    prefix = "\n" if text and not text.endswith("\n") else ""  # a cut-short last line stays a line of its own
+    with path.open("a") as f:
+        f.write(prefix + json.dumps(record, sort_keys=True) + "\n")
+
+
+def pending(units: Iterable[tuple[str, int, str]], records: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+    """The `units` not yet in `records`, in their order, each once."""
+    done = {unit_key(r) for r in records}
+    todo: list[tuple[str, int, str]] = []
+    for unit in units:
+        if unit not in done and unit not in todo:
+            todo.append(unit)
+    return todo
+
+
+def sweep_units(tasks: list[str], seeds: list[int], settings: list[str]) -> list[tuple[str, int, str]]:
+    """Every unit of a sweep, one task at a time: each task's base, then its settings for each seed."""
+    units = []
+    for task in tasks:
+        units.append((task, 0, BASE))
+        units += [(task, seed, setting) for seed in seeds for setting in settings]
+    return units
+
+
+def _cell(values: list[float]) -> str:
+    if not values:
+        return ""
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
+
+
+def table(records: list[dict[str, Any]], tasks: list[str] | None = None, settings: list[str] | None = None) -> str:
+    """The Markdown table: per task its base greedy accuracy and, per setting, the mean ± sample std over seeds of
+    the accuracy after and the worst seed's change (min over seeds of after - base, in points).
+
+    `tasks` / `settings` fix the rows' / columns' order (default: as first seen in `records`); a task's later record
+    of one unit wins over an earlier one.
+    """
+    latest = {unit_key(r): r for r in records}
+    tasks = tasks or list(dict.fromkeys(r["task"] for r in records))
+    settings = settings or list(dict.fromkeys(r["setting"] for r in records if r["setting"] != BASE))
+    header = ["task", "base"]
+    for setting in settings:
+        header += [f"{setting}: after", f"{setting}: min Δ (points)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for task in tasks:
+        base_record = latest.get((task, 0, BASE))
+        base = base_record["greedy"] if base_record else None
+        row = [f"`{task}`", "" if base is None else f"{base:.3f}"]
+        for setting in settings:
+            after = [r["greedy"] for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
+            worst = f"{100 * (min(after) - base):+.1f}" if after and base is not None else ""
+            row += [_cell(after), worst]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""`benchmarks/panel_units.py`: the panel sweep's resume/skip logic and its table, on a small fake results file (pure
+functions, no model)."""
+
+import json
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from panel_tasks import PANEL, SUMS, data_path, short_name  # noqa: E402
+from panel_units import append_result, load_results, pending, sweep_units, table  # noqa: E402
+
+SUMS_BASE = {"task": "sums", "seed": 0, "setting": "base", "greedy": 0.25}
+RUNS = [{"task": "sums", "seed": 0, "setting": "demo", "greedy": 0.5},
+        {"task": "sums", "seed": 1, "setting": "demo", "greedy": 0.3},
+        {"task": "products", "seed": 0, "setting": "base", "greedy": 0.2},
+        {"task": "products", "seed": 0, "setting": "demo", "greedy": 0.1}]
+
+
+def test_a_killed_sweep_resumes_with_the_units_not_yet_written(tmp_path):
+    results = tmp_path / "panel" / "results.jsonl"
+    assert load_results(results) == []
+    units = sweep_units(["sums", "products"], [0, 1], ["demo"])
+    assert units == [("sums", 0, "base"), ("sums", 0, "demo"), ("sums", 1, "demo"),
+                     ("products", 0, "base"), ("products", 0, "demo"), ("products", 1, "demo")]
+    append_result(results, SUMS_BASE)
+    append_result(results, RUNS[0])
+    with results.open("a") as f:  # killed while writing the third unit
+        f.write('{"task": "sums", "seed": 1, "set')
+    records = load_results(results)
+    assert records == [SUMS_BASE, RUNS[0]]
+    assert pending(units, records) == units[2:]
+    append_result(results, RUNS[1])  # the cut line stays a line of its own, skipped
+    assert load_results(results) == [SUMS_BASE, RUNS[0], RUNS[1]]
+    assert pending(units, load_results(results)) == units[3:]
+    assert pending(units + units[:4], []) == units  # each unit once
+
+
+def test_table_has_base_mean_spread_and_worst_seed_change():
+    text = table([SUMS_BASE, *RUNS]).splitlines()
+    assert text[0] == "| task | base | demo: after | demo: min Δ (points) |"
+    assert text[2] == "| `sums` | 0.250 | 0.400 ± 0.141 (2 seeds) | +5.0 |"  # mean 0.4, sample std, 0.3 - 0.25
+    assert text[3] == "| `products` | 0.200 | 0.100 (1 seed) | -10.0 |"
+    assert table([RUNS[0], {**RUNS[0], "greedy": 0.2}], settings=["demo"]).splitlines()[2] == \
+        "| `sums` |  | 0.200 (1 seed) |  |"  # a unit's later record wins; no base yet: no change
+
+
+def test_train_and_held_out_paths_share_the_sizes_and_data_seed():
+    assert PANEL[0] == SUMS
+    assert data_path(SUMS, "test") == (SUMS + "&train_size=1000&test_size=256&seed=0&split=test")
+    assert data_path("reasoning_gym:count_bits", "train") == \
+        "reasoning_gym:count_bits?train_size=1000&test_size=256&seed=0&split=train"
+    assert short_name(SUMS) == "chain_sum_min_terms2_max_terms2_max_digits2"
+    assert json.loads(json.dumps(PANEL)) == list(PANEL)
