@@ -10,7 +10,10 @@ The rule, fixed before any accuracy was measured:
    prompt well inside the recipe's 256 tokens);
 3. the candidates in alphabetical order, each accepted when the starting model's greedy accuracy on its 256 held-out
    questions is in [0.02, 0.40] (the panel spans 0-40%; below 2%, 5 of 256, a run cannot measurably lose accuracy),
-   else passed over for the next, until four are accepted.
+   else passed over for the next, until four are accepted;
+4. if the candidates run out first (they did, 2026-11-28: 13 candidates, three accepted), the next panel task comes
+   from widening step 2 to any answer of at most 8 characters that is not a placeholder (``None``), the new
+   candidates taken as in step 3 (written down before any of them was measured; not measured yet).
 
 ``python benchmarks/panel_tasks.py`` prints every task's filter result (step 2) as JSON lines.
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +39,11 @@ MAX_ANSWER_CHARS, MAX_QUESTION_CHARS, GENERATE_S = 4, 600, 60
 ACCEPT = (0.02, 0.40)  # base greedy accuracy a candidate must have
 # Step 3's outcome (benchmarks/results/panel_cpu.md has the base accuracies): the accepted candidates, in order, and
 # the ones passed over.
-ACCEPTED: tuple[str, ...] = ()
-SKIPPED: dict[str, str] = {}
+ACCEPTED = ("reasoning_gym:aiw", "reasoning_gym:lcm", "reasoning_gym:letter_counting")
+SKIPPED = {f"reasoning_gym:{name}": f"base {base}" for name, base in (
+    ("binary_alternation", 0.004), ("count_bits", 0.000), ("count_primes", 0.004), ("gcd", 0.012),
+    ("largest_island", 0.000), ("leg_counting", 0.000), ("maze", 0.012), ("self_reference", 0.000),
+    ("simple_equations", 0.000), ("simple_geometry", 0.000))}
 PANEL = FIXED + ACCEPTED
 
 
@@ -70,6 +78,7 @@ def check_candidate(name: str) -> dict[str, Any]:
 
 
 def _child(name: str, queue: Any) -> None:
+    os.chdir(tempfile.mkdtemp(prefix="panel_candidate_"))  # some tasks write files into the working folder
     queue.put(check_candidate(name))
 
 
