@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,13 @@ log = logging.getLogger(__name__)
 
 AUTO_BUDGET = 65536
 """Where ``max_length_per_device: auto`` starts: the back-off finds what fits from there."""
+
+
+@dataclass
+class TokenBudget:
+    """The token budget of one packed micro-batch in use (the task's, checkpointed); the back-off lowers it."""
+
+    tokens: int
 
 
 def initial_budget(max_length_per_device: int | str) -> int:

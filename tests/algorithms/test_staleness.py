@@ -58,7 +58,7 @@ def test_ppo_objective_weighs_each_token_with_its_versions_ratio():
           "target_engine_logprobs": torch.tensor([[0.0, -1.5, -1.0, -0.5, -1.2]]),
           "advantages": torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]),
           "target_policy_lags": torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0]])}
-    objective = PolicyObjective(correction=CorrectionConfig(mode="truncate", high=2.0))
+    objective = PolicyObjective(correction=CorrectionConfig(mode="truncate", high=2.0), policy_lags=True)
     total, sums = objective.loss(old.clone().requires_grad_(), torch.zeros(1, 5), mb, torch.tensor(4.0), 0.0,
                                  lambda measured: 0.0)
     weights = [math.exp(0.5), math.exp(-1.0), 1.0, 2.0]

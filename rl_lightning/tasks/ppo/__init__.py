@@ -48,8 +48,9 @@ is refused because it counts optimizer steps of both optimizers.
 What lives here, one module per concept: `config` (the argument groups ``model.kl``, ``model.constraints``,
 ``model.correction`` and the argument checks), `module` (the `PPO` LightningModule, whose ``training_step`` reads as
 the six phases), `minibatches` (phase 1 and the packed <-> per-trajectory mapping), `scoring` (phases 2 and 3),
-`update` (phase 4's optimizer steps and the out-of-memory back-off), `objective` (phase 4's losses, assembled from
-`rl_lightning.algorithms`), `metrics` (phase 6 and the validation means), `networks` (loading and sharding the
+`update` (phase 4's optimizer steps and the out-of-memory back-off, driving `losses`: a micro-batch's forwards and
+losses, built once by the task), `objective` (phase 4's policy objective, composed at start-up from the `terms` the
+run enabled, each calling `rl_lightning.algorithms`), `metrics` (phase 6 and the validation means), `networks` (loading and sharding the
 policy, critic, reference and teacher), `validation` (the held-out sums, logged as means). The maths lives in
 `rl_lightning.algorithms`; these modules orchestrate.
 

@@ -201,33 +201,11 @@ def chunked_jsd(model: Any, teacher: Any, mb: dict[str, Any], keep: torch.Tensor
     return map_head_chunks(model, mb, keep, per_chunk, [teacher_hidden], chunk_size)
 
 
-def add_jsd(task: Any, mb: dict[str, Any], normaliser: torch.Tensor, loss: torch.Tensor | None = None,
-            sums: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """`loss` plus ``type: loss``'s `jsd_loss` (the JSD alone without `loss`: a dataset-completion rollout).
-
-    Args:
-        task: the PPO task (``distill``, ``model``, ``_teacher``, ``rollout_config``).
-        mb: the packed micro-batch.
-        normaliser: the minibatch's global normaliser of the policy loss.
-        loss: the policy loss of `mb`, or None.
-        sums: its metric sums.
-
-    Returns:
-        The loss and the metric sums (with ``distill_jsd``).
-    """
-    config, sums = task.distill, dict(sums or {})
-    if config is None or config.type != "loss":
-        return loss, sums
-    jsd, sums["distill_jsd"] = jsd_loss(task.model, task._teacher, mb, normaliser, config,
-                                        task.rollout_config.temperature, task.lm.lm_head_chunk)
-    return jsd if loss is None else loss + jsd, sums
-
-
 class DatasetCompletions(L.Callback):
     """GKD's lambda: before a rollout is sampled, draw whether it is on-policy; if not, attach the dataset's.
 
     Runs before the `rl_lightning.rollout.callback.RolloutCallback`, which keeps a rollout already attached.
-    `on_policy` is the current rollout's draw (the task's policy loss reads it).
+    `on_policy` is the current rollout's draw (`rl_lightning.tasks.ppo.losses.MicroBatchLosses.policy` reads it).
     """
 
     def __init__(self, lmbda: float, seed: int, group_size: int, max_new_tokens: int) -> None:

@@ -90,8 +90,8 @@ def repack(trajectories: list[Trajectory], part: list[int], packed: list[MicroBa
            pad_token_id: int, groups: Groups, device: torch.device) -> list[MicroBatch]:
     """`part` packed again under a smaller `budget`, with the per-token values recorded in `packed` carried over.
 
-    The values scoring and the advantages wrote (``old_logprobs``, ``ref_logprobs``, ``old_values``,
-    ``advantages``, ``returns``) go through each token's trajectory and slot (0 off the targets, as computed). The
+    The values scoring and the advantages wrote (``old_logprobs``, ``ref_logprobs``, ``teacher_logprobs``,
+    ``old_values``, ``advantages``, ``returns``) go through each token's trajectory and slot (0 off the targets, as computed). The
     first minibatch's ``old_logprobs``, if only partly recorded, come again from its forward.
 
     Args:
@@ -109,7 +109,7 @@ def repack(trajectories: list[Trajectory], part: list[int], packed: list[MicroBa
     fresh = micro_batches(trajectories, part, budget, pad_token_id, groups, device)
     width = max((t.completion_length for t in trajectories), default=1)
     grid = torch.ones(len(trajectories), max(1, width), device=device)  # (B, T); only its shape is used
-    for key in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"):
+    for key in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "advantages", "returns"):
         if all(key in mb for mb in packed):
             per_trajectory = gather(groups, packed, [mb[key] for mb in packed], grid)  # (B, T)
             for mb in fresh:

@@ -3,7 +3,8 @@
 `PPO.training_step` reads as the algorithm (see `rl_lightning.tasks.ppo`); the phases are in this package's
 modules: `minibatches` (packing), `scoring` (log-probabilities, values, advantages), `update` (optimizer steps and
 the out-of-memory back-off), `objective` (the losses), `metrics` (what is logged), `config` (the argument groups),
-`networks` (loading and sharding the models), `validation` (the held-out rewards).
+`networks` (loading and sharding the models), `losses` (a micro-batch's forwards and losses, which the update calls),
+`validation` (the held-out rewards).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing_extensions import override
 
 from rl_lightning.algorithms.advantages import OFF_POLICY_ESTIMATORS
 from rl_lightning.errors import ConfigError
-from rl_lightning.memory.backoff import initial_budget
+from rl_lightning.memory.backoff import TokenBudget, initial_budget
 from rl_lightning.memory.phases import phase
 from rl_lightning.models.config import LMConfig, lm_config
 from rl_lightning.models.loading import load_tokenizer
-from rl_lightning.models.logprobs import target_logprobs
 from rl_lightning.models.optim import SkippedStepsState, configure_adamw, typed
 from rl_lightning.parallel.reductions import Groups, process_groups
 from rl_lightning.rollout.callback import RolloutCallback, RolloutConfig
@@ -41,7 +41,8 @@ from rl_lightning.tasks.ppo.config import (
     make_controllers,
     start_up_errors,
 )
-from rl_lightning.tasks.ppo.objective import PolicyObjective, value_loss
+from rl_lightning.tasks.ppo.losses import MicroBatchLosses
+from rl_lightning.tasks.ppo.objective import PolicyObjective
 
 
 class PPO(SkippedStepsState, L.LightningModule):
@@ -155,9 +156,11 @@ class PPO(SkippedStepsState, L.LightningModule):
         self.hparams.lm = self.lm.as_dict()  # the optimizer's task defaults filled in
         self.rollout_config, self.kl_config, self.optim, self.dapo_config = rollout, kl, optim, dapo
         self.correction: CorrectionConfig | None = correction
-        self.objective = PolicyObjective(
+        self.objective = PolicyObjective(  # composed once from the terms this run enabled
             policy_loss, clip_low, clip_high, dual_clip, aggregation, entropy_coef, skip_threshold, correction,
-            kl.estimator, kl_in_loss=kl.type == "loss", entropy_constrained=constraints.entropy_min is not None)
+            kl.estimator, kl_in_loss=kl.type == "loss", entropy_constrained=constraints.entropy_min is not None,
+            reference=self.needs_reference, kl_constrained=constraints.kl_max is not None,
+            teacher=self.distill is not None, policy_lags=rollout.inflight_segment_tokens is not None)
         self.automatic_optimization = False
         self.tokenizer = load_tokenizer(self.lm.name)
         if self.distill is not None:  # a missing teacher or another tokenizer: refused before anything loads
@@ -169,8 +172,9 @@ class PPO(SkippedStepsState, L.LightningModule):
         self._reference: Any = None  # not a submodule: frozen, out of the optimizer and checkpoints
         self._teacher: Any = None  # likewise (model.distill)
         self.rollouts = 0  # completed rollouts
-        self.max_length_per_device = initial_budget(max_length_per_device)  # in use: halved on OOM, checkpointed
+        self.budget = TokenBudget(initial_budget(max_length_per_device))  # in use: halved on OOM, checkpointed
         self.controllers = make_controllers(kl, constraints, max_rollouts)
+        self.losses: Any = None  # the micro-batch losses (`MicroBatchLosses`): with the networks, `configure_model`
         self.rollout_callback = RolloutCallback(rollout, dapo)
         self.held_out = validation.HeldOutSums()  # this rank's reward sums of the held-out prompts
         self.validation_metrics: dict[str, float] = {}  # the last validation, for the terminal
@@ -179,6 +183,15 @@ class PPO(SkippedStepsState, L.LightningModule):
     def model_name(self) -> str:
         """The policy's name or folder (``model.lm.name``)."""
         return self.lm.name
+
+    @property
+    def max_length_per_device(self) -> int:
+        """The token budget of a packed micro-batch in use (the out-of-memory back-off lowers it)."""
+        return self.budget.tokens
+
+    @max_length_per_device.setter
+    def max_length_per_device(self, tokens: int) -> None:
+        self.budget.tokens = tokens
 
     @property
     def needs_reference(self) -> bool:
@@ -212,6 +225,10 @@ class PPO(SkippedStepsState, L.LightningModule):
         # not submodules: frozen, out of the optimizer and the checkpoints
         object.__setattr__(self, "_reference", nets.reference)
         object.__setattr__(self, "_teacher", nets.teacher)
+        jsd = self.distill is not None and self.distill.type == "loss"
+        self.losses = MicroBatchLosses(self.model, self.objective, self.controllers, self.rollout_config.temperature,
+                                       self.lm.lm_head_chunk, self.critic, self.hparams.value_clip,
+                                       self.distill if jsd else None, nets.teacher, self.distill_mix)
 
     def run_rollouts(self) -> int:
         """Rollouts this run takes: `max_rollouts`, or fewer when the trainer's epochs of prompts end first."""
@@ -301,25 +318,11 @@ class PPO(SkippedStepsState, L.LightningModule):
     def update(self, rollout: Rollout, packed: list[minibatches.Minibatch]
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """One actor (and critic) optimizer step per minibatch; this rank's metric sums and the values to log."""
-        return update.update(self, rollout, packed, self.rollouts >= self.hparams.freeze_steps,
+        optimizers, schedules = (x if isinstance(x, list) else [x] for x in (self.optimizers(), self.lr_schedulers()))
+        learner = update.Learner(self.losses, optimizers, schedules, self.manual_backward, self.optim,
+                                 self.skip_counter, self.budget, self.tokenizer.pad_token_id, self.groups, self.device)
+        return update.update(learner, rollout, packed, self.rollouts >= self.hparams.freeze_steps,
                              self.hparams.aggregation, self.rollout_config.max_completion_tokens)
-
-    def policy_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The policy's forward on `mb` and its share of the minibatch's policy loss, with metric sums."""
-        if self.distill_mix is not None and not self.distill_mix.on_policy:  # GKD's lambda: dataset completions
-            return distillation.add_jsd(self, mb, normaliser)
-        logprobs, entropy = target_logprobs(self.model, mb, self.rollout_config.temperature,
-                                            entropy="grad" if self.objective.entropy_needs_grad else "value",
-                                            chunk_size=self.lm.lm_head_chunk)
-        if "old_logprobs" not in mb:  # the first minibatch: the policy has not moved since sampling
-            mb["old_logprobs"] = logprobs.detach()
-        loss, sums = self.objective.loss(logprobs, entropy, mb, normaliser, self.controllers.kl_coef,
-                                         self.controllers.penalty)
-        return distillation.add_jsd(self, mb, normaliser, loss, sums)  # type loss: GKD's JSD over the vocabulary
-
-    def value_loss(self, mb: minibatches.MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The critic's forward on `mb` and its share of the minibatch's value loss, with metric sums."""
-        return value_loss(scoring.critic_values(self.critic, mb), mb, normaliser, self.hparams.value_clip)
 
     def log_rollout(self, rollout: Rollout, means: dict[str, torch.Tensor], advantage_sums: torch.Tensor,
                     logged: dict[str, Any], micro_batches: int) -> None:

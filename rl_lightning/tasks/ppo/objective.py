@@ -1,45 +1,63 @@
 """One micro-batch's losses, from the forward's outputs and the rollout's recorded tensors.
 
-`PolicyObjective` holds the arguments of `rl_lightning.tasks.ppo.PPO` that shape the policy loss and assembles it
-from `rl_lightning.algorithms`: the surrogate (``policy_loss``), the mismatch-correction weights (``correction``),
-the KL and entropy terms and the Lagrangian constraints, the skipped trajectories (``skip_threshold``) and the
-reduction (``aggregation``); `value_loss` is the critic's. Per-sequence sums go through
-`rl_lightning.parallel.reductions.sequence_sums`, which completes a context-parallel shard's sequences over its
-group. Packed tensors are (1, N); S is the number of sequences in the micro-batch.
+`PolicyObjective` is composed once, when the task is built, from the parts the run enabled
+(`rl_lightning.tasks.ppo.terms`): the surrogate (``policy_loss``, picked by name at construction), the terms that
+re-weigh it (the mismatch correction, ``correction``), the optional terms after it in order (the KL to a loaded
+reference; the regulariser: the entropy bonus, the KL term and the Lagrangian constraints; the distillation and
+policy-lag metrics; the skipped trajectories, ``skip_threshold``) and the reduction (``aggregation``). A plain GRPO
+run's objective is its surrogate and its reduction: no micro-batch checks a feature that is off. `value_loss` is the
+critic's. Packed tensors are (1, N).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rl_lightning.algorithms.correction import mismatch_kl, mismatch_weights, sequence_mismatch_weights
+from rl_lightning.algorithms.correction import mismatch_kl
 from rl_lightning.algorithms.kl import KL_ESTIMATORS, kl_k3
-from rl_lightning.algorithms.policy import (
-    cispo_policy_loss,
-    clipped_policy_loss,
-    clipped_value_loss,
-    gspo_log_ratios,
-    gspo_policy_loss,
-    regularised_policy_loss,
-    sequence_mean,
-    skip_weights,
-    token_mean,
-)
-from rl_lightning.algorithms.staleness import lag_shares, versioned_mismatch_weights
+from rl_lightning.algorithms.policy import clipped_value_loss, sequence_mean, token_mean
 from rl_lightning.parallel.reductions import sequence_sums
 from rl_lightning.tasks.ppo.config import CorrectionConfig
 from rl_lightning.tasks.ppo.minibatches import MicroBatch
+from rl_lightning.tasks.ppo.terms import (
+    Correction,
+    DistillationKL,
+    Penalty,
+    PolicyLags,
+    ReferenceKL,
+    Regulariser,
+    Skip,
+    Step,
+    Term,
+    sequence_weights,
+    surrogate,
+    token_weights,
+    versioned_weights,
+)
 
-Penalty = Callable[[dict[str, torch.Tensor]], torch.Tensor | float]
+Aggregate = Callable[[torch.Tensor, torch.Tensor, MicroBatch, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
+def token_aggregate(loss: torch.Tensor, mask: torch.Tensor, mb: MicroBatch, normaliser: torch.Tensor) -> torch.Tensor:
+    """``token_mean`` and ``token_sum``: the sum over target tokens / the normaliser."""
+    return token_mean(loss, mask, normaliser)
+
+
+def sequence_aggregate(loss: torch.Tensor, mask: torch.Tensor, mb: MicroBatch, normaliser: torch.Tensor
+                       ) -> torch.Tensor:
+    """``sequence_mean``: each completion's token mean (over context-parallel shards), summed / the normaliser."""
+    return sequence_mean(sequence_sums(loss, mask, mb), sequence_sums(mask, mask, mb), normaliser)
+
+
+AGGREGATES: dict[str, Aggregate] = {"token_mean": token_aggregate, "sequence_mean": sequence_aggregate,
+                                    "token_sum": token_aggregate}
+
+
 class PolicyObjective:
-    """The policy loss of a micro-batch, as PPO's arguments of the same names say (see `PPO`).
+    """The policy loss of a micro-batch, composed once from PPO's arguments of the same names (see `PPO`).
 
     Args:
         policy_loss: ``ppo``, ``gspo`` or ``cispo``.
@@ -53,28 +71,58 @@ class PolicyObjective:
         kl_estimator: ``k1``, ``k2`` or ``k3``.
         kl_in_loss: KL to the reference is a loss term (``model.kl.type: loss``), not a reward.
         entropy_constrained: an entropy floor constraint is set (its penalty needs the entropy's gradient).
+        reference: a reference is loaded (``ref_logprobs``): the KL is measured (and logged, and read by the KL
+            controller and a KL ceiling).
+        kl_constrained: a KL ceiling constraint is set.
+        teacher: a distillation teacher is loaded (``teacher_logprobs``): ``distill_reverse_kl`` is logged.
+        policy_lags: in-flight weight updates (``target_policy_lags``): token-level corrections weigh each token
+            against its own version, and the lags are logged.
+
+    Attributes:
+        surrogate: the per-token surrogate.
+        reweights: the terms that re-weigh it (the correction), before ``policy_loss`` is recorded.
+        terms: the terms after it, in order.
+        aggregate: the reduction of the per-token loss.
+        entropy_needs_grad: whether the loss differentiates the entropy (an entropy bonus or an entropy floor).
     """
 
-    policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    aggregation: str = "token_mean"
-    entropy_coef: float = 0.0
-    skip_threshold: float | None = None
-    correction: CorrectionConfig | None = None
-    kl_estimator: str = "k3"
-    kl_in_loss: bool = True
-    entropy_constrained: bool = False
+    def __init__(self, policy_loss: str = "ppo", clip_low: float = 0.2, clip_high: float = 0.2,
+                 dual_clip: float | None = None, aggregation: str = "token_mean", entropy_coef: float = 0.0,
+                 skip_threshold: float | None = None, correction: CorrectionConfig | None = None,
+                 kl_estimator: str = "k3", kl_in_loss: bool = True, entropy_constrained: bool = False, *,
+                 reference: bool = False, kl_constrained: bool = False, teacher: bool = False,
+                 policy_lags: bool = False) -> None:
+        if aggregation not in AGGREGATES:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATES)}, got '{aggregation}'")
+        self.surrogate = surrogate(policy_loss, clip_low, clip_high, dual_clip)
+        self.reweights: tuple[Term, ...] = ()
+        if correction is not None:
+            weights = (sequence_weights if correction.level != "token" else
+                       versioned_weights if policy_lags else token_weights)
+            self.reweights = (Correction(correction, weights),)
+        kl_in_loss = reference and kl_in_loss
+        terms: list[Term] = [ReferenceKL(KL_ESTIMATORS[kl_estimator])] if reference else []
+        if entropy_coef != 0 or kl_in_loss or entropy_constrained or kl_constrained:
+            terms.append(Regulariser(entropy_coef, kl_in_loss))
+        terms += [DistillationKL()] if teacher else []
+        terms += [PolicyLags()] if policy_lags else []
+        terms += [Skip(skip_threshold)] if skip_threshold is not None else []
+        self.terms: tuple[Term, ...] = tuple(terms)
+        self.aggregate = AGGREGATES[aggregation]
+        self.entropy_needs_grad = entropy_coef != 0 or entropy_constrained
 
     @property
-    def entropy_needs_grad(self) -> bool:
-        """Whether the loss differentiates the entropy (an entropy bonus or an entropy floor)."""
-        return self.entropy_coef != 0 or self.entropy_constrained
+    def names(self) -> tuple[str, ...]:
+        """The surrogate's and the enabled terms' names, in the order they apply."""
+        return (self.surrogate.name, *(term.name for term in (*self.reweights, *self.terms)))
 
     def loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, normaliser: torch.Tensor,
              kl_coef: float, penalty: Penalty) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the minibatch's policy loss, and its metrics' sums over target tokens.
+
+        Always logged: the surrogate's metrics, ``policy_loss`` (the surrogate per token, after the correction and
+        before the other terms), the measurements (``entropy``, ``kl``), ``approx_kl`` (k3 estimate of
+        KL(pi_old || pi_theta)), ``engine_logprob_diff`` and ``mismatch_kl``; each term adds its own.
 
         Args:
             logprobs: (1, N) the policy's log-probabilities of the targets (with grad).
@@ -88,105 +136,22 @@ class PolicyObjective:
         Returns:
             The scalar loss and per-metric sums over this micro-batch's target tokens.
         """
-        mask = mb["target_mask"].float()
-        log_ratio = (logprobs - mb["old_logprobs"]).detach()
+        mask, old = mb["target_mask"].float(), mb["old_logprobs"]
+        log_ratio = (logprobs - old).detach()
         loss, metrics = self.surrogate(logprobs, log_ratio, mask, mb)
-        if self.correction is not None:  # rollout/trainer mismatch: detached weights from pi_old / pi_engine
-            weights, metrics["mismatch_masked"] = self.mismatch_weights(self.correction, mask, mb)
-            loss = loss * weights
-        metrics["policy_loss"] = loss.detach()  # the surrogate per token, before KL and entropy terms
-        measured = {"entropy": entropy}
-        if "ref_logprobs" in mb:  # a reference is loaded
-            measured["kl"] = KL_ESTIMATORS[self.kl_estimator](logprobs, mb["ref_logprobs"])
-        kl_term = measured.get("kl") if self.kl_in_loss else None
-        loss = regularised_policy_loss(loss, entropy, self.entropy_coef, kl_term, kl_coef, penalty(measured))
-        metrics.update({k: v.detach() for k, v in measured.items()})
-        metrics["approx_kl"] = kl_k3(logprobs.detach(), mb["old_logprobs"])  # KL(pi_old || pi_theta), k3
-        if "teacher_logprobs" in mb:  # distillation: k1 estimate of KL(sampling policy || teacher) per token
-            metrics["distill_reverse_kl"] = mb["old_logprobs"] - mb["teacher_logprobs"]
-        metrics["engine_logprob_diff"] = (mb["old_logprobs"] - mb["target_engine_logprobs"]).abs()
-        metrics["mismatch_kl"] = mismatch_kl(mb["old_logprobs"], mb["target_engine_logprobs"])
-        if "target_policy_lags" in mb:  # in-flight weight updates: each token's versions behind the trained policy
-            metrics.update(lag_shares(mb["target_policy_lags"]))
-        if self.skip_threshold is not None:  # skipped trajectories keep their share of the normaliser: weight 0
-            loss, metrics["skipped"] = self.skip(self.skip_threshold, loss, log_ratio, mask, mb)
-        if self.aggregation == "sequence_mean":  # each completion's token mean, summed over completions
-            total = sequence_mean(sequence_sums(loss, mask, mb), sequence_sums(mask, mask, mb), normaliser)
-        else:
-            total = token_mean(loss, mask, normaliser)
+        step = Step(logprobs, log_ratio, mask, mb, loss, kl_coef, penalty, {"entropy": entropy}, metrics)
+        for term in self.reweights:
+            term(step)
+        step.metrics["policy_loss"] = step.loss.detach()  # the surrogate per token, before KL and entropy terms
+        for term in self.terms:
+            term(step)
+        metrics = step.metrics
+        metrics.update({k: v.detach() for k, v in step.measured.items()})
+        metrics["approx_kl"] = kl_k3(logprobs.detach(), old)  # KL(pi_old || pi_theta), k3
+        metrics["engine_logprob_diff"] = (old - mb["target_engine_logprobs"]).abs()
+        metrics["mismatch_kl"] = mismatch_kl(old, mb["target_engine_logprobs"])
+        total = self.aggregate(step.loss, mask, mb, normaliser)
         return total, {k: (v * mask).sum() for k, v in metrics.items()}
-
-    def surrogate(self, logprobs: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, mb: MicroBatch
-                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The (1, N) per-token surrogate of `policy_loss` and its per-token metrics.
-
-        Args:
-            logprobs: (1, N) with grad.
-            log_ratio: (1, N) detached logprobs - old_logprobs.
-            mask: (1, N) the target tokens.
-            mb: the packed micro-batch.
-
-        Returns:
-            (1, N) losses and per-token metrics.
-        """
-        if self.policy_loss == "gspo":  # each token gets its sequence's mean log ratio (over context-parallel shards)
-            means = gspo_log_ratios(sequence_sums(log_ratio, mask, mb), sequence_sums(mask, mask, mb))  # (S,)
-            return gspo_policy_loss(logprobs, means[mb["seq_index"].clamp(min=0)], mb["advantages"], self.clip_low,
-                                    self.clip_high)
-        if self.policy_loss == "cispo":
-            return cispo_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], self.clip_low, self.clip_high)
-        return clipped_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], self.clip_low, self.clip_high,
-                                   self.dual_clip)
-
-    @staticmethod
-    def mismatch_weights(correction: CorrectionConfig, mask: torch.Tensor, mb: MicroBatch
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, N) correction weights and masked indicators of this micro-batch's tokens.
-
-        At the sequence levels the indicator is 1 / (its trajectory's completion tokens) where masked, so its sum
-        counts masked trajectories.
-
-        Args:
-            correction: the correction's settings.
-            mask: (1, N) the target tokens.
-            mb: the packed micro-batch.
-
-        Returns:
-            (1, N) weights and (1, N) indicators.
-        """
-        c = correction
-        log_ratio = (mb["old_logprobs"] - mb["target_engine_logprobs"]).float()  # log pi_old / pi_engine
-        if c.level == "token" and "target_policy_lags" in mb:  # tokens of several versions (in-flight updates)
-            return versioned_mismatch_weights(mb["old_logprobs"], mb["target_engine_logprobs"],
-                                              mb["target_policy_lags"] * mask, c.mode, c.low, c.high)
-        if c.level == "token":
-            return mismatch_weights(log_ratio, c.mode, c.low, c.high)
-        counts = sequence_sums(mask, mask, mb)  # (S,) whole trajectories, over context-parallel shards
-        weights, masked = sequence_mismatch_weights(sequence_sums(log_ratio, mask, mb), counts, c.level, c.mode,
-                                                    c.low, c.high)  # (S,)
-        index = mb["seq_index"].clamp(min=0)  # (1, N); padding (-1) is off the mask
-        return weights[index], masked[index]
-
-    @staticmethod
-    def skip(threshold: float, loss: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, mb: MicroBatch
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rl_lightning.algorithms.policy.skip_weights` on this micro-batch's sequences.
-
-        Args:
-            threshold: ``model.skip_threshold``.
-            loss: (1, N) per-token losses.
-            log_ratio: (1, N) detached logprobs - old_logprobs.
-            mask: (1, N) the target tokens.
-            mb: the packed micro-batch.
-
-        Returns:
-            The (1, N) loss with skipped trajectories' tokens zeroed, and per token 1 / (its trajectory's completion
-            tokens) where skipped, so its sum counts skipped trajectories.
-        """
-        counts = sequence_sums(mask, mask, mb)  # (S,) whole trajectories, over context-parallel shards
-        weights, shares = skip_weights(sequence_sums(log_ratio, mask, mb), counts, threshold)  # (S,)
-        index = mb["seq_index"].clamp(min=0)  # (1, N); padding (-1) is off the mask
-        return loss * weights[index], shares[index]
 
 
 def value_loss(values: torch.Tensor, mb: MicroBatch, normaliser: torch.Tensor, clip: float | None

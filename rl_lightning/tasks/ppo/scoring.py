@@ -41,7 +41,7 @@ def score(minibatches: list[Minibatch], model: Any, reference: Any, critic: Any,
     """Record, on this rank's tokens, the sampling policy's and the reference's log-probabilities and the values.
 
     Nothing has changed the policy since it sampled, so its log-probabilities are ``old_logprobs``. The first
-    minibatch's are left to its training forward (`rl_lightning.tasks.ppo.PPO.policy_loss`) unless
+    minibatch's are left to its training forward (`rl_lightning.tasks.ppo.losses.MicroBatchLosses.policy`) unless
     `first_minibatch` says the advantages need them first.
 
     Args:

@@ -4,69 +4,67 @@ Each minibatch's micro-batches run forward and backward (gradients accumulate) a
 (`loss_counts`), then the optimizers step. In a single process a micro-batch that runs out of memory drops the
 failed attempt's gradients (the optimizer has not stepped on it), halves the token budget for the rest of the run
 (down to the minibatch's longest trajectory), re-packs the minibatch and redoes it (`rl_lightning.memory.backoff`).
+
+The loop drives the parts the task hands it (`Learner`): the micro-batch losses, the optimizers and their schedules,
+the backward, the token budget, the parallel layout; it never calls back into the task.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rl_lightning.algorithms.policy import policy_loss_normaliser
-from rl_lightning.memory.backoff import free_after_oom, oom_backoff_supported, smaller_budget
+from rl_lightning.memory.backoff import TokenBudget, free_after_oom, oom_backoff_supported, smaller_budget
 from rl_lightning.memory.phases import phase
-from rl_lightning.models.optim import optimizer_step
+from rl_lightning.models.optim import OptimConfig, SkippedSteps, optimizer_step
 from rl_lightning.parallel.reductions import Groups, data_parallel_sum
 from rl_lightning.rollout.trajectory import Rollout, Trajectory
+from rl_lightning.tasks.ppo.losses import MicroBatchLosses
 from rl_lightning.tasks.ppo.minibatches import MicroBatch, Minibatch, repack
 
 log = logging.getLogger(__name__)
 
 
-class Learner(Protocol):
-    """What the update loop uses of its task (`rl_lightning.tasks.ppo.PPO`)."""
+@dataclass
+class Learner:
+    """What the update loop drives: plain parts, no LightningModule.
 
-    model: Any  # the policy
-    critic: Any  # the critic, or None
-    tokenizer: Any
-    optim: Any  # OptimConfig: max_grad_norm, max_skipped_steps
-    max_length_per_device: int  # the token budget in use; the back-off lowers it
+    Args:
+        losses: the micro-batch losses (the policy, the critic or None, the objective).
+        optimizers: the actor's optimizer, then the critic's.
+        schedules: their learning-rate schedules, in the same order.
+        backward: runs the backward of a loss (``loss.backward``, or the strategy's).
+        optim: ``model.lm.optim`` (``max_grad_norm``, ``max_skipped_steps``).
+        skipped: the run's skipped-step counts.
+        budget: the token budget of a packed micro-batch; the back-off lowers it.
+        pad_token_id: the filler micro-batch's token (re-packing).
+        groups: the parallel layout.
+        device: where the packed tensors and the sums live.
+    """
+
+    losses: MicroBatchLosses
+    optimizers: list[Any]
+    schedules: list[Any]
+    backward: Callable[[torch.Tensor], Any]
+    optim: OptimConfig
+    skipped: SkippedSteps
+    budget: TokenBudget
+    pad_token_id: int
+    groups: Groups
     device: torch.device
-    groups: Groups  # the parallel layout
-
-    def optimizers(self) -> Any:
-        """The actor's (and the critic's) optimizers."""
-        ...
-
-    def lr_schedulers(self) -> Any:
-        """The actor's (and the critic's) learning-rate schedules."""
-        ...
-
-    @property
-    def skip_counter(self) -> Any:
-        """The task's skipped-step counts (`rl_lightning.models.optim.SkippedSteps`)."""
-        ...
-
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """Backward through the strategy."""
-        ...
-
-    def policy_loss(self, mb: MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The micro-batch's policy loss and metric sums."""
-        ...
-
-    def value_loss(self, mb: MicroBatch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The micro-batch's value loss and metric sums."""
-        ...
 
 
-def update(task: Learner, rollout: Rollout, minibatches: list[Minibatch], train_actor: bool, aggregation: str,
+def update(learner: Learner, rollout: Rollout, minibatches: list[Minibatch], train_actor: bool, aggregation: str,
            max_completion_tokens: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One actor (and critic) optimizer step per minibatch.
 
     Args:
-        task: the PPO task.
+        learner: the parts the loop drives.
         rollout: the rollout the minibatches pack.
         minibatches: [(trajectory indices, micro-batches)], scored and with advantages.
         train_actor: step the actor too (past ``model.freeze_steps``); the critic always steps.
@@ -77,49 +75,48 @@ def update(task: Learner, rollout: Rollout, minibatches: list[Minibatch], train_
         This rank's per-token metric sums (with ``tokens``, the target tokens they cover) and the values to log
         (grad norms, learning rate, back-off counters).
     """
-    sums: dict[str, torch.Tensor] = {"tokens": torch.zeros((), device=task.device)}
-    optimizers, schedules = task.optimizers(), task.lr_schedulers()
-    optimizers, schedules = (list(x) if isinstance(x, list) else [x] for x in (optimizers, schedules))
+    sums: dict[str, torch.Tensor] = {"tokens": torch.zeros((), device=learner.device)}
+    optimizers, schedules, losses, budget = learner.optimizers, learner.schedules, learner.losses, learner.budget
     logged: dict[str, Any] = {"train/lr": schedules[0].get_last_lr()[0]}  # this rollout's first actor step
-    packed_at, retries = task.max_length_per_device, 0  # the minibatches were packed at this budget
+    packed_at, retries = budget.tokens, 0  # the minibatches were packed at this budget
     for part, micro_batches in minibatches:
-        tokens, policy_count = loss_counts(task.groups, rollout.trajectories, part, aggregation,
+        tokens, policy_count = loss_counts(learner.groups, rollout.trajectories, part, aggregation,
                                            max_completion_tokens)
         while True:  # out of memory: the minibatch is re-packed smaller and redone (single process only)
-            if task.max_length_per_device < packed_at:
-                micro_batches = repack(rollout.trajectories, part, micro_batches, task.max_length_per_device,
-                                       task.tokenizer.pad_token_id, task.groups, task.device)
-                packed_at = task.max_length_per_device
+            if budget.tokens < packed_at:
+                micro_batches = repack(rollout.trajectories, part, micro_batches, budget.tokens,
+                                       learner.pad_token_id, learner.groups, learner.device)
+                packed_at = budget.tokens
             try:
-                part_sums = minibatch_backward(task, micro_batches, tokens, policy_count, train_actor)
+                part_sums = minibatch_backward(learner, micro_batches, tokens, policy_count, train_actor)
                 break
             except torch.OutOfMemoryError:
-                if not oom_backoff_supported(task.groups.world_size):
+                if not oom_backoff_supported(learner.groups.world_size):
                     raise
             # out of the handler, so the failed attempt's frames (activations) are released
             retries += 1
-            back_off(task, rollout.trajectories, part)
+            back_off(learner, rollout.trajectories, part)
         for k, v in part_sums.items():
             sums[k] = sums.get(k, 0) + v
         if train_actor:
             logged["train/grad_norm"], step_metrics = optimizer_step(
-                optimizers[0], schedules[0], task.model.parameters(), task.optim, task.skip_counter,
-                None if task.critic is None else 0)
+                optimizers[0], schedules[0], losses.model.parameters(), learner.optim, learner.skipped,
+                None if losses.critic is None else 0)
             logged.update(step_metrics)
-        if task.critic is not None:
+        if losses.critic is not None:
             logged["train/critic_grad_norm"], step_metrics = optimizer_step(
-                optimizers[1], schedules[1], task.critic.parameters(), task.optim, task.skip_counter, 1)
+                optimizers[1], schedules[1], losses.critic.parameters(), learner.optim, learner.skipped, 1)
             logged.update(step_metrics)
     logged.update({"train/oom_retries": float(retries), "train/max_length_per_device": float(packed_at)})
     return sums, logged
 
 
-def minibatch_backward(task: Learner, micro_batches: list[MicroBatch], tokens: torch.Tensor,
+def minibatch_backward(learner: Learner, micro_batches: list[MicroBatch], tokens: torch.Tensor,
                        policy_count: torch.Tensor, train_actor: bool) -> dict[str, torch.Tensor]:
     """Forward and backward of one minibatch's micro-batches (gradients accumulate).
 
     Args:
-        task: the PPO task.
+        learner: the parts the loop drives.
         micro_batches: the minibatch's packed micro-batches.
         tokens: the minibatch's global count of completion tokens (the value loss's normaliser).
         policy_count: the policy loss's global normaliser.
@@ -128,20 +125,20 @@ def minibatch_backward(task: Learner, micro_batches: list[MicroBatch], tokens: t
     Returns:
         The minibatch's metric sums on this rank.
     """
-    size = task.groups.grad_average_size
+    size, losses = learner.groups.grad_average_size, learner.losses
     sums: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
         metric_sums: dict[str, torch.Tensor] = {}
         if train_actor:
             with phase("train/forward"):
-                loss, metric_sums = task.policy_loss(mb, policy_count / size)
+                loss, metric_sums = losses.policy(mb, policy_count / size)
             with phase("train/backward"):
-                task.manual_backward(loss)
-        if task.critic is not None:
+                learner.backward(loss)
+        if losses.critic is not None:
             with phase("train/forward"):
-                value_loss, value_sums = task.value_loss(mb, tokens / size)
+                value_loss, value_sums = losses.value(mb, tokens / size)
             with phase("train/backward"):
-                task.manual_backward(value_loss)
+                learner.backward(value_loss)
             metric_sums.update(value_sums)
         metric_sums["tokens"] = mb["target_mask"].sum().float()
         for k, v in metric_sums.items():
@@ -149,23 +146,23 @@ def minibatch_backward(task: Learner, micro_batches: list[MicroBatch], tokens: t
     return sums
 
 
-def back_off(task: Learner, trajectories: list[Trajectory], part: list[int]) -> None:
+def back_off(learner: Learner, trajectories: list[Trajectory], part: list[int]) -> None:
     """After an out-of-memory error in minibatch `part`: drop its failed attempt's gradients, halve the budget.
 
     The optimizer has not stepped on the failed attempt; the budget stays halved for the rest of the run, down to
     the minibatch's longest trajectory.
 
     Args:
-        task: the PPO task.
+        learner: the parts the loop drives (its budget is lowered).
         trajectories: this rank's trajectories.
         part: the indices of the minibatch's trajectories.
     """
-    free_after_oom((task.model, task.critic), task.device)
+    free_after_oom((learner.losses.model, learner.losses.critic), learner.device)
     longest = max((len(trajectories[i].input_ids) for i in part), default=1)
-    budget = smaller_budget(task.max_length_per_device, longest)
-    log.warning(f"out of memory at model.max_length_per_device={task.max_length_per_device}: retrying the "
+    budget = smaller_budget(learner.budget.tokens, longest)
+    log.warning(f"out of memory at model.max_length_per_device={learner.budget.tokens}: retrying the "
                 f"minibatch with {budget} tokens per micro-batch, kept for the rest of the run")
-    task.max_length_per_device = budget
+    learner.budget.tokens = budget
 
 
 def loss_counts(groups: Groups, trajectories: list[Trajectory], part: list[int], aggregation: str,
