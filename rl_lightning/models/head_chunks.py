@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
-from rl_lightning.errors import ConfigError
-from rl_lightning.models.logprobs import model_inputs, output_head
+from rl_lightning.models.logprobs import forward_with_head, output_head
 
 
 class _StandIn(torch.nn.Module):
-    """Takes the output head's place during one forward; ``output`` is what it returned (checked against the logits)."""
+    """Takes the output head's place during one forward (`forward_with_head`): ``compute(head, hidden)``."""
 
     def __init__(self, head: torch.nn.Module, compute: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -33,26 +32,13 @@ class _StandIn(torch.nn.Module):
         return output
 
 
-def _run_with_stand_in(model: Any, micro_batch: dict[str, Any], keep: torch.Tensor,
-                       compute: Callable[[Any, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`model`'s forward at positions `keep` with its head replaced by ``compute(head, hidden)``; what that returned."""
-    parent, name, head = output_head(model)
-    stand_in = _StandIn(head, compute)
-    setattr(parent, name, stand_in)
-    try:
-        out = model(**model_inputs(micro_batch), logits_to_keep=keep).logits
-    finally:
-        setattr(parent, name, head)
-    if stand_in.output is None or out is not stand_in.output:
-        raise ConfigError(f"model.lm.lm_head_chunk: {type(parent).__name__}'s forward does not return its output "
-                          "head's result as the logits (e.g. it soft-caps or scales them), which a chunked head cannot "
-                          "reproduce; set model.lm.lm_head_chunk: null")
-    return out
+def head_inputs(model: Any, micro_batch: dict[str, Any], keep: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """(B, K, H) the hidden states `model`'s output head would get at positions `keep`; the head does not run.
 
-
-def head_inputs(model: Any, micro_batch: dict[str, Any], keep: torch.Tensor) -> torch.Tensor:
-    """(B, K, H) the hidden states `model`'s output head would get at positions `keep`; the head does not run."""
-    return _run_with_stand_in(model, micro_batch, keep, lambda head, hidden: hidden)
+    For the head's chunks (``model.lm.lm_head_chunk``, `chunk_size`: named if the model's logits are not its head's).
+    """
+    stand_in = _StandIn(output_head(model)[2], lambda head, hidden: hidden)
+    return forward_with_head(model, micro_batch, keep, stand_in, chunk_size)
 
 
 def head_weight(model: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,4 +90,4 @@ def map_head_chunks(model: Any, micro_batch: dict[str, Any], keep: torch.Tensor,
         # (B, K, 1), stacked rather than viewed: FSDP2 warns about a root output that is a view
         return torch.stack([torch.cat(pieces).view(hidden.shape[:-1])], -1)
 
-    return _run_with_stand_in(model, micro_batch, keep, compute)[..., 0]
+    return forward_with_head(model, micro_batch, keep, _StandIn(output_head(model)[2], compute), chunk_size)[..., 0]

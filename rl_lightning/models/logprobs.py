@@ -79,20 +79,31 @@ def _chunked_target_logprobs(model: Any, micro_batch: dict[str, Any], keep: torc
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`target_logprobs` with the output head swapped for a `ChunkedHead` during the model's forward."""
     targets = micro_batch["target_ids"]
-    parent, name, head = output_head(model)
-    chunked = ChunkedHead(head, targets[:, keep], temperature, chunk_size, entropy)
-    setattr(parent, name, chunked)
-    try:
-        out = model(**model_inputs(micro_batch), logits_to_keep=keep).logits  # (B, K, 1 or 2)
-    finally:
-        setattr(parent, name, head)
-    if chunked.output is None or out is not chunked.output:
-        raise ConfigError(f"model.lm.lm_head_chunk={chunk_size}: {type(parent).__name__}'s forward does not return its "
-                          "output head's result as the logits (e.g. it soft-caps or scales them), which the chunked "
-                          "head cannot reproduce; set model.lm.lm_head_chunk: null")
+    chunked = ChunkedHead(output_head(model)[2], targets[:, keep], temperature, chunk_size, entropy)
+    out = forward_with_head(model, micro_batch, keep, chunked, chunk_size)  # (B, K, 1 or 2)
     zeros = torch.zeros(targets.shape, dtype=torch.float32, device=out.device)
     logprobs = zeros.index_copy(1, keep, out[..., 0])
     return logprobs, None if entropy is None else zeros.index_copy(1, keep, out[..., 1])
+
+
+def forward_with_head(model: Any, micro_batch: dict[str, Any], keep: torch.Tensor, stand_in: Any, chunk_size: int
+                      ) -> torch.Tensor:
+    """`model`'s forward at positions `keep` with `stand_in` in its output head's place: the stand-in's ``output``.
+
+    The stand-in runs inside the forward (under FSDP2 the root's parameters, the head's among them, are gathered
+    around it); a model whose forward changes the head's result (soft-capping, scaling) is refused in one line.
+    """
+    parent, name, head = output_head(model)
+    setattr(parent, name, stand_in)
+    try:
+        out = model(**model_inputs(micro_batch), logits_to_keep=keep).logits
+    finally:
+        setattr(parent, name, head)
+    if stand_in.output is None or out is not stand_in.output:
+        raise ConfigError(f"model.lm.lm_head_chunk={chunk_size}: {type(parent).__name__}'s forward does not return its output "
+                          "head's result as the logits (e.g. it soft-caps or scales them), which a chunked head cannot "
+                          "reproduce; set model.lm.lm_head_chunk: null")
+    return out
 
 
 def output_head(model: Any) -> tuple[torch.nn.Module, str, torch.nn.Module]:

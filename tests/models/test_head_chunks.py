@@ -59,7 +59,7 @@ def test_the_chunked_jsd_equals_the_full_one_in_value_and_gradients(models, chun
 def test_head_inputs_are_what_the_head_turns_into_the_logits(models):
     student, _, batch, keep = models
     with torch.no_grad():
-        hidden = head_inputs(student, batch, keep)  # (1, K, H)
+        hidden = head_inputs(student, batch, keep, 4)  # (1, K, H)
         logits = student(**model_inputs(batch), logits_to_keep=keep).logits
         weight, bias = head_weight(student)
     assert hidden.shape == (1, len(keep), student.config.hidden_size) and bias is None

@@ -189,7 +189,7 @@ def chunked_jsd(model: Any, teacher: Any, mb: dict[str, Any], keep: torch.Tensor
     teacher's gathered head weight beside it, under checkpointing: the largest vocabulary tensors are (chunk, V).
     """
     with torch.no_grad():
-        teacher_hidden = head_inputs(teacher, mb, keep)  # (1, K, H_t)
+        teacher_hidden = head_inputs(teacher, mb, keep, chunk_size)  # (1, K, H_t)
         weight, bias = head_weight(teacher)  # (V, H_t): gathered once for the micro-batch
 
     def per_chunk(student_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
