@@ -78,15 +78,17 @@ def activation_bytes(s: Any, tokens: int) -> float:
     Every block's saved tensors, one block's more (the backward's working set: the gradients of a block's
     activations), and outside the blocks the embedding output and the final norm's input, normalised input and
     output (4h fp32; the lean norm keeps no normalised input). With checkpointing each block keeps only its input (h
-    in the residual stream's dtype) while one block is recomputed at a time (its activations and their gradients).
+    in the residual stream's dtype) while one block is recomputed at a time (its activations and their gradients);
+    activation offload then keeps those inputs on the host (one back on the device at a time).
     """
     m = s.model
     param, _, _ = precision_bytes(s)
     local = tokens / s.layout.cp
     per_layer = layer_activation_bytes(s)
     outside = 4 * 4 * m.hidden - lean_saved_bytes(s)[1]
-    if s.gradient_checkpointing:
-        return local * (m.layers * m.hidden * min(param, 4) + 2 * per_layer + outside)
+    if s.gradient_checkpointing:  # with offload on CUDA the block inputs wait on the host, one comes back at a time
+        inputs = 1 if s.layout.activation_offload and s.device == "cuda" else m.layers
+        return local * (inputs * m.hidden * min(param, 4) + 2 * per_layer + outside)
     if s.layout.activation_offload and s.device == "cuda":  # the block computed and the one prefetched stay
         return local * (3 * per_layer + outside)
     return local * ((m.layers + 1) * per_layer + outside)

@@ -28,8 +28,8 @@ dtype), a reference (DPO unless reference-free, PPO with a KL term; none under L
 (weights, gradients, AdamW). FSDP2 divides weights, gradients and optimizer state by the shard group
 (data x context parallel / replicas) and gathers two blocks and the root in the compute dtype; TP divides the block
 weights; ``cpu_offload`` moves the sharded state to the host. On CUDA, ``activation_offload`` leaves one block's
-activations on the device (and the prefetched one before it) and ``optimizer_offload`` two buckets of AdamW's moments
-during the step (one steps while the next streams in).
+activations on the device (and the prefetched one before it; with checkpointing, one block input) and
+``optimizer_offload`` two buckets of AdamW's moments during the step (one steps while the next streams in).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def parallelize(model: Any, strategy: Any, trainable: bool = True, checkpointing
     if trainable and checkpointing and not getattr(base_model(model), "is_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainable and getattr(strategy, "activation_offload", False):
-        _offload_activations(model, strategy)
+        attach_activation_offload(model, strategy)
     if getattr(strategy, "compile", False):
         compile_decoder_layers(model, strategy.compile_mode)
     kwargs = {"mesh": strategy.fsdp_mesh, "mp_policy": strategy.mp_policy(),
@@ -109,16 +109,25 @@ def compile_decoder_layers(model: Any, mode: str | None = None) -> None:
         layer.compile(mode=mode)
 
 
-def _offload_activations(model: Any, strategy: Any) -> None:
-    """Attach `ActivationOffload` to every decoder block; the strategy keeps it (``strategy.activation_offloader``)."""
+def attach_activation_offload(model: Any, strategy: Any) -> None:
+    """Attach `ActivationOffload` (the strategy keeps it: ``strategy.activation_offloader``) where it pays.
+
+    Without checkpointing: to every decoder block, so each block's saved tensors go to the host and the block before
+    it is prefetched in the backward. With ``model.lm.gradient_checkpointing``: to the decoder stack, outside the
+    checkpointed blocks, so what goes to the host is what checkpointing keeps, each block's input (the tensors a
+    block saves are recomputed, not saved: the checkpoint's own hooks are the inner ones); each input comes back when
+    its block is recomputed. At one hidden vector per token and layer, that is the offload peers pair with
+    checkpointing (all of a block's saved tensors move ~10x more bytes: see benchmarks/results/gpu_2026-11-28.md).
+    """
     from rl_lightning.models.lora import base_model
     from rl_lightning.parallel.offload import ActivationOffload
 
-    if getattr(base_model(model), "is_gradient_checkpointing", False):
-        raise ConfigError("strategy.activation_offload=true with model.lm.gradient_checkpointing=true: checkpointing "
-                          "keeps only each block's input, leaving nothing to offload; set one of them")
     offload = getattr(strategy, "activation_offloader", None) or ActivationOffload()
     strategy.activation_offloader = offload
+    inner = base_model(model)
+    if getattr(inner, "is_gradient_checkpointing", False):
+        offload.attach(inner.base_model)  # the decoder stack (embedding, blocks, final norm)
+        return
     for layer in decoder_layers(model):
         offload.attach(layer)
 

@@ -72,8 +72,8 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3); False keeps them until
             the backward (ZeRO-2-like: faster, more memory).
         activation_offload: keep what each decoder block saves for the backward pass in host memory (pinned,
-            copied asynchronously) until the backward needs it (`rl_lightning.parallel.offload`); not with
-            ``model.lm.gradient_checkpointing`` (nothing would be left to offload; refused when the model is sharded).
+            copied asynchronously) until the backward needs it (`rl_lightning.parallel.offload`); with
+            ``model.lm.gradient_checkpointing``, each block's input (what checkpointing keeps) instead.
         optimizer_offload: keep the optimizer state (AdamW's moments) in host memory between steps; the step streams
             it through the device in buckets of ``offload_bucket_mb`` while parameters and gradients stay there.
             Not with ``cpu_offload``, which keeps the state on the host already.

@@ -29,11 +29,12 @@ NOT_ON_CPU = [f"sft {s} ac={ac} {what}" for s in SHAPES for ac in ("off", "on") 
 ]
 # Comparisons of two computations that must agree in fp32 (the dry run's precision) to summation order.
 FP32_AGREEMENT = [f"sft {s} {name}" for s in SHAPES for name in ("packed vs per-sequence logprobs", "AC on vs off")]
-OFFLOADS = ("none", "activations", "optimizer", "both")
+OFFLOADS = ("none", "activations", "optimizer", "both", "checkpointing", "checkpointing+activations")
 # `run.sh --quick`'s rows (the dry run names the device cpu-x1 where the GPU run says e.g. nvidia-h100-x1)
 QUICK_MEASURED = [
     *(f"offload/{name}/{what}" for name in OFFLOADS for what in ("loss_gap", "step_s")),
-    "offload/activations/step_ratio", "offload/optimizer/step_ratio", "quick sft qwen2.5-1.5b tokens/s",
+    "offload/activations/step_ratio", "offload/optimizer/step_ratio", "offload/checkpointing+activations/step_ratio",
+    "quick sft qwen2.5-1.5b tokens/s",
     "quick rl qwen3-0.6b cpu-x1 tokens/s", *(f"quick memory {task} measured/planned" for task in ("sft", "grpo", "gkd")),
     "quick resume offloaded losses gap", "quick threads engine calls off the main thread",
 ]
@@ -164,6 +165,8 @@ def test_quick_dry_records_numbers_where_measured(quick_dry_run):
         assert by_check[f"offload/{name}/step_s"]["value"] > 0
     assert by_check["offload/activations/step_ratio"]["target"] == "<= 1.2"
     assert by_check["offload/optimizer/step_ratio"]["target"] == "<= 1.15"
+    assert by_check["offload/checkpointing+activations/step_ratio"]["target"] == "<= 1.2"
+    assert "(checkpointing)" in by_check["offload/checkpointing+activations/step_ratio"]["detail"]
     # the resumed run (optimizer offload on) continues with the uninterrupted run's losses, bit for bit on CPU
     assert by_check["quick resume offloaded losses gap"]["value"] == 0.0
     # the plan predicts the CPU peak (VmHWM) within 7% on real fits (benchmarks/results/memory_plan_cpu.md)

@@ -67,6 +67,10 @@ def test_offload_moves_the_moments_and_all_but_one_block_of_activations_off_the_
     resident = base.phases["optimizer step"] - 8 * P - 4 * P
     # two buckets of moments (one steps while the next streams in) and one bucket's AdamW temporaries
     assert offload.phases["optimizer step"] == pytest.approx(resident + 8 * P + 4 * P * 0.5)
+    # with checkpointing the block inputs are what moves: one is back on the device at a time (not one per layer)
+    kept = plan_memory(setup(gradient_checkpointing=True)).components["activations (1000 tokens)"]
+    moved = plan_memory(setup(gradient_checkpointing=True, layout=Layout(activation_offload=True)))
+    assert kept - moved.components["activations (1000 tokens)"] == 1000 * (LAYERS - 1) * H * 4
     cpu = plan_memory(setup(device="cpu", layout=Layout(activation_offload=True, optimizer_offload=True)))
     assert cpu.components["optimizer (AdamW)"] == 8 * P  # the host is the device: nothing moves
 

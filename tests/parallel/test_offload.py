@@ -132,22 +132,32 @@ def test_offload_options_that_cannot_work_are_one_line(kwargs, message):
     assert str(info.value) == message
 
 
-def test_activation_offload_with_the_model_checkpointing_switch_is_one_line():
-    """``model.lm.gradient_checkpointing`` is the one checkpointing switch: the strategy applies it when it shards
-    the model, and refuses it with activation offload (nothing would be left to offload)."""
+def test_with_checkpointing_only_the_block_inputs_go_to_the_host_and_the_gradients_stay():
+    """``model.lm.gradient_checkpointing`` with activation offload (refused before): the offload sits outside the
+    checkpointed blocks, so it moves what checkpointing keeps, one (1, N, h) input per block (plus the final norm's
+    saved tensors), not a block's inner tensors (recomputed); every gradient equals checkpointing without offload."""
     from conftest import TINY_MODEL
 
     from rl_lightning.models.loading import load_causal_lm
-    from rl_lightning.parallel.parallelize import parallelize
+    from rl_lightning.parallel.parallelize import attach_activation_offload, decoder_layers
 
-    model = load_causal_lm(str(TINY_MODEL))
-    assert not model.is_gradient_checkpointing
-    with pytest.raises(ConfigError) as info:
-        parallelize(model, ParallelStrategy(activation_offload=True), checkpointing=True)
-    assert model.is_gradient_checkpointing  # the switch was applied before the offload check
-    assert str(info.value) == ("strategy.activation_offload=true with model.lm.gradient_checkpointing=true: "
-                               "checkpointing keeps only each block's input, leaving nothing to offload; set one of "
-                               "them")
+    ids = torch.randint(0, 200, (1, 37), generator=torch.Generator().manual_seed(0))
+    grads, moved = [], []
+    for offload in (False, True):
+        model = load_causal_lm(str(TINY_MODEL), gradient_checkpointing=True).train()
+        if offload:
+            copies = _LoggingCopies()
+            strategy = ParallelStrategy(activation_offload=True)
+            strategy.activation_offloader = copies.offload = ActivationOffload(min_bytes=0, copies=copies)
+            copies.to_host = lambda tensor, to_host=copies.to_host: moved.append(tuple(tensor.shape)) or to_host(tensor)
+            attach_activation_offload(model, strategy)
+        model(input_ids=ids).logits.square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    layers, hidden = len(decoder_layers(model)), model.config.hidden_size
+    blocks = [shape for shape in moved if shape == (1, 37, hidden)]
+    # each block's input, and the final norm's input: no (1, N, intermediate) or attention tensor of a block
+    assert len(blocks) == layers + 1 and all(shape[-1] in (37, hidden, 1) or len(shape) == 1 for shape in moved)
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
 
 
 def _held_after_steps(offload: bool, shard: bool) -> tuple[int, list[str], list[bool]]:
