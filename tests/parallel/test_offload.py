@@ -318,3 +318,25 @@ def test_host_copies_are_freed_by_the_backward_without_the_garbage_collector():
     finally:
         gc.enable()
     assert len(hosts) == 6 and alive == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_each_step_writes_the_moments_back_into_the_same_pinned_host_memory():
+    """After the first step the moments go back into the pinned host tensors they came from: no new pinned
+    allocation (``cudaHostAlloc``, ~4 ms each on an H200, 6 a step before) and the numbers of plain AdamW."""
+    torch.manual_seed(0)
+    plain, offloaded = torch.nn.Linear(512, 512, device="cuda"), torch.nn.Linear(512, 512, device="cuda")
+    offloaded.load_state_dict(plain.state_dict())
+    (opt_p, sched_p), (opt_o, sched_o) = _adamw(plain), _adamw(offloaded)
+    OptimizerStateOffload(opt_o, 1 << 20)  # the weight's moments (2 MiB) in a bucket of their own
+    batches = [torch.randn(8, 512, device="cuda") for _ in range(3)]
+    hosts = []  # the state's host tensors after each step (kept alive, so that their ids cannot be reused)
+    for batch in batches:
+        _steps(plain, opt_p, sched_p, [batch])
+        _steps(offloaded, opt_o, sched_o, [batch])
+        hosts.append([v for s in opt_o.state.values() for k, v in s.items() if k != "step"])
+    assert all(v.is_pinned() for v in hosts[0]) and len(hosts[0]) == 4
+    assert [id(v) for v in hosts[0]] == [id(v) for v in hosts[1]] == [id(v) for v in hosts[2]]
+    for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
