@@ -75,8 +75,10 @@ class SideStreamCopies:
         return self.streams[device, direction]
 
     def to_host(self, tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Start `tensor`'s copy to pinned host memory (`into`, when given: a pinned tensor of its size and dtype);
-        the host tensor is complete once the stream out gets there."""
+        """Start `tensor`'s copy to pinned host memory, complete once the stream out gets there.
+
+        `into`, when given, is the pinned host tensor (of `tensor`'s size and dtype) to copy into.
+        """
         side = self._side(tensor.device, "out")
         side.wait_stream(torch.cuda.current_stream(tensor.device))
         if into is None:
@@ -87,8 +89,10 @@ class SideStreamCopies:
         return into
 
     def prefetch(self, host: torch.Tensor, device: torch.device, after_out: bool = True) -> tuple[torch.Tensor, Any]:
-        """Start `host`'s copy to `device` on the stream in: the tensor and the event that marks it done. With
-        `after_out`, the copy waits for the copies out queued so far (needed when `host` may be one of them)."""
+        """Start `host`'s copy to `device` on the stream in: the tensor and the event that marks it done.
+
+        With `after_out`, the copy waits for the copies out queued so far (needed when `host` may be one of them).
+        """
         side = self._side(device, "in")
         if after_out:
             side.wait_stream(self._side(device, "out"))
