@@ -52,13 +52,13 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "asset:SmolLM2-135M-Instruct"
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py")
 MAX_NEW_TOKENS = 32  # the recipe's
-# Named overlays on rl_lightning/cli/demo.yaml (None: needs library support that is not there yet).
-SETTINGS: dict[str, dict[str, Any] | None] = {
+# Named overlays on rl_lightning/cli/demo.yaml.
+SETTINGS: dict[str, dict[str, Any]] = {
     "demo": {},
     "mask_truncated": {"model": {"init_args": {"dapo": {"overlong_cache_length": None, "mask_truncated": True}}}},
     "kl_anchor": {"model": {"init_args": {"kl": {"coef": 0.05}}}},
     "lr1e-5": {"model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
-    "gated_shaping": None,
+    "gated_shaping": {"model": {"init_args": {"rollout": {"gate_shaping": True}}}},
 }
 
 
@@ -124,9 +124,6 @@ def train(task: str, seed: int, setting: str, folder: Path, threads: int) -> tup
     import yaml
 
     overlay = SETTINGS[setting]
-    if overlay is None:
-        raise SystemExit(f"setting '{setting}' needs library support that is not there yet; pick one of "
-                         f"{', '.join(k for k, v in SETTINGS.items() if v is not None)}")
     if folder.exists():
         shutil.rmtree(folder)  # a unit killed half-way starts again from scratch
     folder.mkdir(parents=True)

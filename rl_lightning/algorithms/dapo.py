@@ -1,7 +1,9 @@
-"""DAPO's sampling-side pieces: group filtering for dynamic sampling, soft overlong punishment, truncation masks.
+"""DAPO's sampling-side pieces (group filtering, soft overlong punishment, truncation masks) and a shaping gate.
 
 Paper: Yu et al. 2025, DAPO, https://arxiv.org/abs/2503.14476 (section 3.2 dynamic sampling, 3.4 overlong shaping).
 Their settings are PPO's ``model.dapo`` group (`rl_lightning.rollout.config.DAPOConfig`); each is off by default.
+The gate (`gated_shaping`, ``model.rollout.gate_shaping``) is not DAPO's: when correct samples are rare, shaping
+terms are most of a group's reward differences, and the policy learns them instead of the task (issue 40).
 """
 
 from __future__ import annotations
@@ -125,3 +127,29 @@ class GroupRefill:
         batch, self.groups = self.groups[: self.target], []
         self.rounds = 0
         return batch
+
+
+def gated_shaping(rewards: list[float], correct: list[float], group_size: int, correct_weight: float) -> list[float]:
+    """(B,) rewards where shaping counts only in prompt groups with at least one correct completion.
+
+    In a group where no completion's correctness is > 0, each reward becomes its weighted correctness
+    (``correct_weight * correct``): the shaping terms (other components, a length punishment) are dropped, so a
+    group of wrong answers no longer teaches the policy to win the shaping instead. Other groups are unchanged.
+
+    Args:
+        rewards: (B,) total rewards (components weighted and summed, plus any length punishment).
+        correct: (B,) each completion's correctness component.
+        group_size: G, completions per prompt, groups contiguous.
+        correct_weight: the correctness component's weight in the reward.
+
+    Returns:
+        (B,) rewards.
+    """
+    if len(rewards) != len(correct) or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards and {len(correct)} correctness values in groups of {group_size}")
+    gated = list(rewards)
+    for start in range(0, len(rewards), group_size):
+        group = correct[start:start + group_size]
+        if max(group) <= 0.0:
+            gated[start:start + group_size] = [correct_weight * value for value in group]
+    return gated

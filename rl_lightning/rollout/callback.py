@@ -25,7 +25,6 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from rl_lightning.algorithms.dapo import overlong_shaped, truncation_masked
 from rl_lightning.data.datamodule import run_seed
 from rl_lightning.engines.lockstep import Lockstep
 from rl_lightning.engines.protocol import SamplingParams, derive_seed
@@ -48,6 +47,7 @@ from rl_lightning.rollout.peer_share import check_identical, is_leader, share_fr
 from rl_lightning.rollout.refill import data_parallel_ranks, refill
 from rl_lightning.rollout.replay import ReplayDump, run_manifest
 from rl_lightning.rollout.schedule import OneStepOff, SchedulingPolicy, Synchronous
+from rl_lightning.rollout.shaping import shape, shaping_errors
 from rl_lightning.rollout.trajectory import Rollout, Trajectory, rollout
 
 __all__ = ["PolicyTask", "RolloutCallback", "RolloutConfig", "scheduling_policy"]
@@ -105,6 +105,8 @@ class RolloutCallback(L.Callback):
                                     ideal=c.reward_ideal, reward_model=c.reward_model, max_tool_chars=c.max_tool_chars)
         if c.max_turns > 1 and self.env.interact is None:
             raise ConfigError(f"model.rollout.max_turns={c.max_turns} needs interact(messages) in {c.env_path}")
+        if errors := shaping_errors(c, self.env.component_names):
+            raise ConfigError("; ".join(errors))
         self.weight_sync: WeightSync | None = None
         self.adapter_sync = False  # set with the engine: LoRA adapter-only weight sync (vllm)
         self.engine: Any = None
@@ -360,14 +362,7 @@ class RolloutCallback(L.Callback):
         c = self.config
         trajectories = rollout(self.engine, prompts, self.env, tokenizer, params, c.max_turns, self.lockstep,
                                self.max_model_len)
-        if self.dapo.overlong_cache_length is not None:  # DAPO's soft overlong punishment
-            shaped = overlong_shaped([t.reward for t in trajectories], [t.completion_length for t in trajectories],
-                                     c.max_completion_tokens, self.dapo.overlong_cache_length)
-            for t, reward in zip(trajectories, shaped, strict=True):
-                t.reward = reward
-        if self.dapo.mask_truncated:  # DAPO's overlong filtering
-            for t in trajectories:
-                t.completion_mask = truncation_masked(t.completion_mask, t.finished)
+        shape(trajectories, c, self.dapo, params.n)
         return trajectories
 
     def _refill(self, trainer: L.Trainer, task: PolicyTask, prompts: list, trajectories: list[Trajectory],

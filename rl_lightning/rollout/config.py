@@ -96,6 +96,10 @@ class RolloutConfig:
         correctness_component: the reward component that says the answer is right (default: ``correct`` if the
             environment has one); the other components and the length punishment are the shaping.
         stop_on_shaping: stop the run, in one line, the first time the shaping dominates.
+        gate_shaping: the shaping (every component but `correctness_component`, and DAPO's length punishment) counts
+            only in prompt groups with at least one correct completion (correctness > 0); in the others each reward
+            is its weighted correctness, so a group of wrong answers gives no gradient (`rl_lightning.algorithms.dapo.
+            gated_shaping`). Needs ``reward_combination: weighted_sum``.
 
     Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
     completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the
@@ -130,6 +134,7 @@ class RolloutConfig:
     shaping_window: int = 8
     correctness_component: str | None = None
     stop_on_shaping: bool = False
+    gate_shaping: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.reward_model, dict):  # from a checkpoint's hyperparameters
@@ -152,6 +157,9 @@ class RolloutConfig:
         if engine_error is None:
             errors += _engine_errors(self) + async_errors(self)
         errors += _pareto_errors(self)
+        if self.gate_shaping and self.reward_combination != "weighted_sum":
+            errors.append(f"gate_shaping needs reward_combination: weighted_sum (a reward that is correctness plus "
+                          f"shaping), got '{self.reward_combination}'; set gate_shaping: false")
         if self.temperature <= 0 or self.max_new_tokens < 1:
             errors.append(f"temperature must be > 0 (training samples) and max_new_tokens >= 1, got "
                           f"{self.temperature}, {self.max_new_tokens}")
