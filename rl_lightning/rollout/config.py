@@ -95,7 +95,9 @@ class RolloutConfig:
             total rose while correctness fell, each beyond noise.
         correctness_component: the reward component that says the answer is right (default: ``correct`` if the
             environment has one); the other components and the length punishment are the shaping.
-        stop_on_shaping: stop the run, in one line, the first time the shaping dominates.
+        stop_on_shaping: stop the run, in one line, the first time the shaping dominates, with the trainable weights
+            that scored the best correctness put back (held-out once validation ran; kept on the host: one copy of
+            the trainable weights per rollout, each rank its shards).
         gate_shaping: the shaping (every component but `correctness_component`, and DAPO's length punishment) counts
             only in prompt groups with at least one correct completion (correctness > 0); in the others each reward
             is its weighted correctness, so a group of wrong answers gives no gradient (`rl_lightning.algorithms.dapo.

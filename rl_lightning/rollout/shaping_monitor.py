@@ -9,14 +9,20 @@ What counts as correctness: the component named ``correctness_component`` (defau
 has one). The shaping is everything else in the total: the other components (as weighted into the reward) and what
 DAPO's length punishment adds (the total minus the weighted components, reported as ``length``). A run whose reward
 is correctness alone, with no length punishment, has nothing to monitor: the monitor is off.
+
+With ``stop_on_shaping`` the run also keeps, in host memory, the trainable weights that scored the best correctness
+so far (`BestWeights`), and puts them back into the model when it stops: the export and the last checkpoint then hold
+the best policy, not the gamed one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -85,12 +91,66 @@ class ShapingMonitor:
         self.alarmed_at = state["alarmed_at"]
 
 
+def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
+    """`module`'s trainable parameters as this rank's local tensors (a DTensor's shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if p.requires_grad]
+
+
+class BestWeights:
+    """Host copies of a module's trainable weights (each rank its own shards): the best scoring so far.
+
+    A rollout's training correctness judges the weights that sampled it, those before its update: `take` copies them
+    at the rollout's start (the candidate) and `consider` keeps the candidate when its score is the best. A held-out
+    correctness judges the weights of the moment: `consider_now`. Once a held-out value exists, only held-out values
+    count (the best is chosen again among them). Costs one host copy of the trainable weights per rollout.
+    """
+
+    def __init__(self) -> None:
+        self.candidate: list[torch.Tensor] | None = None
+        self.best: list[torch.Tensor] | None = None
+        self.score, self.label, self.held_out = -math.inf, "", False
+
+    @staticmethod
+    @torch.no_grad()
+    def _copy(module: torch.nn.Module) -> list[torch.Tensor]:
+        return [t.detach().to("cpu", copy=True) for t in _trainable(module)]
+
+    def take(self, module: torch.nn.Module) -> None:
+        """The weights about to sample and be updated (a rollout's start); not while held-out values decide."""
+        if not self.held_out:
+            self.candidate = self._copy(module)
+
+    def consider(self, score: float, label: str) -> None:
+        """The candidate's training correctness: kept when the best so far."""
+        if not self.held_out and self.candidate is not None and score > self.score:
+            self.best, self.score, self.label = self.candidate, score, label
+        self.candidate = None
+
+    def consider_now(self, module: torch.nn.Module, score: float, label: str) -> None:
+        """A held-out correctness of the current weights: kept when the best held-out value so far."""
+        if not self.held_out:
+            self.held_out, self.score, self.candidate = True, -math.inf, None
+        if score > self.score:
+            self.best, self.score, self.label = self._copy(module), score, label
+
+    @torch.no_grad()
+    def restore(self, module: torch.nn.Module) -> bool:
+        """Copy the best weights back into `module`; whether there were any."""
+        if self.best is None:
+            return False
+        for tensor, best in zip(_trainable(module), self.best, strict=True):
+            tensor.copy_(best)
+        return True
+
+
 class ShapingMonitorCallback(L.Callback):
     """The PPO task's monitor: after each rollout's update, the verdict on its logged global means.
 
     Logs ``train/shaping_dominates``; the first alarm prints one line (rank 0); with ``stop_on_shaping`` the run
-    stops there (every rank reads the same global means, so all stop together). A held-out correctness
-    (``val/reward/<correctness component>``) is taken at each validation.
+    stops there (every rank reads the same global means, so all stop together) with the best-scoring weights put back
+    (`BestWeights`). A held-out correctness (``val/reward/<correctness component>``) is taken at each validation.
 
     Args:
         config: the ``model.rollout`` settings (weights, the correctness component, window, stop switch).
@@ -101,6 +161,7 @@ class ShapingMonitorCallback(L.Callback):
         self.config, self.length_shaping = config, length_shaping
         self.monitor: ShapingMonitor | None = None
         self._state: dict[str, Any] | None = None
+        self.best = BestWeights() if config.stop_on_shaping else None
 
     def _monitor(self, components: list[str]) -> ShapingMonitor:
         if self.monitor is None:
@@ -110,6 +171,14 @@ class ShapingMonitorCallback(L.Callback):
             if self._state is not None:
                 self.monitor.load_state_dict(self._state)
         return self.monitor
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """With ``stop_on_shaping``: the weights that sampled this rollout, before its update (a candidate best)."""
+        if self.best is not None and isinstance(batch, dict) and batch.get("rollout") is not None and (
+                self.monitor is None or self.monitor.enabled):
+            self.best.take(pl_module)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -123,6 +192,9 @@ class ShapingMonitorCallback(L.Callback):
             return
         components = {name: float(logged[f"train/reward/{name}"]) for name in rollout.reward_names}
         verdict = monitor.observe(trainer.global_step, float(logged["train/reward"]), components)
+        if self.best is not None:
+            count = getattr(pl_module, "rollouts", trainer.global_step)  # rollouts done, this one included
+            self.best.consider(components[monitor.correctness], f"the weights that sampled rollout {count}")
         dominates = verdict is not None and verdict.dominates
         pl_module.log("train/shaping_dominates", float(dominates), on_step=True, on_epoch=False)
         if dominates and monitor.alarmed_at == trainer.global_step:
@@ -132,6 +204,14 @@ class ShapingMonitorCallback(L.Callback):
                               "set model.rollout.stop_on_shaping: true to stop here, or lower the shaping weights"))
             if stop:
                 trainer.should_stop = True
+                self._restore_best(pl_module, monitor.correctness)
+
+    def _restore_best(self, pl_module: L.LightningModule, correctness: str) -> None:
+        assert self.best is not None  # made whenever stop_on_shaping is on
+        if self.best.restore(pl_module):
+            rank_zero_warn(f"model.rollout.stop_on_shaping: the weights that scored the best {correctness} "
+                           f"({self.best.score:.3f}, {self.best.label}) are put back; the export and the last "
+                           "checkpoint hold them (the optimizer state is the last step's)")
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -141,6 +221,8 @@ class ShapingMonitorCallback(L.Callback):
         value = trainer.callback_metrics.get(f"val/reward/{self.monitor.correctness}")
         if value is not None:
             self.monitor.observe_held_out(float(value))
+            if self.best is not None and self.monitor.enabled:
+                self.best.consider_now(pl_module, float(value), f"held out after rollout {getattr(pl_module, 'rollouts', trainer.global_step)}")
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """The reward-hacking monitor over scripted rollouts: a gamed format bonus and length punishment, an honest reward."""
 
 import random
+import re
 
 import pytest
+import torch
 
 from rl_lightning.rollout.shaping_monitor import ShapingMonitor
 
@@ -104,3 +106,55 @@ def test_a_window_under_three_rollouts_is_refused_in_one_line():
         RolloutConfig("env.py", shaping_window=2)
     assert "shaping_window must be a number of rollouts >= 3, got 2" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+SCRIPTED_ENV = '''
+calls = 0
+CORRECT = {correct}
+
+
+def reward_fn(messages, answer):
+    """Scripted by rollout (8 completions each), plus 0.01 for an odd length (so that the updates move weights)."""
+    global calls
+    rollout, calls = calls // 8, calls + 1
+    odd = 0.01 * (len(messages[-1]["content"]) % 2)
+    return {{"correct": CORRECT[min(rollout, len(CORRECT) - 1)] + odd, "format": 0.2 * rollout}}
+'''
+# correctness falls from the first rollout; or peaks at rollout 3 (sampled by the weights after two updates)
+SCRIPTS = {"falls": [0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1], "rises-then-falls": [0.2, 0.3, 0.5, 0.4, 0.3,
+                                                                                            0.2, 0.1, 0.0]}
+
+
+@pytest.mark.parametrize("script", ["falls", "rises-then-falls"])
+def test_stopping_on_shaping_puts_back_the_weights_that_scored_best(tmp_path, recwarn, script):
+    """The gamed script's best correctness is its first rollout's: the model ends with the initial weights. The
+    second script peaks at rollout 3, sampled by the weights after the second update: the model ends with those."""
+    import lightning as L
+    from helpers import run_ppo
+
+    env = tmp_path / "scripted.py"
+    env.write_text(SCRIPTED_ENV.format(correct=SCRIPTS[script]))
+    after_update = []
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            after_update.append([p.detach().clone() for p in pl_module.parameters() if p.requires_grad])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            after_update.append([p.detach().clone() for p in pl_module.parameters() if p.requires_grad])
+
+    rollout = {"reward_weights": {"correct": 1.0, "format": 1.0}, "reward_workers": 0, "stop_on_shaping": True,
+               "shaping_window": 4}
+    model, trainer = run_ppo(str(env), rollouts=12, rollout=rollout, callbacks=[Record()])
+    assert trainer.should_stop and model.rollouts < 12
+    best = 0 if script == "falls" else 2  # weights before update k sampled rollout k + 1
+    final = [p.detach() for p in model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(final, after_update[best], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(final, after_update[best + 1], strict=True))
+    lines = [str(w.message) for w in recwarn if "are put back" in str(w.message)]
+    assert len(lines) == 1, lines
+    found = re.fullmatch(r"model\.rollout\.stop_on_shaping: the weights that scored the best correct \(([0-9.]+), the "
+                         r"weights that sampled rollout (\d+)\) are put back; the export and the last checkpoint hold "
+                         r"them \(the optimizer state is the last step's\)", lines[0])
+    assert found and int(found[2]) == best + 1
+    assert SCRIPTS[script][best] <= float(found[1]) <= SCRIPTS[script][best] + 0.01  # + 0.01 x the odd share
