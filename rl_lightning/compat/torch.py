@@ -24,6 +24,15 @@ def gloo_options(hostname: str, timeout: timedelta) -> Any:
     return options
 
 
+def nccl_options(timeout: timedelta) -> Any:
+    """Options for a ``ProcessGroupNCCL`` with `timeout` (``ProcessGroupNCCL.Options._timeout``)."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return options
+
+
 def tensor_version(tensor: Any) -> int:
     """`tensor`'s in-place modification counter (``tensor._version``; it moves on every in-place write)."""
     return int(tensor._version)

@@ -2,10 +2,11 @@
 
 `EngineProcess` is a `rl_lightning.engines.protocol.RolloutEngine` whose `rl_lightning.engines.vllm.VLLMEngine` runs in
 a spawned process (not a trainer rank: it joins no trainer group). Prompts, sampling parameters and completions
-travel over a pipe; weights are broadcast from the trainer process over a two-member gloo group built from a
-``FileStore`` of its own, separate from the trainer's default group (host tensors; on GPU the engine copies them onto
-its device). The trainer waiting on the pipe holds no GIL, so with the asynchronous rollouts of
-`rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
+travel over a pipe; weights are broadcast from the trainer process over a two-member group built from a
+``FileStore`` of its own, separate from the trainer's default group: NCCL from the trainer's GPU to the engine's on
+CUDA (device to device, no host copy on either side), loopback gloo through host memory on the CPU
+(`rl_lightning.engines.weights_channel`). The trainer waiting on the pipe holds no GIL, so with the asynchronous
+rollouts of `rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
 
 Selected with ``model.rollout.engine: vllm_process``. Several trainer ranks share one engine process, spawned by
 global rank 0 (`rl_lightning.engines.shared`); adapter-only sync is not wired through the pipe. Tested on CPU:
@@ -13,11 +14,6 @@ log-probabilities equal the trainer's, and an asynchronous run samples the same 
 A weight push is streamed: the tensors are taken a bucket (``model.rollout.engine.weight_bucket_mb``) at a time, each
 bucket goes as one flat byte broadcast after its names, shapes and dtypes went by pipe, and the child hands vLLM
 views of that buffer; neither side holds more than a bucket beyond the engine's own weights.
-
-vLLM 0.32's weight-transfer API (``WeightTransferConfig``, ``vllm.distributed.weight_transfer``) does not cover this
-case on CPU: its transports are NCCL (``PyNcclCommunicator``), CUDA IPC and RDMA. On GPU the engine could be built
-with ``weight_transfer_config=WeightTransferConfig("nccl")`` and rank 0 drive its trainer side from the same bucket
-stream (device to device, no host copy); until then the broadcast is this gloo one, through host memory.
 
 Devices: the engine owns its device, so it never sleeps (``VLLMEngine(sleep_mode=False)``: a sleeping vLLM 0.32
 engine keeps its scheduler paused until fully awake). On CUDA the child sees only its own GPUs
@@ -39,7 +35,6 @@ process is gone (`EngineProcessLost`): the rollout callback wraps the engine in
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing as mp
 import os
 import time
@@ -53,12 +48,12 @@ import torch
 import torch.distributed as dist
 
 from rl_lightning.engines.local_channels import (
-    loopback_gloo,
     private_folder,
     private_store,
     remove_folder,
 )
 from rl_lightning.engines.protocol import Completion, SamplingParams
+from rl_lightning.engines.weights_channel import buckets, received, weights_device, weights_group
 from rl_lightning.parallel.local_group import loopback_environment
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -111,10 +106,6 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _group(store: Any, rank: int, timeout_s: float) -> Any:
-    return loopback_gloo(dist.PrefixStore("rl_lightning-weights", store), rank, 2, timedelta(seconds=timeout_s))
-
-
 def _local_world(folder: str, device_type: str, timeout_s: float) -> None:
     """The child's default group (one rank, which vLLM takes as its world) on a file store, before vLLM makes one.
 
@@ -125,22 +116,6 @@ def _local_world(folder: str, device_type: str, timeout_s: float) -> None:
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
     dist.init_process_group(backend, init_method=f"file://{os.path.join(folder, 'world')}", rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s))
-
-
-def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype
-             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """`named_tensors` as contiguous host tensors of `dtype`, grouped into buckets of about `bucket_bytes`."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        host = tensor.detach().to("cpu", dtype).contiguous()
-        if bucket and size + host.nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, host))
-        size += host.nbytes
-    if bucket:
-        yield bucket
 
 
 def _one_line(error: BaseException) -> str:
@@ -157,17 +132,21 @@ def _serve(connection: Any, folder: str, engine_kwargs: dict[str, Any], timeout_
         os.environ.pop(key, None)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     try:
-        _local_world(folder, str(engine_kwargs.get("device_type", "cpu")), timeout_s)
+        device_type = str(engine_kwargs.get("device_type", "cpu"))
+        _local_world(folder, device_type, timeout_s)
+        if device_type == "cuda" and torch.cuda.is_available():
+            torch.cuda.set_device(0)  # the first of its own GPUs (CUDA_VISIBLE_DEVICES)
+        device = weights_device(device_type)
         store = private_store(folder, 2)
         store.set(JOINED, "1")
-        group = _group(store, 1, timeout_s)
+        group = weights_group(store, 1, timeout_s, device)
         from rl_lightning.engines.vllm import VLLMEngine
 
         # its device is its own: awake from the start (a sleeping vLLM 0.32 engine pauses its scheduler)
         engine = VLLMEngine(**engine_kwargs, rank=0, local_rank=0, world_size=1, sleep_mode=False)
         connection.send(("ready", {"dtype": str(engine.dtype),
                                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
-        _answer(connection, group, engine)
+        _answer(connection, group, engine, device)
     except Exception as e:
         with contextlib.suppress(OSError):  # the trainer may be gone
             connection.send(("error", _one_line(e)))
@@ -191,7 +170,7 @@ def held_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return held
 
 
-def _answer(connection: Any, group: Any, engine: Any) -> None:
+def _answer(connection: Any, group: Any, engine: Any, device: torch.device) -> None:
     """Answer the trainer's commands until ``close``."""
     while True:
         command, payload = connection.recv()
@@ -204,30 +183,11 @@ def _answer(connection: Any, group: Any, engine: Any) -> None:
         elif command == "held":
             connection.send(("held", engine.llm.apply_model(held_weights)[0]))
         elif command == "weights":  # then ("bucket", [(name, shape, dtype)]) + one broadcast each, then ("end", n)
-            received = _received(connection, group)
-            engine.update_weights(received)
-            for _ in received:  # what vLLM left unread still arrives (the trainer sends it all)
+            pushed = received(connection, group, device)
+            engine.update_weights(pushed)
+            for _ in pushed:  # what vLLM left unread still arrives (the trainer sends it all)
                 pass
             connection.send(("loaded", None))
-
-
-def _received(connection: Any, group: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of one weight push, a bucket at a time.
-
-    A bucket's names, shapes and dtypes come by pipe, its data in one flat byte broadcast; each tensor is a view of
-    that buffer (one bucket alive, plus whatever vLLM keeps until a layer is complete).
-    """
-    while True:
-        kind, payload = connection.recv()
-        if kind == "end":
-            return
-        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in payload]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        group.broadcast(flat, 0).wait()
-        offset = 0
-        for (name, shape, dtype), size in zip(payload, sizes, strict=True):
-            yield name, flat[offset : offset + size].view(dtype).reshape(shape)
-            offset += size
 
 
 class EngineProcess:
@@ -258,7 +218,9 @@ class EngineProcess:
         child.close()  # the child holds its end now: the pipe reads EOF once the child is gone
         self._store = private_store(self.folder, 2)
         self._wait("join the weights group", lambda: self._store.check([JOINED]))
-        self.group = self._guarded("join the weights group", lambda: _group(self._store, 0, timeout_s))
+        self.device = weights_device(str(engine_kwargs.get("device_type", "cpu")))  # the buckets' (NCCL or gloo)
+        self.group = self._guarded("join the weights group",
+                                   lambda: weights_group(self._store, 0, timeout_s, self.device))
         ready = self._receive("ready", "start (build its vLLM engine)")
         self.dtype = getattr(torch, ready["dtype"].removeprefix("torch."))
         self.cuda_visible_devices: str | None = ready["cuda_visible_devices"]  # as the child saw it
@@ -356,7 +318,7 @@ class EngineProcess:
         """
         self._send(("weights", None), "receive weights")
         count = 0
-        for bucket in _buckets(named_tensors, self.bucket_bytes, self.dtype):
+        for bucket in buckets(named_tensors, self.bucket_bytes, self.dtype, self.device):
             self._send(("bucket", [(name, tuple(t.shape), t.dtype) for name, t in bucket]), "receive weights")
             flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])  # one dtype: aligned views
             self._guarded("receive the weights broadcast", partial(self._broadcast, flat))
