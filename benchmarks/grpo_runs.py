@@ -134,6 +134,7 @@ def fit_config(args: argparse.Namespace, workdir: Path, curriculum: dict | None 
     model["rollout"].update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
                             temperature=args.temperature, reward_weights=train_weights(args), env_path=ENV)
     model["dapo"] = {"overlong_cache_length": args.overlong_cache or None}
+    model["rollout"]["gate_shaping"] = False  # the benchmarks' own settings (TRL has no gate): the recipe's is off here
     data.update(path=data_spec(args), val_path=None, batch_size=args.prompts)
     if curriculum is not None:
         data["curriculum"] = curriculum

@@ -52,13 +52,16 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "asset:SmolLM2-135M-Instruct"
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py")
 MAX_NEW_TOKENS = 32  # the recipe's
-# Named overlays on rl_lightning/cli/demo.yaml.
+# Named overlays on rl_lightning/cli/demo.yaml (over recipes/real/grpo.yaml). Since stop 44 the recipe's default
+# is the gated length punishment: "demo" is that default, "ungated" the demo's default before (its records were
+# named "demo" then, and the gated ones "gated_shaping"; the results file was relabelled with the change).
 SETTINGS: dict[str, dict[str, Any]] = {
     "demo": {},
+    "ungated": {"model": {"init_args": {"rollout": {"gate_shaping": False}}}},
     "mask_truncated": {"model": {"init_args": {"dapo": {"overlong_cache_length": None, "mask_truncated": True}}}},
     "kl_anchor": {"model": {"init_args": {"kl": {"coef": 0.05}}}},
     "lr1e-5": {"model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
-    "gated_shaping": {"model": {"init_args": {"rollout": {"gate_shaping": True}}}},
+    "ungated_lr1e-5": {"model": {"init_args": {"rollout": {"gate_shaping": False}, "lm": {"optim": {"lr": 1.0e-5}}}}},
 }
 
 
@@ -164,6 +167,8 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
     order = list(dict.fromkeys([*PANEL, *SKIPPED, *(r["task"] for r in records)]))
     tasks = [t for t in order if any(r["task"] == t for r in records)]
     runs = [r for r in records if r["setting"] != BASE]
+    settings = [s for s in [*SETTINGS, *(r["setting"] for r in runs)] if any(r["setting"] == s for r in runs)]
+    settings = list(dict.fromkeys(settings))  # the SETTINGS order: the default first
     skipped = "; ".join(f"`{t}` {why}" for t, why in SKIPPED.items()) or "none"
     return "\n".join([
         "**The panel (issue 40): held-out greedy accuracy before and after GRPO, on CPU.**", "",
@@ -175,7 +180,11 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "```bash", "python benchmarks/panel.py --base                        # base accuracies",
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        table(records, tasks), "",
+        table(records, tasks, settings), "",
+        "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default since stop 44 "
+        "(correctness, the length punishment over the last 8 of 32 tokens counted only in groups with a correct "
+        "completion); `ungated` the default before (the punishment everywhere); `mask_truncated` no punishment, "
+        "truncated completions out of the loss; `ungated_lr1e-5` the old default at half the learning rate.", "",
         f"Panel: {', '.join(f'`{t}`' for t in PANEL)}. Passed over by the rule: {skipped}.", "",
         f"{len(runs)} GRPO units finished; fit wall times (loaded 2-core machine): "
         + (", ".join(f"{r['fit_s']} s" for r in runs) or "none yet") + "."])
