@@ -55,6 +55,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="weight of the `format` reward component in training (`correct` has 1); 0: correctness only")
     p.add_argument("--overlong-cache", type=int, default=0,
                    help="DAPO's soft overlong punishment over the last N of --max-new-tokens (0: off)")
+    p.add_argument("--gate-shaping", action="store_true",
+                   help="shaping (format, overlong punishment) only in groups with a correct completion (the recipe's "
+                        "model.rollout.gate_shaping; TRL: the same gate applied to its reward functions)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--samples", type=int, default=4, help="sampled completions per held-out question (pass@K)")
     p.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
@@ -134,7 +137,7 @@ def fit_config(args: argparse.Namespace, workdir: Path, curriculum: dict | None 
     model["rollout"].update(responses_per_prompt=args.group, max_new_tokens=args.max_new_tokens, engine=args.engine,
                             temperature=args.temperature, reward_weights=train_weights(args), env_path=ENV)
     model["dapo"] = {"overlong_cache_length": args.overlong_cache or None}
-    model["rollout"]["gate_shaping"] = False  # the benchmarks' own settings (TRL has no gate): the recipe's is off here
+    model["rollout"]["gate_shaping"] = args.gate_shaping  # the flag, not the recipe's default (TRL's runs match it)
     data.update(path=data_spec(args), val_path=None, batch_size=args.prompts)
     if curriculum is not None:
         data["curriculum"] = curriculum

@@ -58,6 +58,19 @@ def train_ours(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------------- TRL run
 
 
+def gated(shaping: Any, correct: Any, group: int) -> Any:
+    """TRL reward function `shaping`, counted only in groups (`group` consecutive completions, TRL's order) where
+    `correct` scores a completion > 0 (`rl_lightning.algorithms.dapo.gated_shaping` with no correctness term)."""
+    from rl_lightning.algorithms.dapo import gated_shaping
+
+    def reward(completions: list, **kwargs: Any) -> list[float]:
+        values = shaping(completions=completions, **kwargs)
+        return gated_shaping(values, correct(completions, **kwargs), group, 0.0)
+
+    reward.__name__ = getattr(shaping, "__name__", "shaping")  # TRL logs a reward under its function's name
+    return reward
+
+
 def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     """TRL's GRPOTrainer on the same data, reward and budget (runs in its own process)."""
     import torch
@@ -90,11 +103,14 @@ def train_trl(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
                 lr_log.append(logs.get("learning_rate", float("nan")))
                 times.append(time.time())
 
-    weights, functions = grpo_runs.train_weights(args), [correct, format]
+    weights = grpo_runs.train_weights(args)
+    functions: list[Any] = [correct, format]
     if args.overlong_cache:  # DAPO's soft overlong punishment, TRL's own implementation (the same eq. 13 as ours)
         from trl.rewards import get_soft_overlong_punishment
 
         functions.append(get_soft_overlong_punishment(args.max_new_tokens, args.overlong_cache))
+    if args.gate_shaping:  # each shaping function counts only in groups with a correct completion, as ours
+        functions = [correct, *(gated(f, correct, args.group) for f in functions[1:])]
     path = grpo_runs.base_model(args)
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=args.seed, max_steps=args.rollouts,

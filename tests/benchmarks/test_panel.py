@@ -53,3 +53,19 @@ def test_train_and_held_out_paths_share_the_sizes_and_data_seed():
         "reasoning_gym:count_bits?train_size=1000&test_size=256&seed=0&split=train"
     assert short_name(SUMS) == "chain_sum_min_terms2_max_terms2_max_digits2"
     assert json.loads(json.dumps(PANEL)) == list(PANEL)
+
+
+def test_trls_gated_shaping_matches_ours_on_trls_group_order():
+    """`real_grpo.gated`: a TRL reward function counted only in groups (consecutive completions, TRL's order) with a
+    correct completion, by our `gated_shaping`; TRL logs it under the wrapped function's name."""
+    import real_grpo
+
+    def overlong(completions, **_):
+        return [-0.5, -1.0, 0.0, -0.25]
+
+    def correct(completions, answer, **_):
+        return [0.0, 0.0, 1.0, 0.0]
+
+    wrapped = real_grpo.gated(overlong, correct, group=2)
+    assert wrapped(completions=["a", "b", "c", "d"], answer=["1"] * 4) == [0.0, 0.0, 0.0, -0.25]
+    assert wrapped.__name__ == "overlong"
