@@ -4,7 +4,7 @@
 a spawned process (not a trainer rank: it joins no trainer group). Prompts, sampling parameters and completions
 travel over a pipe; weights are broadcast from the trainer process over a two-member group built from a
 ``FileStore`` of its own, separate from the trainer's default group: NCCL from the trainer's GPU to the engine's on
-CUDA (device to device, no host copy on either side), loopback gloo through host memory on the CPU
+CUDA (device to device; with ``restarts`` a host copy is also kept for a fresh engine), loopback gloo through host memory on the CPU
 (`rl_lightning.engines.weights_channel`). The trainer waiting on the pipe holds no GIL, so with the asynchronous
 rollouts of `rl_lightning.rollout.async_rollout` the engine generates truly in parallel with the update.
 
@@ -53,7 +53,7 @@ from rl_lightning.engines.local_channels import (
     remove_folder,
 )
 from rl_lightning.engines.protocol import Completion, SamplingParams
-from rl_lightning.engines.weights_channel import buckets, received, weights_device, weights_group
+from rl_lightning.engines.weights_channel import buckets, close_group, received, weights_device, weights_group
 from rl_lightning.parallel.local_group import loopback_environment
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -265,9 +265,11 @@ class EngineProcess:
             self._died(what)
 
     def _guarded(self, what: str, action: Callable[[], Any]) -> Any:
-        """`action()`, a collective with the child (bounded by the group's timeout); its failure in one line."""
+        """`action()`, a collective with the child (bounded by `timeout_s`); its failure in one line."""
         try:
             return action()
+        except EngineProcessError:
+            raise  # already one line: the child died or timed out while `action` waited
         except RuntimeError as e:
             if not self.process.is_alive():
                 self._died(what)
@@ -298,6 +300,8 @@ class EngineProcess:
         self.process.join(timeout=grace_s)
         if self.process.is_alive():
             self.process.kill()
+        if getattr(self, "group", None) is not None:  # a NCCL pair's pending work would never finish
+            close_group(self.group, self.device, abort=True)
         self.process.join(timeout=5)
         self._remove_folder()
 
@@ -335,7 +339,22 @@ class EngineProcess:
         return weights
 
     def _broadcast(self, flat: torch.Tensor) -> None:
-        self.group.broadcast(flat, 0).wait()
+        """One bucket to the child, waited for on the host (the work is polled).
+
+        NCCL's ``wait`` only orders the stream: polling makes a child that dies or hangs mid-push end in
+        `EngineProcessLost` within `timeout_s`, its communicator aborted (gloo's own wait raises when the child dies).
+        """
+        work, what = self.group.broadcast(flat, 0), "receive the weights broadcast"
+        deadline, pause = time.monotonic() + self.timeout_s, 1e-4
+        while not work.is_completed():
+            if not self.process.is_alive():
+                close_group(self.group, self.device, abort=True)
+                self._died(what)
+            if time.monotonic() >= deadline:
+                self._timed_out(what)  # stops the child and aborts the communicator
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
+        work.wait()
 
     def wake(self) -> None:
         """The engine owns its device and never sleeps: nothing to wake."""
@@ -351,5 +370,6 @@ class EngineProcess:
             self.process.join(timeout=self.timeout_s)
             if self.process.is_alive():
                 self._timed_out("exit after closing its engine")
+            close_group(self.group, self.device, abort=False)
         self.process.join(timeout=5)
         self._remove_folder()

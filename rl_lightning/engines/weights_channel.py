@@ -2,7 +2,7 @@
 
 The trainer (rank 0) and the engine process (rank 1) meet on a ``FileStore`` of their own (`rl_lightning.engines.
 process`). On CUDA, with NCCL, the group is a ``ProcessGroupNCCL`` and the buckets stay on the GPUs: the trainer's
-gathered tensors are broadcast from its device into a buffer on the engine's (no host copy on either side). On the
+gathered tensors are broadcast from its device into a buffer on the engine's (no host copy in the push). On the
 CPU it is a loopback gloo group over host memory. vLLM 0.32's own weight-transfer API (``WeightTransferConfig``)
 has no CPU transport, so this one serves both with the same code. NCCL's bootstrap listens where the trainer's own
 NCCL does (``NCCL_SOCKET_IFNAME``); the engine process's side binds loopback.
@@ -13,6 +13,7 @@ pipe and its data in one flat byte broadcast; the engine side (`received`) hands
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -39,6 +40,19 @@ def weights_group(store: Any, rank: int, timeout_s: float, device: torch.device)
 
         return dist.ProcessGroupNCCL(store, rank, 2, nccl_options(timeout))
     return loopback_gloo(store, rank, 2, timeout)
+
+
+def close_group(group: Any, device: torch.device, abort: bool) -> None:
+    """Release a NCCL pair's communicator: ``abort`` when the other side died or hangs, else ``shutdown``.
+
+    A dead peer's pending work would never finish; a gloo pair needs nothing (its sockets close with the object).
+    """
+    if device.type != "cuda":
+        return
+    release = getattr(group, "abort" if abort else "shutdown", None)
+    if release is not None:
+        with contextlib.suppress(RuntimeError):
+            release()
 
 
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype,

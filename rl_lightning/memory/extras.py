@@ -79,5 +79,8 @@ def asleep_bytes(device: str, engine_kind: str | None, awake_while_training: boo
 
 
 def gather_bucket_bytes(engine_kind: str | None, bucket: int, weights: float) -> float:
-    """An engine process (memory kind ``process``): one bucket of full weights gathered to be sent (the rollout)."""
-    return float(min(bucket, weights)) if engine_kind == "process" else 0.0
+    """An engine process (memory kind ``process``): a bucket of gathered full weights, twice (the rollout).
+
+    The gathered tensors and the flat buffer they are copied into for the broadcast.
+    """
+    return 2.0 * min(bucket, weights) if engine_kind == "process" else 0.0

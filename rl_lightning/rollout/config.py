@@ -96,12 +96,13 @@ class RolloutConfig:
         correctness_component: the reward component that says the answer is right (default: ``correct`` if the
             environment has one); the other components and the length punishment are the shaping.
         stop_on_shaping: stop the run, in one line, the first time the shaping dominates, with the trainable weights
-            that scored the best correctness put back (held-out once validation ran; kept on the host: one copy of
-            the trainable weights per rollout, each rank its shards).
+            that scored the best correctness put back (held-out once validation ran; kept on the host: two copies of
+            the trainable weights, the best and the candidate, one taken per rollout, each rank its shards).
         gate_shaping: the shaping (every component but `correctness_component`, and DAPO's length punishment) counts
             only in prompt groups with at least one correct completion (correctness > 0); in the others each reward
-            is its weighted correctness, so a group of wrong answers gives no gradient (`rl_lightning.algorithms.dapo.
-            gated_shaping`). Needs ``reward_combination: weighted_sum``.
+            is its weighted correctness, so a group of wrong answers learns nothing from the shaping (and nothing at
+            all when wrong answers score 0; `rl_lightning.algorithms.dapo.gated_shaping`). Needs
+            ``reward_combination: weighted_sum``.
 
     Validation (``data.val_path``, or each named set of ``data.val_paths``) scores `val_responses_per_prompt`
     completions per held-out prompt (``val/reward``, the mean); with ``trainer.num_sanity_val_steps: -1`` the

@@ -38,7 +38,9 @@ def shape(trajectories: list[Trajectory], config: RolloutConfig, dapo: DAPOConfi
             t.reward = reward
     if config.gate_shaping:
         name = correctness_name(config)
-        weight = float((config.reward_weights or {}).get(name, 1.0))
+        model = config.reward_model  # the correctness may be the reward model's component, with its own weight
+        weight = float(model.weight if model is not None and model.name == name else
+                       (config.reward_weights or {}).get(name, 1.0))
         gated = gated_shaping([t.reward for t in trajectories], [t.reward_components[name] for t in trajectories],
                               group_size, weight)
         for t, reward in zip(trajectories, gated, strict=True):

@@ -104,7 +104,7 @@ class BestWeights:
     A rollout's training correctness judges the weights that sampled it, those before its update: `take` copies them
     at the rollout's start (the candidate) and `consider` keeps the candidate when its score is the best. A held-out
     correctness judges the weights of the moment: `consider_now`. Once a held-out value exists, only held-out values
-    count (the best is chosen again among them). Costs one host copy of the trainable weights per rollout. With
+    count (the best is chosen again among them). Costs two host copies of the trainable weights (the best and the candidate), one taken per rollout. With
     asynchronous rollouts (``async_steps: 1``) a rollout was sampled one update before its start: the weights kept
     are then one update newer than those that scored.
     """

@@ -109,3 +109,54 @@ def test_a_push_goes_device_to_device_over_nccl():
             p.join(timeout=30)
         remove_folder(folder)
     assert os.path.exists(folder) is False
+
+
+class _NeverDone:
+    """NCCL's work when the peer is gone: ``wait`` returns at once (it orders the stream), it never completes."""
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        return True
+
+
+class _PairStandIn:
+    def __init__(self):
+        self.calls = []
+
+    def broadcast(self, flat, root):
+        return _NeverDone()
+
+    def abort(self):
+        self.calls.append("abort")
+
+
+def _idle(seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("child", ["dies", "hangs"])
+def test_a_push_to_a_lost_nccl_peer_ends_in_one_line_and_aborts_the_communicator(child):
+    """Before, the trainer called ``wait()`` (which returns at once on NCCL) and went on: a lost child left a
+    broadcast that never finished on the trainer's stream. Now the work is polled: a dead child is noticed at once,
+    a hung one within ``timeout_s``; either way the communicator is aborted and the error is one line."""
+    from rl_lightning.engines.process import EngineProcess, EngineProcessLost
+
+    context = mp.get_context("spawn")
+    engine = EngineProcess.__new__(EngineProcess)  # the trainer side only: no vLLM, a stand-in for the NCCL pair
+    engine.connection, _ = context.Pipe()
+    engine.process = context.Process(target=_idle, args=(0 if child == "dies" else 60,), daemon=True)
+    engine.process.start()
+    if child == "dies":
+        engine.process.join(timeout=30)
+    engine.group, engine.device, engine.timeout_s = _PairStandIn(), torch.device("cuda"), 1.0
+    engine._remove_folder = lambda: None
+    with pytest.raises(EngineProcessLost) as error:
+        engine._guarded("receive the weights broadcast", lambda: engine._broadcast(torch.zeros(4, dtype=torch.uint8)))
+    message = str(error.value)
+    assert "\n" not in message and "receive the weights broadcast" in message
+    assert ("exited with code 0" in message) if child == "dies" else ("within model.rollout.engine.timeout_s=1 s" in message)
+    assert engine.group.calls[:1] == ["abort"] and not engine.process.is_alive()
