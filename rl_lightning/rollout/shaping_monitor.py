@@ -191,6 +191,7 @@ class ShapingMonitorCallback(L.Callback):
             return
         monitor = self._monitor(list(rollout.reward_names))
         if not monitor.enabled:
+            self.best = None  # nothing to monitor: drop the first rollout's candidate copy, take no more
             return
         components = {name: float(logged[f"train/reward/{name}"]) for name in rollout.reward_names}
         verdict = monitor.observe(trainer.global_step, float(logged["train/reward"]), components)
