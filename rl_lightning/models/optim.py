@@ -149,7 +149,14 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, parameters: Iterable[torch
     so every rank decides alike) skips the step: the gradients are dropped, and the parameters, optimizer state,
     schedule and ``trainer.global_step`` stay as they were. `skipped` (the task's, checkpointed) counts it under
     `index` (the optimizer's place among the task's, None for the only one); ``optim.max_skipped_steps`` in a row
-    raise `TrainingError`. The metrics (``train/skipped_steps``, the run's count) are the caller's to log.
+    raise `TrainingError`.
+
+    A gradient that is zero everywhere (a rollout in which every advantage is zero: no group told its samples apart)
+    leaves the parameters and the optimizer state as they were, while the schedule and ``trainer.global_step``
+    advance: the gradients are dropped before the step, and AdamW passes over parameters without one. Stepped on a
+    zero gradient, AdamW's momentum would go on moving the weights along the last rollouts' direction, on a batch
+    with nothing to learn (on a task where correct samples are rare, most rollouts). `skipped` counts these steps
+    too. The metrics (``train/skipped_steps`` and ``train/empty_steps``, the run's counts) are the caller's to log.
 
     Args:
         optimizer: the optimizer (a task's ``optimizers()`` entry: it steps through the strategy).
@@ -160,17 +167,22 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, parameters: Iterable[torch
         index: the optimizer's index among the task's, or None.
 
     Returns:
-        The pre-clip gradient norm and ``{"train/skipped_steps": count}``.
+        The pre-clip gradient norm and ``{"train/skipped_steps": count, "train/empty_steps": count}``.
     """
     with phase("train/optimizer_step"):
         grad_norm = clip_grad_norm(parameters, optim.max_grad_norm)
-        finite = math.isfinite(grad_norm.item())  # clipping has synchronised already
+        norm = grad_norm.item()  # global: clipping has synchronised already, so every rank decides alike
+        finite = math.isfinite(norm)
+        if norm == 0.0:
+            optimizer.zero_grad(set_to_none=True)
+            skipped.empty += 1
         if finite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if finite:
             lr_scheduler.step()
-    return grad_norm, {"train/skipped_steps": float(skipped.count(finite, index, optim.max_skipped_steps, grad_norm))}
+    total = skipped.count(finite, index, optim.max_skipped_steps, grad_norm)
+    return grad_norm, {"train/skipped_steps": float(total), "train/empty_steps": float(skipped.empty)}
 
 
 class SkippedStepsState:
@@ -193,21 +205,25 @@ class SkippedStepsState:
         """Store the counts (none before the first step)."""
         skipped = self.skipped_steps
         if skipped is not None:
-            checkpoint["skipped_steps"] = {"total": skipped.total, "streaks": list(skipped.streaks.items())}
+            checkpoint["skipped_steps"] = {"total": skipped.total, "streaks": list(skipped.streaks.items()),
+                                           "empty": skipped.empty}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Restore the counts (a checkpoint from before they were stored has none)."""
         state = checkpoint.get("skipped_steps")
         if state is not None:
-            self.skipped_steps = SkippedSteps(state["total"], dict(map(tuple, state["streaks"])))
+            streaks = dict(map(tuple, state["streaks"]))
+            self.skipped_steps = SkippedSteps(state["total"], streaks, state.get("empty", 0))  # stored since stop 45
 
 
 @dataclass
 class SkippedSteps:
-    """Optimizer steps skipped for a non-finite gradient norm: the run's total and the current streak per optimizer."""
+    """Optimizer steps skipped for a non-finite gradient norm: the run's total and the current streak per optimizer;
+    and the steps on an all-zero gradient (`empty`), which change no parameter."""
 
     total: int = 0
     streaks: dict[int | None, int] = field(default_factory=dict)
+    empty: int = 0
 
     def count(self, finite: bool, index: int | None, limit: int, grad_norm: torch.Tensor) -> int:
         """Record a step of optimizer `index`; returns the total; raises `TrainingError` at `limit` skipped in a row."""

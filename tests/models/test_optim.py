@@ -129,10 +129,43 @@ def test_optimizer_step_returns_its_metrics_and_writes_nothing_on_the_module():
     attributes, skipped = set(vars(module)), SkippedSteps()
     module.weight.grad = torch.tensor([[3.0, 4.0]])
     norm, metrics = optimizer_step(optimizer, schedule, module.parameters(), OptimConfig(max_grad_norm=0.0), skipped)
-    assert float(norm) == 5.0 and metrics == {"train/skipped_steps": 0.0}
+    assert float(norm) == 5.0 and metrics == {"train/skipped_steps": 0.0, "train/empty_steps": 0.0}
     assert module.weight.tolist() == [[-0.5, -1.0]] and schedule.last_epoch == 1  # 1 - 0.5 * (3, 4)
     module.weight.grad = torch.tensor([[float("nan"), 1.0]])
     norm, metrics = optimizer_step(optimizer, schedule, module.parameters(), OptimConfig(), skipped, index=0)
-    assert metrics == {"train/skipped_steps": 1.0} and (skipped.total, skipped.streaks) == (1, {None: 0, 0: 1})
+    assert metrics == {"train/skipped_steps": 1.0, "train/empty_steps": 0.0} and (skipped.total, skipped.streaks) == (1, {None: 0, 0: 1})
     assert module.weight.tolist() == [[-0.5, -1.0]] and schedule.last_epoch == 1 and module.weight.grad is None
     assert set(vars(module)) == attributes  # no state left on the module
+
+
+def test_a_zero_gradient_moves_no_weight_and_no_moment_but_advances_the_schedule():
+    """A rollout in which every advantage is zero gives a gradient of exact zeros. AdamW stepped on it would go on
+    moving the weights with its momentum (the control below); `optimizer_step` drops the gradients first, so the
+    parameters and both moments stay bit-equal, the schedule advances and ``train/empty_steps`` counts it."""
+    from rl_lightning.models.optim import SkippedSteps, adamw, optimizer_step
+
+    def step_twice(skip: bool):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, 2)
+        optimizer = adamw(module, 1e-2, 0.1, (0.9, 0.999), 1e-8)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        skipped = SkippedSteps()
+        for grad_scale in (1.0, 0.0):  # a rollout with signal, then one without
+            for p in module.parameters():
+                p.grad = torch.full_like(p, 0.5) * grad_scale
+            if grad_scale == 0.0:
+                before = [t.clone() for t in [*module.parameters(), *(v for s in optimizer.state.values()
+                                                                      for v in s.values())]]
+            if skip:
+                _, metrics = optimizer_step(optimizer, schedule, module.parameters(), OptimConfig(), skipped)
+            else:
+                optimizer.step()
+                schedule.step()
+        after = [*module.parameters(), *(v for s in optimizer.state.values() for v in s.values())]
+        return before, after, schedule.last_epoch, (metrics if skip else None)
+
+    before, after, epoch, _ = step_twice(skip=False)
+    assert not torch.equal(before[0], after[0])  # control: plain AdamW moves the weights on a zero gradient
+    before, after, epoch, metrics = step_twice(skip=True)
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    assert epoch == 2 and metrics == {"train/skipped_steps": 0.0, "train/empty_steps": 1.0}
