@@ -62,7 +62,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "kl_anchor": {"model": {"init_args": {"kl": {"coef": 0.05}}}},
     "lr1e-5": {"model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
     "ungated_lr1e-5": {"model": {"init_args": {"rollout": {"gate_shaping": False}, "lm": {"optim": {"lr": 1.0e-5}}}}},
+    "trl": {},  # TRL's GRPOTrainer with the default's settings (`train_trl`)
 }
+# The default's settings as `benchmarks/real_grpo.py`'s flags, for TRL: the demo's size and lr, correctness only,
+# the soft overlong punishment over the last 8 tokens, gated on a correct completion in the group.
+TRL_FLAGS = {"rollouts": 10, "prompts": 8, "group": 4, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7,
+             "lr": 2e-5, "warmup": 2, "format_weight": 0.0, "overlong_cache": 8, "gate_shaping": True}
 
 
 def unit_overlay(task: str) -> dict[str, Any]:
@@ -122,14 +127,38 @@ def curves(workdir: Path) -> dict[str, list[float]]:
     return out
 
 
+def _trl_child(folder: str, task: str, seed: int, threads: int) -> None:
+    """``--_trl``: TRL's GRPOTrainer on the unit's training data with `TRL_FLAGS` (`real_grpo.train_trl`)."""
+    import real_grpo
+
+    args = argparse.Namespace(**TRL_FLAGS, model=MODEL, seed=seed, threads=threads,
+                              train_data=data_path(task, "train"))
+    print(json.dumps(real_grpo.train_trl(args, Path(folder))))
+
+
+def trl_curves(folder: Path) -> dict[str, list[float]]:
+    """A TRL unit's per-rollout training correctness (the ``--_trl`` child's last output line)."""
+    result = json.loads((folder / "fit.log").read_text().strip().splitlines()[-1])
+    return {"train/reward/correct": [round(v, 4) for v in result["curve_correct"]]}
+
+
 def train(task: str, seed: int, setting: str, folder: Path, threads: int) -> tuple[Path, float]:
-    """The unit's GRPO fit through the CLI in `folder`; its export folder and wall time."""
+    """The unit's GRPO fit (through the CLI, or TRL's for ``trl``) in `folder`; its export folder and wall time."""
     import yaml
 
     overlay = SETTINGS[setting]
     if folder.exists():
         shutil.rmtree(folder)  # a unit killed half-way starts again from scratch
     folder.mkdir(parents=True)
+    if setting == "trl":
+        command = [sys.executable, __file__, "--_trl", str(folder), "--tasks", task, "--seeds", str(seed),
+                   "--threads", str(threads)]
+        start = time.perf_counter()
+        with (folder / "fit.log").open("w") as log:
+            done = subprocess.run(command, cwd=folder, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode:
+            raise RuntimeError(f"TRL fit of {task} seed {seed} failed; see {folder / 'fit.log'}")
+        return folder / "export", time.perf_counter() - start
     (folder / "setting.yaml").write_text(yaml.safe_dump(overlay or {"model": {"init_args": {}}}))
     (folder / "unit.yaml").write_text(yaml.safe_dump(unit_overlay(task)))
     command = [sys.executable, "-m", "rl_lightning", "fit", "--config", "real/grpo", "--config",
@@ -156,9 +185,10 @@ def run_unit(unit: tuple[str, int, str], args: argparse.Namespace) -> dict[str, 
         return record
     export, seconds = train(task, seed, setting, folder, args.threads)
     record.update(measure(str(export), task, folder, args.threads), fit_s=round(seconds),
-                  curves=curves(folder))
-    if not args.keep_models:
-        shutil.rmtree(export.parents[2])  # the run's outputs (about 0.5 GB per export); the log and MLflow stay
+                  curves=trl_curves(folder) if setting == "trl" else curves(folder))
+    if not args.keep_models:  # the run's outputs (about 0.5 GB per export); the log and MLflow stay
+        shutil.rmtree(export if setting == "trl" else export.parents[2])
+        shutil.rmtree(folder / "trl", ignore_errors=True)  # TRL's output_dir
     return record
 
 
@@ -214,10 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per process")
     p.add_argument("--keep-models", action="store_true", help="keep each run's export and outputs")
     p.add_argument("--_eval", help=argparse.SUPPRESS)
+    p.add_argument("--_trl", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tasks = _tasks(args.tasks)
     if args._eval:
         return _eval_child(args._eval, tasks[0], args.threads)
+    if args._trl:
+        return _trl_child(args._trl, tasks[0], int(args.seeds), args.threads)
     settings = _list(args.settings)
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:

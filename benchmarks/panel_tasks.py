@@ -36,6 +36,7 @@ PRODUCTS = "reasoning_gym:products?min_terms=2&max_terms=2&min_digits=1&max_digi
 FIXED = (SUMS, PRODUCTS)
 TRAIN_SIZE, TEST_SIZE, DATA_SEED = 1000, 256, 0
 MAX_ANSWER_CHARS, MAX_QUESTION_CHARS, GENERATE_S = 4, 600, 60
+WIDENED_ANSWER_CHARS, PLACEHOLDERS = 8, ("None",)  # step 4
 ACCEPT = (0.02, 0.40)  # base greedy accuracy a candidate must have
 # Step 3's outcome (benchmarks/results/panel_cpu.md has the base accuracies): the accepted candidates, in order, and
 # the ones passed over.
@@ -72,9 +73,12 @@ def check_candidate(name: str) -> dict[str, Any]:
     answer = max(len(r["answer"].strip()) for r in rows)
     question = max(len(r["question"]) for r in rows)
     integers = all(re.fullmatch(r"-?\d+", r["answer"].strip()) for r in rows)
+    placeholder = any(r["answer"].strip() in PLACEHOLDERS for r in rows)
     passes = integers and answer <= MAX_ANSWER_CHARS and question <= MAX_QUESTION_CHARS
-    return {"task": name, "passes": passes, "max_answer_chars": answer, "max_question_chars": question,
-            "integer_answers": integers, "example": [rows[0]["question"][:80], rows[0]["answer"]]}
+    widened = not placeholder and answer <= WIDENED_ANSWER_CHARS and question <= MAX_QUESTION_CHARS
+    return {"task": name, "passes": passes, "passes_step4": widened and not passes, "max_answer_chars": answer,
+            "max_question_chars": question, "integer_answers": integers, "placeholder_answers": placeholder,
+            "example": [rows[0]["question"][:80], rows[0]["answer"]]}
 
 
 def _child(name: str, queue: Any) -> None:

@@ -42,6 +42,7 @@ COUNTERS: dict[str, float | None] = {
     "train/refills": 0.0,
     "train/reward_failures": 0.0,
     "train/skipped_steps": 0.0,
+    "train/empty_steps": 0.0,  # optimizer steps on an all-zero gradient (rl_lightning.models.optim.optimizer_step)
     "rollout/reward_timeouts": 0.0,
     "rollout/engine_restarts": 0.0,  # engine: vllm_process
     "rollout/reward_model_failures": 0.0,  # failed requests to a served reward model
