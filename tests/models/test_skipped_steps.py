@@ -56,6 +56,25 @@ def _same(a, b) -> bool:
                                                                                                   strict=True))
 
 
+class ScriptedRewards(L.Callback):
+    """Rewards 0, 1, 0, 1... in every prompt group (the tiny model scores 0 on every arithmetic prompt), except in
+    training batches `equal`, where every completion scores 0: every advantage is zero, as in a rollout where no
+    prompt group tells its samples apart."""
+
+    def __init__(self, equal: list[int]) -> None:
+        self.equal = equal
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        step = pl_module.training_step  # the rollout is attached after every callback's on_train_batch_start
+
+        def training_step(batch, batch_idx):
+            for i, trajectory in enumerate(batch["rollout"].trajectories):
+                trajectory.reward = 0.0 if batch_idx in self.equal else float(i % 2)
+            return step(batch, batch_idx)
+
+        pl_module.training_step = training_step
+
+
 def _sft(callbacks, max_steps=3, **trainer_kwargs):
     L.seed_everything(0)
     data = SFTDataModule(str(DEMO_DATA / "sft.jsonl"), tokenizer_name=str(TINY_MODEL), batch_size=4, max_length=96,
@@ -72,8 +91,8 @@ def _pairs(task):
     return run
 
 
-def _ppo(callbacks):
-    return run_ppo(rollouts=3, callbacks=callbacks, optim=OPTIM)[1]
+def _ppo(callbacks):  # scripted rewards: the tiny model's own are all 0, and an all-zero gradient moves nothing
+    return run_ppo(rollouts=3, callbacks=[ScriptedRewards(equal=[]), *callbacks], optim=OPTIM)[1]
 
 
 @pytest.mark.parametrize(("run", "poison", "steps"), [(_sft, NaNLoss, 3), (_pairs(DPO), NaNLoss, 3),
@@ -164,3 +183,17 @@ def test_skipped_step_counts_survive_a_checkpoint(task, tmp_path):
     restored = resumed.lightning_module.skipped_steps
     assert resumed.callback_metrics["train/skipped_steps"] == 1 and restored.total == 1
     assert list(restored.streaks.values()) == [0]  # the resumed run's step trained, ending the streak
+
+
+def test_a_ppo_rollout_with_nothing_to_learn_moves_no_weight():
+    """A real PPO fit whose second rollout scores every completion alike: that rollout's gradient is exactly zero,
+    and the parameters and AdamW's moments stay bit-equal across it (on the old code AdamW's momentum from the first
+    rollout moved every weight again); the schedule and the step count advance, ``train/empty_steps`` counts it,
+    and the next rollout trains."""
+    snapshots = Snapshots(at=1)
+    model, trainer = run_ppo(rollouts=4, callbacks=[ScriptedRewards(equal=[1]), snapshots], optim=OPTIM)
+    before, after, following = snapshots.states["before"], snapshots.states["after"], snapshots.states["next"]
+    assert _same(before, after)  # parameters and optimizer state
+    assert after[1] == [before[1][0] + 1] and after[2] == before[2] + 1  # the schedule and global step advance
+    assert not _same(after, following)  # the third rollout trains (of 4: the cosine schedule ends at lr 0)
+    assert trainer.callback_metrics["train/empty_steps"] == 1 and trainer.global_step == 4
