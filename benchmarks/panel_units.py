@@ -12,6 +12,7 @@ time and started again.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -77,9 +78,17 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
 
 
+def noise_points(accuracy: float, questions: int) -> float:
+    """Two standard errors of an accuracy measured on `questions` questions, in points: 2 sqrt(p (1 - p) / n)."""
+    return 200 * math.sqrt(accuracy * (1 - accuracy) / questions)
+
+
 def table(records: list[dict[str, Any]], tasks: list[str] | None = None, settings: list[str] | None = None) -> str:
-    """The Markdown table: per task its base greedy accuracy and, per setting, the mean ± sample std over seeds of
-    the accuracy after and the worst seed's change (min over seeds of after - base, in points).
+    """The Markdown table: per task its base greedy accuracy, the noise, and, per setting, the mean ± sample std over
+    seeds of the accuracy after and the worst seed's change (min over seeds of after - base, in points).
+
+    The noise is two standard errors of the base accuracy over the task's held-out questions, in points
+    (`noise_points`): a worst change below minus the noise is a loss, marked ✗.
 
     `tasks` / `settings` fix the rows' / columns' order (default: as first seen in `records`); a task's later record
     of one unit wins over an earlier one.
@@ -87,17 +96,19 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
     latest = {unit_key(r): r for r in records}
     tasks = tasks or list(dict.fromkeys(r["task"] for r in records))
     settings = settings or list(dict.fromkeys(r["setting"] for r in records if r["setting"] != BASE))
-    header = ["task", "base"]
+    header = ["task", "base", "noise (points)"]
     for setting in settings:
         header += [f"{setting}: after", f"{setting}: min Δ (points)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in tasks:
         base_record = latest.get((task, 0, BASE))
         base = base_record["greedy"] if base_record else None
-        row = [f"`{task}`", "" if base is None else f"{base:.3f}"]
+        noise = noise_points(base, base_record.get("questions", 256)) if base_record else None
+        row = [f"`{task}`", "" if base is None else f"{base:.3f}", "" if noise is None else f"{noise:.1f}"]
         for setting in settings:
             after = [r["greedy"] for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
-            worst = f"{100 * (min(after) - base):+.1f}" if after and base is not None else ""
+            change = 100 * (min(after) - base) if after and base is not None else None
+            worst = "" if change is None else f"{change:+.1f}" + (" ✗" if noise is not None and change < -noise else "")
             row += [_cell(after), worst]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

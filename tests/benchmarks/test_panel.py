@@ -39,11 +39,12 @@ def test_a_killed_sweep_resumes_with_the_units_not_yet_written(tmp_path):
 
 def test_table_has_base_mean_spread_and_worst_seed_change():
     text = table([SUMS_BASE, *RUNS]).splitlines()
-    assert text[0] == "| task | base | demo: after | demo: min Δ (points) |"
-    assert text[2] == "| `sums` | 0.250 | 0.400 ± 0.141 (2 seeds) | +5.0 |"  # mean 0.4, sample std, 0.3 - 0.25
-    assert text[3] == "| `products` | 0.200 | 0.100 (1 seed) | -10.0 |"
+    assert text[0] == "| task | base | noise (points) | demo: after | demo: min Δ (points) |"
+    # mean 0.4, sample std, 0.3 - 0.25; noise 2 sqrt(0.25 * 0.75 / 256) = 5.4 points
+    assert text[2] == "| `sums` | 0.250 | 5.4 | 0.400 ± 0.141 (2 seeds) | +5.0 |"
+    assert text[3] == "| `products` | 0.200 | 5.0 | 0.100 (1 seed) | -10.0 ✗ |"  # below minus the noise: a loss
     assert table([RUNS[0], {**RUNS[0], "greedy": 0.2}], settings=["demo"]).splitlines()[2] == \
-        "| `sums` |  | 0.200 (1 seed) |  |"  # a unit's later record wins; no base yet: no change
+        "| `sums` |  |  | 0.200 (1 seed) |  |"  # a unit's later record wins; no base yet: no change
 
 
 def test_train_and_held_out_paths_share_the_sizes_and_data_seed():
