@@ -5,7 +5,8 @@ task with ``model.lm.memory_check: false``; the prediction is the plan the task 
 (`rl_lightning.tasks.memory_check`, baseline measured then), the measurement the process's peak resident memory
 at the end of the fit (`rl_lightning.memory.phases.process_peak_mib`). Checkpoints are off: the plan covers the
 training step. The data is synthetic so micro-batches fill their budget: one short prompt and a long answer (SFT, DPO)
-or the demo arithmetic prompts with long sampled completions (GRPO).
+or the demo arithmetic prompts with long sampled completions, scored by their length's parity (GRPO: the rewards
+differ inside each group, so every step updates the weights and holds the optimizer state).
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_cpu.py            # every configuration, ~5 min on 2 cores
     python benchmarks/memory_plan_cpu.py --only sft-tiny,dpo-tiny      # some of them
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "rl_lightning" / "assets" / "tiny-qwen2")
 REAL = "asset:SmolLM2-135M-Instruct"
+PARITY_ENV = "def reward_fn(messages, answer):\n    return float(len(messages[-1]['content']) % 2)\n"
 WORDS = "the cat sat on a mat and then went home to eat some fish while the dog barked loudly at birds".split()
 
 # name: task, model, token budget, answer words per row (SFT/DPO; the tiny tokenizer is byte-level) or new tokens
@@ -93,8 +95,9 @@ def build(config: dict, tmp: str) -> tuple:
 
         engine = ({"engine": {"kind": "vllm", "kv_cache_memory_bytes": 256 << 20}} if config.get("engine") == "vllm"
                   else {})
-        rollout = RolloutConfig(str(ROOT / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), responses_per_prompt=4,
-                                max_new_tokens=words, reward_workers=0, **engine)
+        env = Path(tmp) / "parity_env.py"  # rewards that differ inside a group: each rollout really updates (a
+        env.write_text(PARITY_ENV)           # step on an all-zero gradient creates no optimizer state at all)
+        rollout = RolloutConfig(str(env), responses_per_prompt=4, max_new_tokens=words, reward_workers=0, **engine)
         path = f"{tmp}/prompts.jsonl"
         write_prompts(path, 4 * rows)
         data = PromptDataModule(path, tokenizer_name=model, batch_size=rows, shuffle=False)

@@ -178,7 +178,7 @@ def run_unit(unit: tuple[str, int, str], args: argparse.Namespace) -> dict[str, 
     """Measure one unit; its JSON record."""
     task, seed, setting = unit
     folder = args.workdir / short_name(task) / (BASE if setting == BASE else f"{setting}_seed{seed}")
-    record: dict[str, Any] = {"task": task, "seed": seed, "setting": setting, "model": MODEL,
+    record: dict[str, Any] = {"task": task, "seed": seed, "setting": setting, "model": MODEL, "threads": args.threads,
                               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if setting == BASE:
         record.update(measure(MODEL, task, folder, args.threads))

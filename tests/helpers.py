@@ -28,6 +28,10 @@ def free_port() -> int:
 FORKSERVER_PRELOAD = ["torch", "lightning", "transformers", "rl_lightning.data", "rl_lightning.parallel",
                       "rl_lightning.tasks"]
 ENV_AT_START = dict(os.environ)  # the fork server starts with this, not with a test's monkeypatched environment
+# ... and with this import path: the CLI puts its working directory first on sys.path, and a fork server started
+# inside a CLI test (a tmp_path with symlinks to the package) would import rl_lightning from that folder, which is
+# deleted when the test passes: every later rank then fails to import the package's other modules.
+SYS_PATH_AT_START = list(sys.path)
 
 
 def _start_forkserver() -> None:
@@ -36,14 +40,16 @@ def _start_forkserver() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    now = dict(os.environ)
+    now, path = dict(os.environ), list(sys.path)
     os.environ.clear()
     os.environ.update(ENV_AT_START)
+    sys.path[:] = SYS_PATH_AT_START  # the fork server takes the import path it starts with
     try:
         forkserver.ensure_running()
     finally:
         os.environ.clear()
         os.environ.update(now)
+        sys.path[:] = path
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, env: dict, args: tuple) -> None:
