@@ -28,10 +28,11 @@ def free_port() -> int:
 FORKSERVER_PRELOAD = ["torch", "lightning", "transformers", "rl_lightning.data", "rl_lightning.parallel",
                       "rl_lightning.tasks"]
 ENV_AT_START = dict(os.environ)  # the fork server starts with this, not with a test's monkeypatched environment
-# ... and with this import path: the CLI puts its working directory first on sys.path, and a fork server started
-# inside a CLI test (a tmp_path with symlinks to the package) would import rl_lightning from that folder, which is
-# deleted when the test passes: every later rank then fails to import the package's other modules.
-SYS_PATH_AT_START = list(sys.path)
+# ... and with this import path and working folder: the CLI tests run in a tmp_path with symlinks to the package
+# (and the CLI puts its working folder first on sys.path; `python -m pytest` has '' there), so a fork server started
+# inside one would import rl_lightning from that folder, which is deleted when the test passes: every later rank then
+# fails to import the package's other modules.
+SYS_PATH_AT_START, CWD_AT_START = list(sys.path), os.getcwd()
 
 
 def _start_forkserver() -> None:
@@ -40,16 +41,18 @@ def _start_forkserver() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    now, path = dict(os.environ), list(sys.path)
+    now, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
     os.environ.clear()
     os.environ.update(ENV_AT_START)
-    sys.path[:] = SYS_PATH_AT_START  # the fork server takes the import path it starts with
+    sys.path[:] = SYS_PATH_AT_START  # the fork server takes the import path and the working folder it starts with
+    os.chdir(CWD_AT_START)
     try:
         forkserver.ensure_running()
     finally:
         os.environ.clear()
         os.environ.update(now)
         sys.path[:] = path
+        os.chdir(cwd)
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, env: dict, args: tuple) -> None:
