@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 
@@ -105,7 +106,9 @@ class GradientRecorder(L.Callback):
             self.micro_batches.append(len(batch["micro_batches"]))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()})
+        # an all-zero gradient is dropped before the step (`optimizer_step`: AdamW must not move on it): zeros here
+        self.grads.append({n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p.detach())
+                           for n, p in pl_module.model.named_parameters()})
 
 
 def fit(model, data, max_steps=1, callbacks=(), precision="32-true", **trainer_kwargs):
