@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from panel_tasks import PANEL, SKIPPED, data_path, short_name  # noqa: E402
-from panel_units import BASE, append_result, load_results, pending, sweep_units, table  # noqa: E402
+from panel_units import BASE, append_result, load_results, pending, plot, sweep_units, table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "asset:SmolLM2-135M-Instruct"
@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settings", default="demo", help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--base", action="store_true", help="only the base accuracies")
     p.add_argument("--table", action="store_true", help="print the Markdown table of --results and exit")
+    p.add_argument("--plot", type=Path, help="save the training curves of --settings (PNG) and exit")
     p.add_argument("--results", type=Path, default=Path("/tmp/rl_lightning_panel/results.jsonl"))
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rl_lightning_panel/runs"))
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per process")
@@ -257,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--settings: unknown {unknown}; pick from {', '.join(SETTINGS)}")
     if args.table:
         print(report(load_results(args.results), args.results))
+        return None
+    if args.plot:
+        records = load_results(args.results)
+        plot(records, list(dict.fromkeys([*PANEL, *(r["task"] for r in records)])), settings, args.plot)
         return None
     units = sweep_units(tasks, [int(s) for s in _list(args.seeds)], [] if args.base else settings)
     for unit in pending(units, load_results(args.results)):

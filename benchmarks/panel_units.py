@@ -112,3 +112,37 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
             row += [_cell(after), worst]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], tasks: list[str], settings: list[str], path: Path) -> None:
+    """``--plot``: each task's training correctness per rollout (``train/reward/correct``), a line per seed of each
+    of `settings`, with the held-out accuracy before and after in the title; saved as the PNG `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latest = {unit_key(r): r for r in records}
+    shown = [t for t in tasks if any(t == k[0] and k[2] in settings for k in latest)]
+    columns = 3
+    rows = max(1, math.ceil(len(shown) / columns))
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, shown, strict=False):
+        base = latest.get((task, 0, BASE), {}).get("greedy")
+        for i, setting in enumerate(settings):
+            runs = [r for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
+            after = ", ".join(f"{x['greedy']:.2f}" for x in runs)
+            for r in runs:
+                curve = (r.get("curves") or {}).get("train/reward/correct") or []
+                ax.plot(range(1, len(curve) + 1), curve, color=f"C{i}", alpha=0.8, linestyle="-" if i == 0 else "--",
+                        label=f"{setting} (after: {after})" if r is runs[0] else None)
+        name = task.split(":", 1)[1].split("?")[0]
+        ax.set_title(f"{name}: base {base:.2f}" if base is not None else name, fontsize=10)
+        ax.set_xlabel("rollout", fontsize=8)
+        ax.set_ylabel("training correctness", fontsize=8)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
