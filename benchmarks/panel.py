@@ -6,7 +6,7 @@ the demo's two-term sums and products of two 1-2-digit numbers (`benchmarks/resu
 alphabetical order, reasoning-gym tasks with their default config whose answers are short integers (at most 4
 characters) and whose questions are short (at most 600 characters), each accepted when the starting model's greedy
 accuracy on its 256 held-out questions is in [0.02, 0.40] and passed over for the next one otherwise, until four are
-(the 13 candidates gave three: the panel has five tasks until the rule's step 4 is measured).
+(the 13 candidates gave three; the rule's step 4, answers of up to 8 characters, gave the fourth: six tasks).
 `panel_tasks.PANEL` lists the panel and `panel_tasks.SKIPPED` the tasks passed over, with their base accuracy.
 
 **Held-out questions.** Each task's data path has ``train_size=1000&test_size=256`` and reasoning-gym's fixed data
