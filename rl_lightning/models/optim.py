@@ -218,8 +218,11 @@ class SkippedStepsState:
 
 @dataclass
 class SkippedSteps:
-    """Optimizer steps skipped for a non-finite gradient norm: the run's total and the current streak per optimizer;
-    and the steps on an all-zero gradient (`empty`), which change no parameter."""
+    """Optimizer step counts: skipped ones and empty ones.
+
+    Skipped for a non-finite gradient norm: the run's total and the current streak per optimizer. Empty (`empty`):
+    the steps on an all-zero gradient, which change no parameter.
+    """
 
     total: int = 0
     streaks: dict[int | None, int] = field(default_factory=dict)
