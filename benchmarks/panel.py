@@ -133,12 +133,13 @@ def _trl_child(folder: str, task: str, seed: int, threads: int) -> None:
 
     args = argparse.Namespace(**TRL_FLAGS, model=MODEL, seed=seed, threads=threads,
                               train_data=data_path(task, "train"))
-    print(json.dumps(real_grpo.train_trl(args, Path(folder))))
+    result = real_grpo.train_trl(args, Path(folder))
+    (Path(folder) / "trl_result.json").write_text(json.dumps(result))  # not the log: stderr shares it
 
 
 def trl_curves(folder: Path) -> dict[str, list[float]]:
-    """A TRL unit's per-rollout training correctness (the ``--_trl`` child's last output line)."""
-    result = json.loads((folder / "fit.log").read_text().strip().splitlines()[-1])
+    """A TRL unit's per-rollout training correctness (the ``--_trl`` child's result file)."""
+    result = json.loads((folder / "trl_result.json").read_text())
     return {"train/reward/correct": [round(v, 4) for v in result["curve_correct"]]}
 
 
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--_eval", help=argparse.SUPPRESS)
     p.add_argument("--_trl", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.results, args.workdir = args.results.resolve(), args.workdir.resolve()  # children run in unit folders
     tasks = _tasks(args.tasks)
     if args._eval:
         return _eval_child(args._eval, tasks[0], args.threads)
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{time.strftime('%H:%M:%S')} {unit} ...", flush=True)
         try:
             record = run_unit(unit, args)
-        except RuntimeError as e:  # one failed unit does not stop the sweep; it is tried again on the next run
+        except (RuntimeError, OSError, ValueError, KeyError) as e:  # one failed unit does not stop the sweep; it
+            # is tried again on the next run
             print(f"FAILED {unit}: {e}", flush=True)
             continue
         append_result(args.results, record)

@@ -106,9 +106,11 @@ class GradientRecorder(L.Callback):
             self.micro_batches.append(len(batch["micro_batches"]))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        # an all-zero gradient is dropped before the step (`optimizer_step`: AdamW must not move on it): zeros here
-        self.grads.append({n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p.detach())
-                           for n, p in pl_module.model.named_parameters()})
+        named = list(pl_module.model.named_parameters())
+        if all(p.grad is None for _, p in named):  # an empty step: its all-zero gradient was dropped (`optimizer_step`)
+            self.grads.append({n: torch.zeros_like(p.detach()) for n, p in named})
+        else:
+            self.grads.append({n: p.grad.detach().clone() for n, p in named})
 
 
 def fit(model, data, max_steps=1, callbacks=(), precision="32-true", **trainer_kwargs):

@@ -95,6 +95,30 @@ def adamw(
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
 
+def materialize_adam_state(optimizer: Any) -> bool:
+    """Give an Adam/AdamW optimizer with no state yet the state its first step would make; whether it did.
+
+    The state made: step 0 and zero moments, for every parameter that trains. Until a step with a gradient, the optimizer has no state (an all-zero gradient steps nothing: `optimizer_step`).
+    torch's ``get_optimizer_state_dict`` (a sharded checkpoint's save) makes a missing state by stepping at lr 0,
+    which counts a step: the next real update would then be smaller (Adam's bias correction), so a run's result
+    would depend on when it saved. Made here instead, a state equals the one AdamW makes lazily, bit for bit.
+    Other optimizers, and Adam variants this does not mirror (amsgrad, fused, capturable), are left alone.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch optimizer
+    if inner.state or type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if any(g.get("amsgrad") or g.get("fused") or g.get("capturable") for g in inner.param_groups):
+        return False
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # as torch's Adam
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                inner.state[p] = {"step": torch.tensor(0.0, dtype=scalar),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return True
+
+
 def typed(cls: type, value: Any) -> Any:
     """An argument group as its dataclass.
 
@@ -156,7 +180,7 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, parameters: Iterable[torch
     advance: the gradients are dropped before the step, and AdamW passes over parameters without one. Stepped on a
     zero gradient, AdamW's momentum would go on moving the weights along the last rollouts' direction, on a batch
     with nothing to learn (on a task where correct samples are rare, most rollouts). `skipped` counts these steps
-    too. The metrics (``train/skipped_steps`` and ``train/empty_steps``, the run's counts) are the caller's to log.
+    in its ``empty`` field. The metrics (``train/skipped_steps`` and ``train/empty_steps``, the run's counts) are the caller's to log.
 
     Args:
         optimizer: the optimizer (a task's ``optimizers()`` entry: it steps through the strategy).

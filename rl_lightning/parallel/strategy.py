@@ -174,6 +174,19 @@ class ParallelStrategy(StrategyHooks, ModelParallelStrategy):
                 if not hasattr(optimizer, "rl_lightning_state_offload"):
                     OptimizerStateOffload(optimizer, self.offload_bucket_mb << 20)
 
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state as ModelParallelStrategy collects it, made first if the optimizer has none yet.
+
+        An optimizer that has not stepped yet gets its first step's state
+        (`rl_lightning.models.optim.materialize_adam_state`): torch would make it by stepping at lr 0, which counts a
+        step and shrinks the next real update.
+        """
+        from rl_lightning.models.optim import materialize_adam_state
+
+        materialize_adam_state(optimizer)
+        return super().optimizer_state(optimizer)
+
     @property
     @override
     def checkpoint_io(self) -> Any:

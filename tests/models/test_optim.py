@@ -169,3 +169,34 @@ def test_a_zero_gradient_moves_no_weight_and_no_moment_but_advances_the_schedule
     before, after, epoch, metrics = step_twice(skip=True)
     assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
     assert epoch == 2 and metrics == {"train/skipped_steps": 0.0, "train/empty_steps": 1.0}
+
+
+def test_a_checkpoint_before_the_first_real_step_does_not_count_a_step():
+    """An optimizer that has not stepped yet (every step so far had an all-zero gradient) has no state. torch's
+    ``get_optimizer_state_dict`` (a sharded checkpoint's save) makes it by stepping at lr 0, which counts a step and
+    shrinks the next real update (the control); `materialize_adam_state` (ParallelStrategy.optimizer_state) makes the
+    state AdamW's first step would, so the next real update is bit-equal to that of a run that never saved."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from rl_lightning.models.optim import materialize_adam_state
+
+    def first_update(save: str):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, 2)
+        optimizer = adamw(module, 1e-2, 0.1, (0.9, 0.999), 1e-8)
+        if save == "materialized":
+            assert materialize_adam_state(optimizer) and not materialize_adam_state(optimizer)  # once
+        if save != "none":
+            get_optimizer_state_dict(module, optimizer)
+        for p in module.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        optimizer.step()
+        return [p.detach().clone() for p in module.parameters()], optimizer
+
+    never, _ = first_update("none")
+    counted, optimizer = first_update("torch")
+    assert float(next(iter(optimizer.state.values()))["step"]) == 2  # the save counted a step
+    assert not torch.equal(never[0], counted[0])
+    materialized, optimizer = first_update("materialized")
+    assert float(next(iter(optimizer.state.values()))["step"]) == 1
+    assert all(torch.equal(a, b) for a, b in zip(never, materialized, strict=True))

@@ -146,9 +146,9 @@ def test_k_skipped_steps_in_a_row_stop_the_cli_run_with_one_line(workdir, capsys
     assert "Traceback" not in err
 
 
-def _resume(model, data, path, max_steps):
+def _resume(model, data, path, max_steps, callbacks=()):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
     trainer.fit(model, datamodule=data, ckpt_path=str(path))
     return trainer
 
@@ -156,7 +156,8 @@ def _resume(model, data, path, max_steps):
 @pytest.mark.parametrize("task", ["sft", "ppo"])
 def test_skipped_step_counts_survive_a_checkpoint(task, tmp_path):
     """A run resumed from a checkpoint written after a skipped step goes on from the same count: it logs
-    ``train/skipped_steps`` 1 (not 0) at its next step, and the open streak is restored."""
+    ``train/skipped_steps`` 1 (not 0) at its next step, and the open streak is restored; so does the count of empty
+    steps (PPO: the first rollout scores every completion alike)."""
     from helpers import ppo_task, prompts
 
     path = tmp_path / "skipped.ckpt"
@@ -173,15 +174,19 @@ def test_skipped_step_counts_survive_a_checkpoint(task, tmp_path):
                              max_length=96, max_length_per_device=256)
         resumed = _resume(SFT(LMConfig(str(TINY_MODEL), optim=OptimConfig(**OPTIM))), data, path, max_steps=3)
     else:
-        first = run_ppo(rollouts=2, callbacks=[NaNGradient(batches=[1]), SaveAfterTheSkip()], optim=OPTIM)[1]
+        first = run_ppo(rollouts=2, callbacks=[ScriptedRewards(equal=[0]), NaNGradient(batches=[1]),
+                                               SaveAfterTheSkip()], optim=OPTIM)[1]
         L.seed_everything(0)
         model = ppo_task(str(REPO / "rl_lightning" / "recipes" / "envs" / "arithmetic.py"), max_rollouts=3, optim=OPTIM)
-        resumed = _resume(model, prompts(2), path, max_steps=-1)
+        resumed = _resume(model, prompts(2), path, max_steps=-1, callbacks=[ScriptedRewards(equal=[])])
+    empty = 1 if task == "ppo" else 0
     assert first.lightning_module.skipped_steps.total == 1
     saved = torch.load(path, weights_only=False)["skipped_steps"]
     assert saved["total"] == 1 and [n for _, n in saved["streaks"]] == [1]  # written mid-streak
+    assert saved["empty"] == empty
     restored = resumed.lightning_module.skipped_steps
     assert resumed.callback_metrics["train/skipped_steps"] == 1 and restored.total == 1
+    assert resumed.callback_metrics["train/empty_steps"] == empty and restored.empty == empty
     assert list(restored.streaks.values()) == [0]  # the resumed run's step trained, ending the streak
 
 
@@ -195,5 +200,6 @@ def test_a_ppo_rollout_with_nothing_to_learn_moves_no_weight():
     before, after, following = snapshots.states["before"], snapshots.states["after"], snapshots.states["next"]
     assert _same(before, after)  # parameters and optimizer state
     assert after[1] == [before[1][0] + 1] and after[2] == before[2] + 1  # the schedule and global step advance
-    assert not _same(after, following)  # the third rollout trains (of 4: the cosine schedule ends at lr 0)
+    assert not _same(after, following)  # the third rollout trains (4 rollouts: 3 would end the cosine at
+    # its floor, min_lr_ratio 0.1, which still moves the weights; 4 keeps the third step well inside the schedule)
     assert trainer.callback_metrics["train/empty_steps"] == 1 and trainer.global_step == 4
