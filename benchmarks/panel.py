@@ -212,10 +212,13 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
         table(records, tasks, settings), "",
-        "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default since stop 44 "
-        "(correctness, the length punishment over the last 8 of 32 tokens counted only in groups with a correct "
-        "completion); `ungated` the default before (the punishment everywhere); `mask_truncated` no punishment, "
-        "truncated completions out of the loss; `ungated_lr1e-5` the old default at half the learning rate.", "",
+        "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (correctness, "
+        "the length punishment over the last 8 of 32 tokens counted only in groups with a correct completion; since "
+        "stop 45 a rollout whose advantages are all zero steps nothing); `trl` TRL's GRPOTrainer with the same "
+        "reward, gate, size and lr; `ungated` the punishment everywhere (the default before stop 44); "
+        "`mask_truncated` no punishment, truncated completions out of the loss; `kl_anchor` a KL term (coef 0.05); "
+        "`lr1e-5`, `ungated_lr1e-5` half the learning rate. A `_stop44` suffix marks a run made before stop 45, "
+        "when AdamW still stepped on an all-zero gradient (its momentum moved the weights on empty rollouts).", "",
         f"Panel: {', '.join(f'`{t}`' for t in PANEL)}. Passed over by the rule: {skipped}.", "",
         f"{len(runs)} GRPO units finished; fit wall times (loaded 2-core machine): "
         + (", ".join(f"{r['fit_s']} s" for r in runs) or "none yet") + "."])
