@@ -78,6 +78,11 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
 
 
+def _runs(latest: dict[tuple[str, int, str], dict[str, Any]], task: str, setting: str) -> list[dict[str, Any]]:
+    """`task`'s records of `setting`, in seed order."""
+    return [r for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
+
+
 def noise_points(accuracy: float, questions: int) -> float:
     """Two standard errors of an accuracy measured on `questions` questions, in points: 2 sqrt(p (1 - p) / n)."""
     return 200 * math.sqrt(accuracy * (1 - accuracy) / questions)
@@ -106,7 +111,7 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
         noise = noise_points(base, base_record.get("questions", 256)) if base_record else None
         row = [f"`{task}`", "" if base is None else f"{base:.3f}", "" if noise is None else f"{noise:.1f}"]
         for setting in settings:
-            after = [r["greedy"] for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
+            after = [r["greedy"] for r in _runs(latest, task, setting)]
             change = 100 * (min(after) - base) if after and base is not None else None
             worst = "" if change is None else f"{change:+.1f}" + (" ✗" if noise is not None and change < -noise else "")
             row += [_cell(after), worst]
@@ -114,9 +119,10 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], tasks: list[str], settings: list[str], path: Path) -> None:
+def plot(records: list[dict[str, Any]], tasks: list[str], settings: list[str], path: Path) -> int:
     """``--plot``: each task's training correctness per rollout (``train/reward/correct``), a line per seed of each
-    of `settings`, with the held-out accuracy before and after in the title; saved as the PNG `path`."""
+    of `settings`; the title gives the base accuracy, the legend each setting's accuracies after. Saved as the PNG
+    `path`; returns the number of curves drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,16 +133,18 @@ def plot(records: list[dict[str, Any]], tasks: list[str], settings: list[str], p
     columns = 3
     rows = max(1, math.ceil(len(shown) / columns))
     figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
+    drawn = 0
     for ax, task in zip(axes.flat, shown, strict=False):
         base = latest.get((task, 0, BASE), {}).get("greedy")
         for i, setting in enumerate(settings):
-            runs = [r for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
+            runs = _runs(latest, task, setting)
             after = ", ".join(f"{x['greedy']:.2f}" for x in runs)
             for r in runs:
                 curve = (r.get("curves") or {}).get("train/reward/correct") or []
                 ax.plot(range(1, len(curve) + 1), curve, color=f"C{i}", alpha=0.8, linestyle="-" if i == 0 else "--",
                         label=f"{setting} (after: {after})" if r is runs[0] else None)
-        name = task.split(":", 1)[1].split("?")[0]
+                drawn += 1
+        name = task.split(":", 1)[-1].split("?")[0]  # a data path without its "reasoning_gym:" too
         ax.set_title(f"{name}: base {base:.2f}" if base is not None else name, fontsize=10)
         ax.set_xlabel("rollout", fontsize=8)
         ax.set_ylabel("training correctness", fontsize=8)
@@ -146,3 +154,4 @@ def plot(records: list[dict[str, Any]], tasks: list[str], settings: list[str], p
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return drawn

@@ -98,8 +98,8 @@ def adamw(
 def materialize_adam_state(optimizer: Any) -> bool:
     """Give an Adam/AdamW optimizer with no state yet the state its first step would make; whether it did.
 
-    The state made: step 0 and zero moments, for every parameter that trains. Until a step with a gradient, the optimizer has no state (an all-zero gradient steps nothing: `optimizer_step`).
-    torch's ``get_optimizer_state_dict`` (a sharded checkpoint's save) makes a missing state by stepping at lr 0,
+    The state made: step 0 and zero moments, for every parameter that trains. Until a step with a gradient, the
+    optimizer has no state (an all-zero gradient steps nothing: `optimizer_step`). torch's ``get_optimizer_state_dict`` (a sharded checkpoint's save) makes a missing state by stepping at lr 0,
     which counts a step: the next real update would then be smaller (Adam's bias correction), so a run's result
     would depend on when it saved. Made here instead, a state equals the one AdamW makes lazily, bit for bit.
     Other optimizers, and Adam variants this does not mirror (amsgrad, fused, capturable), are left alone.
@@ -180,7 +180,8 @@ def optimizer_step(optimizer: Any, lr_scheduler: Any, parameters: Iterable[torch
     advance: the gradients are dropped before the step, and AdamW passes over parameters without one. Stepped on a
     zero gradient, AdamW's momentum would go on moving the weights along the last rollouts' direction, on a batch
     with nothing to learn (on a task where correct samples are rare, most rollouts). `skipped` counts these steps
-    in its ``empty`` field. The metrics (``train/skipped_steps`` and ``train/empty_steps``, the run's counts) are the caller's to log.
+    in its ``empty`` field. The metrics (``train/skipped_steps`` and ``train/empty_steps``, the run's counts) are the
+    caller's to log.
 
     Args:
         optimizer: the optimizer (a task's ``optimizers()`` entry: it steps through the strategy).

@@ -9,7 +9,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from panel_tasks import PANEL, SUMS, data_path, short_name  # noqa: E402
-from panel_units import append_result, load_results, pending, sweep_units, table  # noqa: E402
+from panel_units import append_result, load_results, pending, plot, sweep_units, table  # noqa: E402
 
 SUMS_BASE = {"task": "sums", "seed": 0, "setting": "base", "greedy": 0.25}
 RUNS = [{"task": "sums", "seed": 0, "setting": "demo", "greedy": 0.5},
@@ -70,3 +70,12 @@ def test_trls_gated_shaping_matches_ours_on_trls_group_order():
     wrapped = real_grpo.gated(overlong, correct, group=2)
     assert wrapped(completions=["a", "b", "c", "d"], answer=["1"] * 4) == [0.0, 0.0, 0.0, -0.25]
     assert wrapped.__name__ == "overlong"
+
+
+def test_plot_draws_one_curve_per_seed_of_each_setting(tmp_path):
+    curves = {"curves": {"train/reward/correct": [0.1, 0.2, 0.3]}}
+    records = [SUMS_BASE, *({**r, **curves} for r in RUNS)]
+    path = tmp_path / "curves.png"
+    assert plot(records, ["sums", "products"], ["demo"], path) == 3  # sums seeds 0 and 1, products seed 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot(records, ["sums"], ["ungated"], tmp_path / "none.png") == 0  # no run of that setting
