@@ -52,22 +52,28 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "asset:SmolLM2-135M-Instruct"
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py")
 MAX_NEW_TOKENS = 32  # the recipe's
-# Named overlays on rl_lightning/cli/demo.yaml (over recipes/real/grpo.yaml). Since stop 44 the recipe's default
-# is the gated length punishment: "demo" is that default, "ungated" the demo's default before (its records were
-# named "demo" then, and the gated ones "gated_shaping"; the results file was relabelled with the change).
+# Named overlays on rl_lightning/cli/demo.yaml (over recipes/real/grpo.yaml). "demo" is the recipe's default: since
+# stop 46 correctness alone, full marks only (`rl_lightning.rewards.reasoning_gym.score`), no length punishment. Runs
+# measured with an earlier code carry a suffix in the results file (`_stop44`, `_stop45`, and a note saying what
+# differed); their overlays were on the default of their day, so only the settings below can be rerun.
+LENGTH_PUNISHMENT = {"dapo": {"overlong_cache_length": 8}}  # DAPO's soft punishment over the last 8 of 32 tokens
 SETTINGS: dict[str, dict[str, Any]] = {
     "demo": {},
-    "ungated": {"model": {"init_args": {"rollout": {"gate_shaping": False}}}},
-    "mask_truncated": {"model": {"init_args": {"dapo": {"overlong_cache_length": None, "mask_truncated": True}}}},
+    "gated": {"model": {"init_args": LENGTH_PUNISHMENT}},  # counted where a group has a correct completion
+    "ungated": {"model": {"init_args": {**LENGTH_PUNISHMENT, "rollout": {"gate_shaping": False}}}},
+    "mask_truncated": {"model": {"init_args": {"dapo": {"mask_truncated": True}}}},
     "kl_anchor": {"model": {"init_args": {"kl": {"coef": 0.05}}}},
     "lr1e-5": {"model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
-    "ungated_lr1e-5": {"model": {"init_args": {"rollout": {"gate_shaping": False}, "lm": {"optim": {"lr": 1.0e-5}}}}},
-    "trl": {},  # TRL's GRPOTrainer with the default's settings (`train_trl`)
+    "t0.5": {"model": {"init_args": {"rollout": {"temperature": 0.5}}}},
+    "rollouts16": {"model": {"init_args": {"max_rollouts": 16}}},
+    "trl": {},  # TRL's GRPOTrainer with the default's settings (`TRL_FLAGS`, `train_trl`)
+    "trl_gated": {},  # the same with the gated length punishment
 }
-# The default's settings as `benchmarks/real_grpo.py`'s flags, for TRL: the demo's size and lr, correctness only,
-# the soft overlong punishment over the last 8 tokens, gated on a correct completion in the group.
+# The default's settings as `benchmarks/real_grpo.py`'s flags, for TRL: the demo's size and lr, correctness alone
+# (the same `score`: full marks only); per TRL setting, what it changes.
 TRL_FLAGS = {"rollouts": 10, "prompts": 8, "group": 4, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7,
-             "lr": 2e-5, "warmup": 2, "format_weight": 0.0, "overlong_cache": 8, "gate_shaping": True}
+             "lr": 2e-5, "warmup": 2, "format_weight": 0.0, "overlong_cache": 0, "gate_shaping": True}
+TRL_SETTINGS = {"trl": {}, "trl_gated": {"overlong_cache": 8}}
 
 
 def unit_overlay(task: str) -> dict[str, Any]:
@@ -127,11 +133,12 @@ def curves(workdir: Path) -> dict[str, list[float]]:
     return out
 
 
-def _trl_child(folder: str, task: str, seed: int, threads: int) -> None:
-    """``--_trl``: TRL's GRPOTrainer on the unit's training data with `TRL_FLAGS` (`real_grpo.train_trl`)."""
+def _trl_child(folder: str, task: str, seed: int, setting: str, threads: int) -> None:
+    """``--_trl``: TRL's GRPOTrainer on the unit's training data with `TRL_FLAGS` and the setting's changes
+    (`real_grpo.train_trl`)."""
     import real_grpo
 
-    args = argparse.Namespace(**TRL_FLAGS, model=MODEL, seed=seed, threads=threads,
+    args = argparse.Namespace(**{**TRL_FLAGS, **TRL_SETTINGS[setting]}, model=MODEL, seed=seed, threads=threads,
                               train_data=data_path(task, "train"))
     result = real_grpo.train_trl(args, Path(folder))
     (Path(folder) / "trl_result.json").write_text(json.dumps(result))  # not the log: stderr shares it
@@ -151,9 +158,9 @@ def train(task: str, seed: int, setting: str, folder: Path, threads: int) -> tup
     if folder.exists():
         shutil.rmtree(folder)  # a unit killed half-way starts again from scratch
     folder.mkdir(parents=True)
-    if setting == "trl":
+    if setting in TRL_SETTINGS:
         command = [sys.executable, __file__, "--_trl", str(folder), "--tasks", task, "--seeds", str(seed),
-                   "--threads", str(threads)]
+                   "--settings", setting, "--threads", str(threads)]
         start = time.perf_counter()
         with (folder / "fit.log").open("w") as log:
             done = subprocess.run(command, cwd=folder, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
@@ -186,9 +193,9 @@ def run_unit(unit: tuple[str, int, str], args: argparse.Namespace) -> dict[str, 
         return record
     export, seconds = train(task, seed, setting, folder, args.threads)
     record.update(measure(str(export), task, folder, args.threads), fit_s=round(seconds),
-                  curves=trl_curves(folder) if setting == "trl" else curves(folder))
+                  curves=trl_curves(folder) if setting in TRL_SETTINGS else curves(folder))
     if not args.keep_models:  # the run's outputs (about 0.5 GB per export); the log and MLflow stay
-        shutil.rmtree(export if setting == "trl" else export.parents[2])
+        shutil.rmtree(export if setting in TRL_SETTINGS else export.parents[2])
         shutil.rmtree(folder / "trl", ignore_errors=True)  # TRL's output_dir
     return record
 
@@ -212,13 +219,15 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
         table(records, tasks, settings), "",
-        "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (correctness, "
-        "the length punishment over the last 8 of 32 tokens counted only in groups with a correct completion; since "
-        "stop 45 a rollout whose advantages are all zero steps nothing); `trl` TRL's GRPOTrainer with the same "
-        "reward, gate, size and lr; `ungated` the punishment everywhere (the default before stop 44); "
-        "`mask_truncated` no punishment, truncated completions out of the loss; `kl_anchor` a KL term (coef 0.05); "
-        "`lr1e-5`, `ungated_lr1e-5` half the learning rate. A `_stop44` suffix marks a run made before stop 45, "
-        "when AdamW still stepped on an all-zero gradient (its momentum moved the weights on empty rollouts).", "",
+        "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (since stop 46: "
+        "correctness alone, full marks only, no length punishment); `gated` DAPO's length punishment over the last 8 "
+        "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "
+        "punishment everywhere (before stop 44); `mask_truncated` truncated completions out of the loss; `kl_anchor` "
+        "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16` 16 rollouts; "
+        "`trl`, `trl_gated` TRL's GRPOTrainer with the same reward, size and lr. A suffix marks a run made with an "
+        "earlier code: `_stop44` before stop 45, when AdamW still stepped on an all-zero gradient (its momentum moved "
+        "the weights on empty rollouts); `_stop45` before stop 46, when `correct` was reasoning-gym's partial credit "
+        "(a wrong answer containing the right one scored a fraction) and the overlays were on the gated default.", "",
         f"Panel: {', '.join(f'`{t}`' for t in PANEL)}. Passed over by the rule: {skipped}.", "",
         f"{len(runs)} GRPO units finished; fit wall times (loaded 2-core machine): "
         + (", ".join(f"{r['fit_s']} s" for r in runs) or "none yet") + "."])
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if args._eval:
         return _eval_child(args._eval, tasks[0], args.threads)
     if args._trl:
-        return _trl_child(args._trl, tasks[0], int(args.seeds), args.threads)
+        return _trl_child(args._trl, tasks[0], int(args.seeds), args.settings, args.threads)
     settings = _list(args.settings)
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:

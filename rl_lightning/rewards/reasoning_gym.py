@@ -3,8 +3,11 @@
 Each RL row's ``answer`` is ``{"task", "answer", "metadata"}``, so this one function scores any task. Two components,
 combined by the rollout's ``reward_weights`` (unweighted they sum):
 
-- ``correct``: reasoning-gym's ``score_answer`` (1 for a right answer; some tasks give partial credit) applied to the
-  answer extracted from the completion, tolerating how models format it (see `extract_answer`);
+- ``correct``: 1 when reasoning-gym's ``score_answer`` gives full marks to the answer extracted from the completion
+  (tolerating how models format it, see `extract_answer`), else 0. Many tasks' scorers give partial credit to a
+  wrong answer that contains the right one ("10" for "1" scores 0.5): RL learns to collect it, and on the panel of
+  issue 40 (``docs/real-model.md``) a run doing so raised its training reward while its held-out accuracy fell
+  below base. `score` with ``partial_credit=True`` gives the scorer's own value, for an environment of your own;
 - ``format``: 1 when the completion is the answer alone (or one ``<answer>…</answer>`` block), as the prompt asks.
 
 Some tasks' scorers evaluate text as Python (``eval``, or sympy's parser, which calls it): `EVALUATING_TASKS`.
@@ -26,6 +29,7 @@ from rl_lightning.rewards.math import last_boxed
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _PHRASE = re.compile(r"\banswer\b[^\n:=]*?(?:\bis\b|:|=)\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+FULL_MARKS = 1.0 - 1e-9  # a scorer's 1.0, allowing for a float sum that lands a hair below it
 
 
 def _is_number(text: str) -> bool:
@@ -108,12 +112,18 @@ def _scorer(task: str) -> Any:
     return import_reasoning_gym().get_score_answer_fn(task)
 
 
-def score(completion: str, answer: dict) -> dict[str, float]:
-    """``{"correct": ..., "format": ...}`` for one completion of a reasoning-gym row (its ``answer`` field)."""
+def score(completion: str, answer: dict, partial_credit: bool = False) -> dict[str, float]:
+    """``{"correct": ..., "format": ...}`` for one completion of a reasoning-gym row (its ``answer`` field).
+
+    ``correct`` is 1 for full marks from the task's scorer and 0 otherwise; with `partial_credit`, the scorer's value
+    (in [0, 1]).
+    """
     reference = str(answer["answer"])
     extracted = extract_answer(completion, reference)
     entry = {"question": "", "answer": reference, "metadata": answer.get("metadata", {})}
     correct = _correct(str(answer["task"]), extracted, entry) if extracted is not None else 0.0
+    if not partial_credit:
+        correct = float(correct >= FULL_MARKS)
     stripped = completion.strip()
     bare = stripped == extracted or (len(_TAG.findall(stripped)) == 1 and _TAG.fullmatch(stripped) is not None)
     return {"correct": correct, "format": float(bool(bare))}

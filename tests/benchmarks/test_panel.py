@@ -79,3 +79,27 @@ def test_plot_draws_one_curve_per_seed_of_each_setting(tmp_path):
     assert plot(records, ["sums", "products"], ["demo"], path) == 3  # sums seeds 0 and 1, products seed 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot(records, ["sums"], ["ungated"], tmp_path / "none.png") == 0  # no run of that setting
+
+
+def test_trl_flags_are_the_recipes_and_the_demos_settings():
+    """The `trl` units run TRL with the default's settings: the flags agree with recipes/real/grpo.yaml and the demo
+    overlay (a recipe change that forgets TRL fails here), each TRL setting changes only flags TRL's run has, and
+    `trl_gated` is `gated`'s punishment."""
+    import yaml
+    from panel import SETTINGS, TRL_FLAGS, TRL_SETTINGS
+
+    recipe = yaml.safe_load((REPO / "rl_lightning" / "recipes" / "real" / "grpo.yaml").read_text())
+    demo = yaml.safe_load((REPO / "rl_lightning" / "cli" / "demo.yaml").read_text())
+    model, overlay = recipe["model"]["init_args"], demo["model"]["init_args"]
+    rollout = {**model["rollout"], **overlay.get("rollout", {})}
+    optim = {**model["lm"]["optim"], **overlay["lm"]["optim"]}
+    expected = {"rollouts": overlay["max_rollouts"], "prompts": demo["data"]["init_args"]["batch_size"],
+                "group": rollout["responses_per_prompt"], "max_new_tokens": rollout["max_new_tokens"],
+                "temperature": rollout["temperature"], "lr": optim["lr"], "warmup": optim["warmup_steps"],
+                "format_weight": rollout["reward_weights"]["format"],
+                "overlong_cache": (model.get("dapo") or {}).get("overlong_cache_length") or 0,
+                "gate_shaping": rollout["gate_shaping"]}
+    assert TRL_FLAGS == expected
+    assert set(TRL_SETTINGS) <= set(SETTINGS) and all(set(c) <= set(TRL_FLAGS) for c in TRL_SETTINGS.values())
+    assert TRL_SETTINGS["trl_gated"]["overlong_cache"] == SETTINGS["gated"]["model"]["init_args"]["dapo"][
+        "overlong_cache_length"]

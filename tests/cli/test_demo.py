@@ -66,19 +66,19 @@ def test_one_rollout_demo_evaluates_what_the_training_run_validates(tmp_path):
         history = lambda key: [m.value for m in sorted(client.get_metric_history(run_id, key),  # noqa: E731
                                                        key=lambda m: m.step)]
         rewards, approx_kl = history("train/reward"), history("train/approx_kl")
-        # the correct-only reward (0 to 1) plus DAPO's overlong punishment (-1 to 0)
-        assert len(rewards) == 1 and -1.0 <= rewards[0] <= 1.0, rewards
+        # correctness alone: 1 for full marks, else 0
+        assert len(rewards) == 1 and 0.0 <= rewards[0] <= 1.0, rewards
         assert abs(approx_kl[0]) < 1e-6, approx_kl  # engine and trainer agree: the first update starts on-policy
         from safetensors.torch import load_file
 
         trained = load_file(run / "export" / "model.safetensors")["model.norm.weight"]
         assert not torch.equal(trained, load_file(real.model_dir() / "model.safetensors")["model.norm.weight"])
         val = history("val/reward/correct")
-        # the same quantity both ways: the mean `correct` component of the greedy answers (reasoning-gym gives
-        # partial credit, so it can exceed the share of fully correct answers, `greedy/accuracy`)
+        # the same quantity both ways: the mean `correct` component of the greedy answers, which counts full marks
+        # only, so it is the share of correct answers, `greedy/accuracy`
         assert val[0] == pytest.approx(before["greedy/reward/correct"], abs=1e-9), (val, before)
         assert val[-1] == pytest.approx(after["greedy/reward/correct"], abs=1e-9), (val, after)
-        assert before["greedy/accuracy"] <= before["greedy/reward/correct"] + 1e-12
+        assert before["greedy/accuracy"] == pytest.approx(before["greedy/reward/correct"], abs=1e-12)
         summary = done.stdout.splitlines()
         assert any(line.split()[:4] == ["greedy", "(T=0)", f"{before['greedy/accuracy']:.3f}",
                                         f"{after['greedy/accuracy']:.3f}"] for line in summary), done.stdout[-2000:]

@@ -62,10 +62,10 @@ def test_demo_overlay_instantiates_on_the_real_recipe(workdir):
     optim = hp.lm["optim"]  # as kept: plain data
     assert (hp.max_rollouts, hp.max_length_per_device, optim["lr"], optim["warmup_steps"]) == (10, 4096, 2e-5, 2)
     assert cli.datamodule.hparams.batch_size == 8 and cli.trainer.val_check_interval == 10
-    # the recipe's reward, chosen on the panel (benchmarks/results/panel_cpu.md): correctness alone, the soft overlong
-    # punishment over the last 8 tokens gated on a correct completion in the group; the demo's 8 prompts x 4
+    # the recipe's reward, chosen on the panel (benchmarks/results/panel_cpu.md): correctness alone, no length
+    # punishment, with the gate on for any shaping a user adds; the demo's 8 prompts x 4
     rollout = hp.rollout
-    assert rollout["reward_weights"] == {"correct": 1.0, "format": 0.0} and hp.dapo["overlong_cache_length"] == 8
+    assert rollout["reward_weights"] == {"correct": 1.0, "format": 0.0} and hp.dapo["overlong_cache_length"] is None
     assert rollout["gate_shaping"] is True
     assert (rollout["responses_per_prompt"], rollout["max_new_tokens"], rollout["temperature"]) == (4, 32, 0.7)
     assert hp.lm["name"] == "asset:SmolLM2-135M-Instruct" and hp.rollout["engine"]["kind"] == "vllm"

@@ -104,3 +104,20 @@ def test_a_prime_row_scores_with_the_code_reward(tmp_path):
     (prompt,) = data.prompts["train"]
     program = "```python\nn = int(input())\nprint(n * n)\n```"
     assert code_reward(prompt.messages + [{"role": "assistant", "content": program}], prompt.answer) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize(("task", "reference", "completion", "partial"), [
+    ("letter_counting", "1", 'The letter "i" appears 10 times in the text.', 0.5),  # seen in a panel run's samples
+    ("chain_sum", "73", "The answer is 173.", 2 / 3),
+])
+def test_reasoning_gym_correct_is_full_marks_only(task, reference, completion, partial):
+    """A wrong answer containing the right one gets reasoning-gym's partial credit, which RL learns to collect:
+    ``correct`` counts full marks only; ``partial_credit=True`` gives the scorer's own value."""
+    pytest.importorskip("reasoning_gym")
+    from rl_lightning.rewards.reasoning_gym import score
+
+    answer = {"task": task, "answer": reference, "metadata": {}}
+    assert score(completion, answer)["correct"] == 0.0
+    assert score(completion, answer, partial_credit=True)["correct"] == pytest.approx(partial, abs=1e-12)
+    assert score(f"The answer is {reference}.", answer) == {"correct": 1.0, "format": 0.0}
+    assert score(reference, answer, partial_credit=True) == {"correct": 1.0, "format": 1.0}
