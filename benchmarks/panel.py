@@ -138,6 +138,9 @@ def _trl_child(folder: str, task: str, seed: int, setting: str, threads: int) ->
     (`real_grpo.train_trl`)."""
     import real_grpo
 
+    if setting not in TRL_SETTINGS:
+        raise SystemExit(f"--_trl needs --settings one of {', '.join(TRL_SETTINGS)}, got {setting!r}")
+
     args = argparse.Namespace(**{**TRL_FLAGS, **TRL_SETTINGS[setting]}, model=MODEL, seed=seed, threads=threads,
                               train_data=data_path(task, "train"))
     result = real_grpo.train_trl(args, Path(folder))
@@ -151,7 +154,8 @@ def trl_curves(folder: Path) -> dict[str, list[float]]:
 
 
 def train(task: str, seed: int, setting: str, folder: Path, threads: int) -> tuple[Path, float]:
-    """The unit's GRPO fit (through the CLI, or TRL's for ``trl``) in `folder`; its export folder and wall time."""
+    """The unit's GRPO fit (through the CLI, or TRL's for a `TRL_SETTINGS` setting) in `folder`; its export folder
+    and wall time."""
     import yaml
 
     overlay = SETTINGS[setting]

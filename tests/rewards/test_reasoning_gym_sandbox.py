@@ -92,8 +92,9 @@ def test_evaluated_text_writes_reads_and_connects_nothing(task, gate, trap, capl
             with pytest.raises(ValueError, match="composite"):
                 score(completion, row)
             correct = 0.0
-        elif gate:
-            correct = score(completion, row)["correct"]
+        elif gate:  # the scorer's own value (a floor of 0.01 for some tasks); the default counts full marks only
+            correct = score(completion, row, partial_credit=True)["correct"]
+            assert score(completion, row)["correct"] == 0.0
         else:
             entry = {"question": "", "answer": row["answer"], "metadata": row["metadata"]}
             extracted = completion.removeprefix("<answer>").removesuffix("</answer>")
