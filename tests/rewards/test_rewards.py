@@ -66,6 +66,14 @@ def test_sandbox_contains_hostile_programs(code, expected_reason):
     assert os.path.exists("/etc/hostname")
 
 
+def test_sandbox_cpu_limit_is_a_backstop_above_the_wall_clock():
+    """A busy loop must end as ``timeout``: with the CPU limit equal to the wall-clock one, a loaded machine let the
+    kernel's CPU-time kill win the race now and then (``exit code 137``)."""
+    result = run_sandboxed("import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU)[0])", timeout_s=2.0)
+    assert result.ok, result
+    assert int(result.stdout) == 3  # 2 s rounded up, plus one
+
+
 def test_sandbox_allows_normal_programs_and_cleans_up():
     result = run_sandboxed("import math\nopen('scratch.txt', 'w').write(input())\nprint(open('scratch.txt').read())",
                            stdin="hello", timeout_s=5)
