@@ -116,8 +116,8 @@ def run_sandboxed(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb:
         code: the program (untrusted).
         stdin: text fed to its standard input.
         timeout_s: wall-clock limit; the sandbox and everything in it is killed after it (CPU time is limited to the
-            same, rounded up, plus a second: a backstop that never beats the wall clock, so a busy loop is reported
-            as ``timeout``, not as a kill).
+            same, rounded up, plus a second: a backstop behind the wall clock, so a single-threaded busy loop is
+            reported as ``timeout``, not as a kill; a program burning several cores can still reach it first).
         memory_mb: address-space limit of the interpreter (Python itself needs ~30 MB).
         max_output_bytes: a program writing more than this to stdout or stderr is killed (reason ``output limit``).
         audit_hook: install the in-interpreter audit hook (defence in depth; the tests switch it off to show that the
