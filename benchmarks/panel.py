@@ -205,24 +205,33 @@ def run_unit(unit: tuple[str, int, str], args: argparse.Namespace) -> dict[str, 
 
 
 def report(records: list[dict[str, Any]], results: Path) -> str:
-    """``--table``: benchmarks/results/panel_cpu.md, the panel's tasks first, then the candidates passed over."""
-    order = list(dict.fromkeys([*PANEL, *SKIPPED, *(r["task"] for r in records)]))
-    tasks = [t for t in order if any(r["task"] == t for r in records)]
+    """``--table``: benchmarks/results/panel_cpu.md: the default and TRL by seed on the panel's tasks, then every
+    other setting (mean ± std); the candidates passed over are named with their base accuracy."""
+    order = list(dict.fromkeys([*PANEL, *(r["task"] for r in records)]))
     runs = [r for r in records if r["setting"] != BASE]
+    tasks = [t for t in order if t not in SKIPPED and any(r["task"] == t for r in records)]
     settings = [s for s in [*SETTINGS, *(r["setting"] for r in runs)] if any(r["setting"] == s for r in runs)]
     settings = list(dict.fromkeys(settings))  # the SETTINGS order: the default first
+    main = [s for s in ("demo", "trl") if s in settings]
     skipped = "; ".join(f"`{t}` {why}" for t, why in SKIPPED.items()) or "none"
     return "\n".join([
         "**The panel (issue 40): held-out greedy accuracy before and after GRPO, on CPU.**", "",
         "SmolLM2-135M-Instruct; each task's 256 held-out questions (disjoint from its 1,000 training questions); GRPO "
         "with `recipes/real/grpo.yaml` + `rl_lightning/cli/demo.yaml` + the setting's overlay, one `seed_everything` "
-        "seed per run. `base`: the starting model; per setting the accuracy after, mean ± sample std over the seeds "
-        "run so far, and min Δ: the worst seed's after - base, in points (one question is 0.4 points). Tasks and the "
+        "seed per run. `base`: the starting model; per setting the accuracy after (each seed's in the first table, "
+        "the mean ± sample std over seeds in the second) and min Δ: the worst seed's after - base, in points (one "
+        "question is 0.4 points; noise: two standard errors of the base accuracy; a min Δ below minus the noise is a "
+        "loss, ✗). Tasks and the "
         "rule that chose them: `benchmarks/panel_tasks.py`; the sweep is resumable (`benchmarks/panel.py`).", "",
         "```bash", "python benchmarks/panel.py --base                        # base accuracies",
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
+        "python benchmarks/panel.py --seeds 0 --settings trl         # TRL, the same settings",
+        "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings demo   # more seeds of the sums",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        table(records, tasks, settings), "",
+        "The default (`demo`) and TRL with the same settings (`trl`), each seed's accuracy after:", "",
+        table(records, tasks, main, per_seed=True), "",
+        "Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):", "",
+        table(records, tasks, [s for s in settings if s not in main]), "",
         "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (since stop 46: "
         "correctness alone, full marks only, no length punishment); `gated` DAPO's length punishment over the last 8 "
         "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "

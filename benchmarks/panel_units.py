@@ -78,6 +78,12 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
 
 
+def _seeds(runs: list[dict[str, Any]]) -> str:
+    """Each run's accuracy in seed order, the seed named where the seeds are not 0, 1, 2, ..."""
+    plain = [r["seed"] for r in runs] == list(range(len(runs)))
+    return ", ".join(f"{r['greedy']:.3f}" if plain else f"{r['greedy']:.3f} (seed {r['seed']})" for r in runs)
+
+
 def _runs(latest: dict[tuple[str, int, str], dict[str, Any]], task: str, setting: str) -> list[dict[str, Any]]:
     """`task`'s records of `setting`, in seed order."""
     return [r for (t, _, s), r in sorted(latest.items()) if t == task and s == setting]
@@ -88,9 +94,11 @@ def noise_points(accuracy: float, questions: int) -> float:
     return 200 * math.sqrt(accuracy * (1 - accuracy) / questions)
 
 
-def table(records: list[dict[str, Any]], tasks: list[str] | None = None, settings: list[str] | None = None) -> str:
+def table(records: list[dict[str, Any]], tasks: list[str] | None = None, settings: list[str] | None = None,
+          per_seed: bool = False) -> str:
     """The Markdown table: per task its base greedy accuracy, the noise, and, per setting, the mean ± sample std over
-    seeds of the accuracy after and the worst seed's change (min over seeds of after - base, in points).
+    seeds of the accuracy after (`per_seed`: each seed's, in seed order) and the worst seed's change (min over seeds
+    of after - base, in points).
 
     The noise is two standard errors of the base accuracy over the task's held-out questions, in points
     (`noise_points`): a worst change below minus the noise is a loss, marked ✗.
@@ -103,7 +111,7 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
     settings = settings or list(dict.fromkeys(r["setting"] for r in records if r["setting"] != BASE))
     header = ["task", "base", "noise (points)"]
     for setting in settings:
-        header += [f"{setting}: after", f"{setting}: min Δ (points)"]
+        header += [f"{setting}: after" + (", by seed" if per_seed else ""), f"{setting}: min Δ (points)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in tasks:
         base_record = latest.get((task, 0, BASE))
@@ -111,10 +119,11 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
         noise = noise_points(base, base_record.get("questions", 256)) if base_record else None
         row = [f"`{task}`", "" if base is None else f"{base:.3f}", "" if noise is None else f"{noise:.1f}"]
         for setting in settings:
-            after = [r["greedy"] for r in _runs(latest, task, setting)]
+            runs = _runs(latest, task, setting)
+            after = [r["greedy"] for r in runs]
             change = 100 * (min(after) - base) if after and base is not None else None
             worst = "" if change is None else f"{change:+.1f}" + (" ✗" if noise is not None and change < -noise else "")
-            row += [_cell(after), worst]
+            row += [_seeds(runs) if per_seed else _cell(after), worst]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

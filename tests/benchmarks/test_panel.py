@@ -47,6 +47,15 @@ def test_table_has_base_mean_spread_and_worst_seed_change():
         "| `sums` |  |  | 0.200 (1 seed) |  |"  # a unit's later record wins; no base yet: no change
 
 
+def test_table_by_seed_lists_each_seed_and_names_the_seeds_when_not_0_1_2():
+    text = table([SUMS_BASE, *RUNS], settings=["demo"], per_seed=True).splitlines()
+    assert text[0] == "| task | base | noise (points) | demo: after, by seed | demo: min Δ (points) |"
+    assert text[2] == "| `sums` | 0.250 | 5.4 | 0.500, 0.300 | +5.0 |"
+    seed_3 = {**RUNS[1], "seed": 3, "greedy": 0.125}
+    assert table([SUMS_BASE, RUNS[0], seed_3], per_seed=True).splitlines()[2] == \
+        "| `sums` | 0.250 | 5.4 | 0.500 (seed 0), 0.125 (seed 3) | -12.5 ✗ |"
+
+
 def test_train_and_held_out_paths_share_the_sizes_and_data_seed():
     assert PANEL[0] == SUMS
     assert data_path(SUMS, "test") == (SUMS + "&train_size=1000&test_size=256&seed=0&split=test")
