@@ -226,6 +226,7 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "```bash", "python benchmarks/panel.py --base                        # base accuracies",
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
         "python benchmarks/panel.py --seeds 0 --settings trl         # TRL, the same settings",
+        "python benchmarks/panel.py --tasks 2 --seeds 1 --settings trl   # TRL's aiw, a second seed",
         "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings demo   # more seeds of the sums",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
         "The default (`demo`) and TRL with the same settings (`trl`), each seed's accuracy after:", "",
