@@ -204,12 +204,18 @@ def run_unit(unit: tuple[str, int, str], args: argparse.Namespace) -> dict[str, 
     return record
 
 
+def section(title: str, text: str, shown: bool) -> list[str]:
+    """A titled table of the results page, or nothing when it has no column to show."""
+    return [title, "", text, ""] if shown else []
+
+
 def report(records: list[dict[str, Any]], results: Path) -> str:
     """``--table``: benchmarks/results/panel_cpu.md: the default and TRL by seed on the panel's tasks, then every
     other setting (mean ± std); the candidates passed over are named with their base accuracy."""
     order = list(dict.fromkeys([*PANEL, *(r["task"] for r in records)]))
     runs = [r for r in records if r["setting"] != BASE]
-    tasks = [t for t in order if t not in SKIPPED and any(r["task"] == t for r in records)]
+    # a candidate passed over gets a row only if it has runs (its base accuracy is in the line below the tables)
+    tasks = [t for t in order if any(r["task"] == t and (t not in SKIPPED or r["setting"] != BASE) for r in records)]
     settings = [s for s in [*SETTINGS, *(r["setting"] for r in runs)] if any(r["setting"] == s for r in runs)]
     settings = list(dict.fromkeys(settings))  # the SETTINGS order: the default first
     main = [s for s in ("demo", "trl") if s in settings]
@@ -229,10 +235,10 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "python benchmarks/panel.py --tasks 2 --seeds 1 --settings trl   # TRL's aiw, a second seed",
         "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings demo   # more seeds of the sums",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        "The default (`demo`) and TRL with the same settings (`trl`), each seed's accuracy after:", "",
-        table(records, tasks, main, per_seed=True), "",
-        "Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):", "",
-        table(records, tasks, [s for s in settings if s not in main]), "",
+        *section("The default (`demo`) and TRL with the same settings (`trl`), each seed's accuracy after:",
+                 table(records, tasks, main, per_seed=True), bool(main)),
+        *section("Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):",
+                 table(records, tasks, [s for s in settings if s not in main]), len(settings) > len(main)),
         "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (since stop 46: "
         "correctness alone, full marks only, no length punishment); `gated` DAPO's length punishment over the last 8 "
         "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "

@@ -103,12 +103,14 @@ def table(records: list[dict[str, Any]], tasks: list[str] | None = None, setting
     The noise is two standard errors of the base accuracy over the task's held-out questions, in points
     (`noise_points`): a worst change below minus the noise is a loss, marked ✗.
 
-    `tasks` / `settings` fix the rows' / columns' order (default: as first seen in `records`); a task's later record
-    of one unit wins over an earlier one.
+    `tasks` / `settings` fix the rows' / columns' order (None: as first seen in `records`; an empty list: none); a
+    task's later record of one unit wins over an earlier one.
     """
     latest = {unit_key(r): r for r in records}
-    tasks = tasks or list(dict.fromkeys(r["task"] for r in records))
-    settings = settings or list(dict.fromkeys(r["setting"] for r in records if r["setting"] != BASE))
+    if tasks is None:
+        tasks = list(dict.fromkeys(r["task"] for r in records))
+    if settings is None:
+        settings = list(dict.fromkeys(r["setting"] for r in records if r["setting"] != BASE))
     header = ["task", "base", "noise (points)"]
     for setting in settings:
         header += [f"{setting}: after" + (", by seed" if per_seed else ""), f"{setting}: min Δ (points)"]

@@ -112,3 +112,20 @@ def test_trl_flags_are_the_recipes_and_the_demos_settings():
     assert set(TRL_SETTINGS) <= set(SETTINGS) and all(set(c) <= set(TRL_FLAGS) for c in TRL_SETTINGS.values())
     assert TRL_SETTINGS["trl_gated"]["overlong_cache"] == SETTINGS["gated"]["model"]["init_args"]["dapo"][
         "overlong_cache_length"]
+
+
+def test_results_page_splits_the_default_and_trl_from_the_rest_and_drops_an_empty_table(tmp_path):
+    import panel
+    from panel_tasks import SKIPPED
+
+    skipped = next(iter(SKIPPED))
+    sums = [{**SUMS_BASE, "task": SUMS}, {**RUNS[0], "task": SUMS, "fit_s": 1}, {**RUNS[1], "task": SUMS, "fit_s": 1}]
+    page = panel.report([*sums, {**SUMS_BASE, "task": skipped}], tmp_path / "r.jsonl")
+    assert "| `" + SUMS + "` | 0.250 | 5.4 | 0.500, 0.300 | +5.0 |" in page
+    assert "Every other setting" not in page and skipped not in page.split("Panel:")[0]  # no empty table, no row
+    page = panel.report([*sums, {**sums[1], "setting": "t0.5", "greedy": 0.2},
+                         {**sums[1], "task": skipped, "setting": "t0.5", "greedy": 0.1}], tmp_path / "r.jsonl")
+    rest = page.split("Every other setting")[1]
+    assert "| `" + SUMS + "` | 0.250 | 5.4 | 0.200 (1 seed) | -5.0 |" in rest
+    assert "| `" + skipped + "` |  |  | 0.100 (1 seed) |  |" in rest  # a passed-over task's run still shows
+    assert "t0.5" not in page.split("Every other setting")[0].split("```")[-1]  # not in the first table
