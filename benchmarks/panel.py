@@ -227,8 +227,8 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "seed per run. `base`: the starting model; per setting the accuracy after (each seed's in the first table, "
         "the mean ± sample std over seeds in the second) and min Δ: the worst seed's after - base, in points (one "
         "question is 0.4 points; noise: two standard errors of the base accuracy; a min Δ below minus the noise is a "
-        "loss, ✗). Tasks and the "
-        "rule that chose them: `benchmarks/panel_tasks.py`; the sweep is resumable (`benchmarks/panel.py`).", "",
+        "loss, ✗). Tasks and the rule that chose them: `benchmarks/panel_tasks.py`; the sweep is resumable "
+        "(`benchmarks/panel.py`).", "",
         "```bash", "python benchmarks/panel.py --base                        # base accuracies",
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
         "python benchmarks/panel.py --seeds 0 --settings trl         # TRL, the same settings",
