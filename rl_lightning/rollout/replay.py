@@ -93,8 +93,10 @@ def trajectory_record(trajectory: Trajectory, position: int, rollout: Rollout) -
 def _trajectory(line: dict[str, Any]) -> Trajectory:
     prompt = Prompt(line["input_ids"][: line["prompt_tokens"]], line["messages"][: line["prompt_messages"]],
                     line["answer"], line["prompt_row"], line["prompt_index"])
+    generated = line.get("completion_length")  # more than the mask counts where overlong filtering dropped it
     return Trajectory(prompt, line["input_ids"], line["completion_mask"], line["engine_logprobs"], line["messages"],
-                      line["finished"], line["turns"], line["reward"], line["reward_components"])
+                      line["finished"], line["turns"], line["reward"], line["reward_components"],
+                      generated_tokens=generated if type(generated) is int else None)
 
 
 class ReplayDump:

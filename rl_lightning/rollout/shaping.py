@@ -47,4 +47,5 @@ def shape(trajectories: list[Trajectory], config: RolloutConfig, dapo: DAPOConfi
             t.reward = reward
     if dapo.mask_truncated:  # DAPO's overlong filtering
         for t in trajectories:
+            t.generated_tokens = t.completion_length  # what was generated, for the metrics, whatever the loss counts
             t.completion_mask = truncation_masked(t.completion_mask, t.finished)

@@ -42,10 +42,16 @@ class Trajectory:
     reward_components: dict[str, float] = field(default_factory=dict)
     policy_versions: list[int] | None = None
     trained_version: int | None = None
+    generated_tokens: int | None = None  # set where the loss stops counting them all (overlong filtering)
 
     @property
     def completion_length(self) -> int:
-        """The number of generated tokens (all turns)."""
+        """The number of generated tokens (all turns), whether or not the loss counts them (`loss_tokens`)."""
+        return self.loss_tokens if self.generated_tokens is None else self.generated_tokens
+
+    @property
+    def loss_tokens(self) -> int:
+        """The generated tokens the loss counts: all of them, or none where overlong filtering dropped a cut one."""
         return sum(self.completion_mask)
 
     def example(self, **values: list[float]) -> TokenizedExample:

@@ -165,6 +165,22 @@ def test_ranges_name_missing_rollouts_compactly():
     assert _ranges([5, 1, 2, 3, 7, 8]) == "1-3, 5, 7-8" and _ranges([]) == ""
 
 
+def test_a_replayed_cut_completion_keeps_its_generated_length():
+    """Overlong filtering (``model.dapo.mask_truncated``) zeroes a cut completion's loss mask; the dump line keeps what
+    it generated (``completion_length``), and so does its replay, while the loss still counts none of it. A line whose
+    length is not an integer (a hand-edited dump) falls back to the mask."""
+    from rl_lightning.rollout.replay import _trajectory
+
+    line = {"input_ids": [5, 6, 7, 8, 9], "prompt_tokens": 2, "prompt_messages": 1, "answer": "4", "prompt_row": "d:1",
+            "prompt_index": 0, "messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "..."}],
+            "completion_mask": [0, 0, 0, 0, 0], "engine_logprobs": [0.0] * 5, "finished": False, "turns": 1,
+            "reward": 0.0, "reward_components": {}, "completion_length": 3}
+    t = _trajectory(line)
+    assert (t.completion_length, t.loss_tokens) == (3, 0)
+    for bad in ("3", True, None):
+        assert _trajectory({**line, "completion_length": bad}).completion_length == 0
+
+
 # ------------------------------------------------------------------------------------------ vLLM, through the CLI
 
 CONFIG = """\
@@ -304,3 +320,4 @@ def test_a_replay_feeds_the_data_curriculum_as_the_run_did(tmp_path, parity_env)
 
     assert kept(replayed.history) == kept(original.history) and len(original.history) == 4
     assert all(torch.equal(p, q) for p, q in zip(model.model.parameters(), replay.model.parameters(), strict=True))
+

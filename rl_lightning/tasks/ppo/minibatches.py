@@ -107,7 +107,7 @@ def repack(trajectories: list[Trajectory], part: list[int], packed: list[MicroBa
         The new micro-batches.
     """
     fresh = micro_batches(trajectories, part, budget, pad_token_id, groups, device)
-    width = max((t.completion_length for t in trajectories), default=1)
+    width = max((t.loss_tokens for t in trajectories), default=1)
     grid = torch.ones(len(trajectories), max(1, width), device=device)  # (B, T); only its shape is used
     for key in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "advantages", "returns"):
         if all(key in mb for mb in packed):
@@ -127,7 +127,7 @@ def completion_grid(trajectories: list[Trajectory], device: torch.device) -> tor
     Returns:
         (B, T) float mask.
     """
-    lengths = torch.tensor([t.completion_length for t in trajectories], dtype=torch.long)
+    lengths = torch.tensor([t.loss_tokens for t in trajectories], dtype=torch.long)
     width = max(1, int(lengths.max())) if len(trajectories) else 1
     return (torch.arange(width)[None] < lengths[:, None]).float().to(device)  # (B, T)
 

@@ -180,7 +180,7 @@ def loss_counts(groups: Groups, trajectories: list[Trajectory], part: list[int],
         The completion tokens, and the policy loss's normaliser under `aggregation`.
     """
     completions = float(len(part))
-    tokens = float(sum(trajectories[i].completion_length for i in part))
+    tokens = float(sum(trajectories[i].loss_tokens for i in part))
     policy = policy_loss_normaliser(aggregation, completions, tokens, max_completion_tokens)
     # clamp: a minibatch whose completions were all masked out (truncated) has nothing to learn, not a NaN
     counts = data_parallel_sum(groups, torch.tensor([tokens, policy], device=groups.device)).clamp(min=1)

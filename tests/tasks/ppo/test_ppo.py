@@ -206,9 +206,18 @@ def test_overlong_shaping_and_truncation_masking(parity_env):
     for t in (t for ts in captured for t in ts):
         penalty = max(0.0, (t.completion_length - 4) / 2)
         assert t.reward + penalty in (0.0, 1.0)
-    _, _, captured = _parity_run(parity_env, mask_truncated=True)
+    _, metrics, captured = _parity_run(parity_env, mask_truncated=True)
+    cut = [t for ts in captured for t in ts if not t.finished]
+    assert cut  # some completions were cut at max_new_tokens
     for t in (t for ts in captured for t in ts):
-        assert t.finished or t.completion_length == 0
+        assert sum(t.completion_mask) == t.loss_tokens == (0 if not t.finished else t.completion_length)
+    # the loss drops a cut completion, but its length is still what was generated, in the trajectory and the metric
+    assert {t.completion_length for t in cut} == {6}
+    assert len(metrics.history) == len(captured)
+    for history, trajectories in zip(metrics.history, captured, strict=True):
+        generated = [len(t.input_ids) - len(t.prompt.prompt_ids) for t in trajectories]  # single turn
+        assert [t.completion_length for t in trajectories] == generated
+        assert history["train/completion_length"] == pytest.approx(sum(generated) / len(generated))
 
 
 def test_kl_controller_moves_the_coefficient_by_its_rule(parity_env):
