@@ -70,12 +70,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "prompts16": {"data": {"init_args": {"batch_size": 16}}},  # 16 x 4: as many completions as group8
     "trl": {},  # TRL's GRPOTrainer with the default's settings (`TRL_FLAGS`, `train_trl`)
     "trl_gated": {},  # the same with the gated length punishment
+    "trl_prompts16": {},  # the same with 16 prompts per rollout
 }
 # The default's settings as `benchmarks/real_grpo.py`'s flags, for TRL: the demo's size and lr, correctness alone
 # (the same `score`: full marks only); per TRL setting, what it changes.
 TRL_FLAGS = {"rollouts": 10, "prompts": 8, "group": 4, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7,
              "lr": 2e-5, "warmup": 2, "format_weight": 0.0, "overlong_cache": 0, "gate_shaping": True}
-TRL_SETTINGS = {"trl": {}, "trl_gated": {"overlong_cache": 8}}
+TRL_SETTINGS = {"trl": {}, "trl_gated": {"overlong_cache": 8}, "trl_prompts16": {"prompts": 16}}
 
 
 def unit_overlay(task: str) -> dict[str, Any]:
@@ -245,8 +246,10 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "correctness alone, full marks only, no length punishment); `gated` DAPO's length punishment over the last 8 "
         "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "
         "punishment everywhere (before stop 44); `mask_truncated` truncated completions out of the loss; `kl_anchor` "
-        "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16` 16 rollouts; `group8` 8 completions per prompt (8 x 8); `prompts16` 16 prompts per rollout (16 x 4); "
-        "`trl`, `trl_gated` TRL's GRPOTrainer with the same reward, size and lr. A suffix marks a run made with an "
+        "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16` 16 rollouts; "
+        "`group8` 8 completions per prompt (8 x 8, the real recipe's); `prompts16` 16 prompts per rollout (16 x 4); "
+        "`trl`, `trl_gated`, `trl_prompts16` TRL's GRPOTrainer with the same reward, size and lr (the last two: "
+        "with the gated length punishment; with 16 prompts per rollout). A suffix marks a run made with an "
         "earlier code: `_stop44` before stop 45, when AdamW still stepped on an all-zero gradient (its momentum moved "
         "the weights on empty rollouts); `_stop45` before stop 46, when `correct` was reasoning-gym's partial credit "
         "(a wrong answer containing the right one scored a fraction) and the overlays were on the gated default.", "",
