@@ -47,7 +47,7 @@ MUST_MATCH = {"model_name": "model.lm.name", "tokenizer": "the tokenizer of mode
 # the keys a training line must hold for `_read_rollouts` and `_trajectory`
 LINE_KEYS = ("rollout", "trajectory", "trajectories", "group_size", "reward_names", "reward_failures", "refills",
              "prompt_index", "prompt_tokens", "prompt_messages", "input_ids", "completion_mask", "engine_logprobs",
-             "messages", "answer", "prompt_row", "finished", "turns", "reward", "reward_components")
+             "messages", "answer", "prompt_row", "finished", "turns", "reward", "reward_components", "completion_length")
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -93,10 +93,27 @@ def trajectory_record(trajectory: Trajectory, position: int, rollout: Rollout) -
 def _trajectory(line: dict[str, Any]) -> Trajectory:
     prompt = Prompt(line["input_ids"][: line["prompt_tokens"]], line["messages"][: line["prompt_messages"]],
                     line["answer"], line["prompt_row"], line["prompt_index"])
-    generated = line.get("completion_length")  # more than the mask counts where overlong filtering dropped it
     return Trajectory(prompt, line["input_ids"], line["completion_mask"], line["engine_logprobs"], line["messages"],
                       line["finished"], line["turns"], line["reward"], line["reward_components"],
-                      generated_tokens=generated if type(generated) is int else None)
+                      generated_tokens=line["completion_length"])  # checked by `_length_error`
+
+
+def _length_error(line: dict[str, Any]) -> str | None:
+    """Why `line`'s ``completion_length`` cannot be what its completion generated (None: it can).
+
+    That is the number of tokens its ``completion_mask`` counts or, for a cut completion that overlong filtering left
+    out of the loss (a mask of zeros), up to the tokens after the prompt.
+    """
+    length, mask, prompt_tokens = line["completion_length"], line["completion_mask"], line["prompt_tokens"]
+    if not isinstance(mask, list) or any(type(m) is not int or m not in (0, 1) for m in mask):
+        return "has a completion_mask that is not a list of 0 and 1"
+    kept = sum(mask)
+    room = len(line["input_ids"]) - prompt_tokens if type(prompt_tokens) is int else 0
+    dropped = kept == 0 and line["finished"] is False  # cut, and left out of the loss
+    if type(length) is not int or not (length == kept or dropped and 0 < length <= room):
+        return (f"has completion_length {str(length)[:20]!r}, but its completion_mask counts {kept} tokens (only a "
+                f"cut completion left out of the loss may have more, up to the {room} after its prompt)")
+    return None
 
 
 class ReplayDump:
@@ -223,6 +240,10 @@ def _read_rollouts(dirpath: Path, rank: int) -> dict[int, list[dict[str, Any]]]:
                     f"is not a format {FORMAT_VERSION} line"
                 raise ConfigError(f"model.rollout.replay={dirpath}: {path.name} line {number} {what}; dump the run "
                                   "again with this version")
+            error = _length_error(line)
+            if error:
+                raise ConfigError(f"model.rollout.replay={dirpath}: {path.name} line {number} {error}; the dump is "
+                                  "damaged: dump the run again")
             if line["trajectory"] == 0:  # a rollout starts (again)
                 rollouts[line["rollout"]] = []
             rollouts.setdefault(line["rollout"], []).append(line)

@@ -165,21 +165,35 @@ def test_ranges_name_missing_rollouts_compactly():
     assert _ranges([5, 1, 2, 3, 7, 8]) == "1-3, 5, 7-8" and _ranges([]) == ""
 
 
-def test_a_replayed_cut_completion_keeps_its_generated_length():
-    """Overlong filtering (``model.dapo.mask_truncated``) zeroes a cut completion's loss mask; the dump line keeps what
-    it generated (``completion_length``), and so does its replay, while the loss still counts none of it. A line whose
-    length is not an integer (a hand-edited dump) falls back to the mask."""
-    from rl_lightning.rollout.replay import _trajectory
+def test_a_replayed_cut_completion_keeps_its_generated_length_and_a_false_one_is_refused(dumped, tmp_path):
+    """Overlong filtering (``model.dapo.mask_truncated``) zeroes a cut completion's loss mask; its dump line keeps what
+    it generated (``completion_length``), and so does its replay, while the loss counts none of it. A dump is
+    untrusted: a length its tokens cannot have is refused at start-up in one line naming the file and line."""
+    from rl_lightning.rollout.replay import _read_rollouts, _trajectory
 
-    line = {"input_ids": [5, 6, 7, 8, 9], "prompt_tokens": 2, "prompt_messages": 1, "answer": "4", "prompt_row": "d:1",
-            "prompt_index": 0, "messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "..."}],
-            "completion_mask": [0, 0, 0, 0, 0], "engine_logprobs": [0.0] * 5, "finished": False, "turns": 1,
-            "reward": 0.0, "reward_components": {}, "completion_length": 3}
-    t = _trajectory(line)
-    assert (t.completion_length, t.loss_tokens) == (3, 0)
-    for bad in ("3", True, None):
-        assert _trajectory({**line, "completion_length": bad}).completion_length == 0
-
+    dirpath, raising, *_ = dumped
+    lines = (dirpath / "rollouts-rank0-0.jsonl").read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    generated = first["completion_length"]
+    cut = {**first, "finished": False, "completion_mask": [0] * len(first["completion_mask"])}
+    t = _trajectory(cut)
+    assert (t.completion_length, t.loss_tokens) == (generated, 0) and generated > 0
+    room = len(first["input_ids"]) - first["prompt_tokens"]
+    bad = [(first, generated + 1), (first, -1), (first, "3"), (first, True), (first, 10**400), (cut, room + 1),
+           ({**cut, "finished": True}, generated), ({**first, "completion_mask": [0.5]}, 0)]
+    damaged = tmp_path / "damaged"
+    for line, length in bad:
+        shutil.copytree(dirpath, damaged, dirs_exist_ok=True)
+        (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps({**line, "completion_length": length}) + "\n"
+                                                         + "".join(lines[1:]))
+        with pytest.raises(ConfigError, match=r"rollouts-rank0-0.jsonl line 1 has (completion_length|a completion_mask)"):
+            _read_rollouts(damaged, 0)
+    (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps(cut) + "\n" + "".join(lines[1:]))
+    assert _read_rollouts(damaged, 0)[1][0]["completion_length"] == generated  # a cut, dropped completion is fine
+    (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps({**first, "completion_length": -1}) + "\n"
+                                                     + "".join(lines[1:]))
+    _refused(tmp_path, damaged, raising, "rollouts-rank0-0.jsonl line 1 has completion_length '-1', but its "
+                                         f"completion_mask counts {generated} tokens")
 
 # ------------------------------------------------------------------------------------------ vLLM, through the CLI
 

@@ -26,3 +26,17 @@ def test_repack_carries_every_recorded_value():
     for key in RECORDED:
         assert torch.equal(gather(groups, fresh, [mb[key] for mb in fresh], grid),
                            gather(groups, packed, [mb[key] for mb in packed], grid)), key
+
+
+def test_a_cut_completion_left_out_of_the_loss_counts_no_loss_token():
+    """Overlong filtering zeroes a cut completion's mask but keeps its generated length for the metrics: the loss's
+    token count (its normaliser) and the (B, T) completion grid must follow the mask, not that length."""
+    from rl_lightning.tasks.ppo.update import loss_counts
+
+    cpu, groups = torch.device("cpu"), Groups()
+    kept = Trajectory(None, [1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0.0] * 5, [], True)
+    cut = Trajectory(None, [1, 2, 3, 4, 5, 6], [0] * 6, [0.0] * 6, [], False, generated_tokens=4)
+    assert (cut.completion_length, cut.loss_tokens) == (4, 0)
+    assert torch.equal(completion_grid([kept, cut], cpu), torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    tokens, normaliser = loss_counts(groups, [kept, cut], [0, 1], "token_mean", 6)
+    assert (float(tokens), float(normaliser)) == (3.0, 3.0)
