@@ -77,6 +77,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 TRL_FLAGS = {"rollouts": 10, "prompts": 8, "group": 4, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7,
              "lr": 2e-5, "warmup": 2, "format_weight": 0.0, "overlong_cache": 0, "gate_shaping": True}
 TRL_SETTINGS = {"trl": {}, "trl_gated": {"overlong_cache": 8}, "trl_prompts16": {"prompts": 16}}
+# The results page's first table, by seed: the default, the candidate being measured to replace it, TRL with each.
+MAIN = ("demo", "prompts16", "trl", "trl_prompts16")
 
 
 def unit_overlay(task: str) -> dict[str, Any]:
@@ -221,7 +223,7 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
     tasks = [t for t in order if any(r["task"] == t and (t not in SKIPPED or r["setting"] != BASE) for r in records)]
     settings = [s for s in [*SETTINGS, *(r["setting"] for r in runs)] if any(r["setting"] == s for r in runs)]
     settings = list(dict.fromkeys(settings))  # the SETTINGS order: the default first
-    main = [s for s in ("demo", "trl") if s in settings]
+    main = [s for s in MAIN if s in settings]
     skipped = "; ".join(f"`{t}` {why}" for t, why in SKIPPED.items()) or "none"
     return "\n".join([
         "**The panel (issue 40): held-out greedy accuracy before and after GRPO, on CPU.**", "",
@@ -237,8 +239,10 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "python benchmarks/panel.py --seeds 0 --settings trl         # TRL, the same settings",
         "python benchmarks/panel.py --tasks 2 --seeds 1 --settings trl   # TRL's aiw, a second seed",
         "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings demo   # more seeds of the sums",
+        "python benchmarks/panel.py --seeds 0,1,2 --settings prompts16   # the candidate default",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        *section("The default (`demo`) and TRL with the same settings (`trl`), each seed's accuracy after:",
+        *section("The default (`demo`), the candidate to replace it (`prompts16`: 16 prompts x 4 per rollout, twice "
+                 "the completions) and TRL with the same settings (`trl`, `trl_prompts16`), each seed's accuracy after:",
                  table(records, tasks, main, per_seed=True), bool(main)),
         *section("Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):",
                  table(records, tasks, [s for s in settings if s not in main]), len(settings) > len(main)),
