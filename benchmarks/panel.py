@@ -241,8 +241,9 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings demo   # more seeds of the sums",
         "python benchmarks/panel.py --seeds 0,1,2 --settings prompts16   # the candidate default",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        *section("The default (`demo`), the candidate to replace it (`prompts16`: 16 prompts x 4 per rollout, twice "
-                 "the completions) and TRL with the same settings (`trl`, `trl_prompts16`), each seed's accuracy after:",
+        *section("The default (`demo`), the candidate to replace it (`prompts16`: 16 prompts x 4 per rollout, "
+                 "twice the completions) and TRL with the same settings (`trl`, `trl_prompts16`), each seed's "
+                 "accuracy after:",
                  table(records, tasks, main, per_seed=True), bool(main)),
         *section("Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):",
                  table(records, tasks, [s for s in settings if s not in main]), len(settings) > len(main)),

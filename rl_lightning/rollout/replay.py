@@ -47,7 +47,8 @@ MUST_MATCH = {"model_name": "model.lm.name", "tokenizer": "the tokenizer of mode
 # the keys a training line must hold for `_read_rollouts` and `_trajectory`
 LINE_KEYS = ("rollout", "trajectory", "trajectories", "group_size", "reward_names", "reward_failures", "refills",
              "prompt_index", "prompt_tokens", "prompt_messages", "input_ids", "completion_mask", "engine_logprobs",
-             "messages", "answer", "prompt_row", "finished", "turns", "reward", "reward_components", "completion_length")
+             "messages", "answer", "prompt_row", "finished", "turns", "reward", "reward_components",
+             "completion_length")
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -104,14 +105,16 @@ def _length_error(line: dict[str, Any]) -> str | None:
     That is the number of tokens its ``completion_mask`` counts or, for a cut completion that overlong filtering left
     out of the loss (a mask of zeros), up to the tokens after the prompt.
     """
-    length, mask, prompt_tokens = line["completion_length"], line["completion_mask"], line["prompt_tokens"]
-    if not isinstance(mask, list) or any(type(m) is not int or m not in (0, 1) for m in mask):
-        return "has a completion_mask that is not a list of 0 and 1"
-    kept = sum(mask)
-    room = len(line["input_ids"]) - prompt_tokens if type(prompt_tokens) is int else 0
+    length, mask, ids, prompt_tokens = (line[k] for k in ("completion_length", "completion_mask", "input_ids",
+                                                           "prompt_tokens"))
+    if not isinstance(ids, list) or type(prompt_tokens) is not int or not 0 <= prompt_tokens <= len(ids):
+        return f"has prompt_tokens {repr(prompt_tokens)[:20]} that is not a count of its input_ids"
+    if not isinstance(mask, list) or len(mask) != len(ids) or any(type(m) is not int or m not in (0, 1) for m in mask):
+        return "has a completion_mask that is not one 0 or 1 per input id"
+    kept, room = sum(mask), len(ids) - prompt_tokens
     dropped = kept == 0 and line["finished"] is False  # cut, and left out of the loss
     if type(length) is not int or not (length == kept or dropped and 0 < length <= room):
-        return (f"has completion_length {str(length)[:20]!r}, but its completion_mask counts {kept} tokens (only a "
+        return (f"has completion_length {repr(length)[:20]}, but its completion_mask counts {kept} tokens (only a "
                 f"cut completion left out of the loss may have more, up to the {room} after its prompt)")
     return None
 
@@ -274,12 +277,13 @@ def _records(dirpath: Path, path: Path) -> list[tuple[int, dict[str, Any]]]:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # json.JSONDecodeError, or an integer too long to convert
             if number == len(lines) and not text.endswith("\n"):
                 log.warning("%s: %s line %d is cut short (the run was stopped while writing it): skipped", key,
                             path.name, number)
                 break
-            raise ConfigError(f"{key}: {path.name} line {number} is not JSON ({e.msg} at column {e.colno}); "
+            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0]
+            raise ConfigError(f"{key}: {path.name} line {number} is not JSON ({why}); "
                               "dump the run again, or remove the line and replay a rollout before it") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{key}: {path.name} line {number} is not a trajectory record (a JSON object); dump "

@@ -180,20 +180,32 @@ def test_a_replayed_cut_completion_keeps_its_generated_length_and_a_false_one_is
     assert (t.completion_length, t.loss_tokens) == (generated, 0) and generated > 0
     room = len(first["input_ids"]) - first["prompt_tokens"]
     bad = [(first, generated + 1), (first, -1), (first, "3"), (first, True), (first, 10**400), (cut, room + 1),
-           ({**cut, "finished": True}, generated), ({**first, "completion_mask": [0.5]}, 0)]
+           ({**cut, "finished": True}, generated), ({**first, "completion_mask": [0.5] * len(first["input_ids"])}, 0),
+           ({**first, "completion_mask": first["completion_mask"] + [1]}, generated + 1),
+           ({**first, "prompt_tokens": -1}, generated), ({**first, "input_ids": None}, generated)]
     damaged = tmp_path / "damaged"
     for line, length in bad:
         shutil.copytree(dirpath, damaged, dirs_exist_ok=True)
         (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps({**line, "completion_length": length}) + "\n"
                                                          + "".join(lines[1:]))
-        with pytest.raises(ConfigError, match=r"rollouts-rank0-0.jsonl line 1 has (completion_length|a completion_mask)"):
+        with pytest.raises(ConfigError, match=r"rollouts-rank0-0.jsonl line 1 has (completion_length|a completion_mask|"
+                                              r"prompt_tokens)") as info:
             _read_rollouts(damaged, 0)
-    (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps(cut) + "\n" + "".join(lines[1:]))
-    assert _read_rollouts(damaged, 0)[1][0]["completion_length"] == generated  # a cut, dropped completion is fine
+        assert "\n" not in str(info.value) and str(info.value).endswith("the dump is damaged: dump the run again")
+    # accepted: a cut completion left out of the loss; a tool turn between two generated ones (its tokens are not
+    # generated); a completion of no token
+    prompt = first["prompt_tokens"]
+    after = len(first["input_ids"]) - prompt - 5
+    tool_turn = {**first, "completion_mask": [0] * prompt + [1, 1, 0, 0, 1] + [0] * after, "completion_length": 3}
+    empty = {**first, "completion_mask": [0] * len(first["input_ids"]), "completion_length": 0}
+    for good in (cut, tool_turn, empty):
+        (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps(good) + "\n" + "".join(lines[1:]))
+        assert _read_rollouts(damaged, 0)[1][0]["completion_length"] == good["completion_length"]
     (damaged / "rollouts-rank0-0.jsonl").write_text(json.dumps({**first, "completion_length": -1}) + "\n"
                                                      + "".join(lines[1:]))
-    _refused(tmp_path, damaged, raising, "rollouts-rank0-0.jsonl line 1 has completion_length '-1', but its "
+    _refused(tmp_path, damaged, raising, "rollouts-rank0-0.jsonl line 1 has completion_length -1, but its "
                                          f"completion_mask counts {generated} tokens")
+
 
 # ------------------------------------------------------------------------------------------ vLLM, through the CLI
 
@@ -334,4 +346,3 @@ def test_a_replay_feeds_the_data_curriculum_as_the_run_did(tmp_path, parity_env)
 
     assert kept(replayed.history) == kept(original.history) and len(original.history) == 4
     assert all(torch.equal(p, q) for p, q in zip(model.model.parameters(), replay.model.parameters(), strict=True))
-

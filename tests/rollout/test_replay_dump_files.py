@@ -66,6 +66,10 @@ def test_a_damaged_line_a_stray_file_and_a_bad_manifest_are_one_line(tmp_path):
     lines = file.read_text().splitlines(keepends=True)
     file.write_text("".join([lines[0], lines[1][:30] + "\n", *lines[2:]]))  # cut inside, not a kill's doing
     assert _refused(folder).startswith(f"model.rollout.replay={folder}: rollouts-rank0-0.jsonl line 2 is not JSON (")
+    file.write_text("".join([lines[0], lines[1].replace('"reward": ', '"reward": ' + "9" * 5000 + ", \"r\": ", 1),
+                             *lines[2:]]))  # an integer Python refuses to convert (a ValueError, not a JSON error)
+    assert _refused(folder).startswith(f"model.rollout.replay={folder}: rollouts-rank0-0.jsonl line 2 is not JSON "
+                                       "(Exceeds the limit (4300 digits) for integer string conversion")
     file.write_text("".join([lines[0], json.dumps({"split": "train", "format": FORMAT_VERSION}) + "\n"]))
     assert _refused(folder) == (f"model.rollout.replay={folder}: rollouts-rank0-0.jsonl line 2 lacks rollout, "
                                 "trajectory, trajectories; dump the run again with this version")

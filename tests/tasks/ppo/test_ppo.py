@@ -174,14 +174,14 @@ def test_gae_critic_trains_and_its_value_loss_falls():
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
 
 
-def _parity_run(env, **dapo):
+def _parity_run(env, callbacks=(), **dapo):
     metrics, captured = Metrics(), []
 
     class Capture(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             captured.append(batch["rollout"].trajectories)
 
-    model, _ = _ppo(env, rollouts=2, batch_size=4, callbacks=[Capture(), metrics], update_per_rollout=2,
+    model, _ = _ppo(env, rollouts=2, batch_size=4, callbacks=[Capture(), metrics, *callbacks], update_per_rollout=2,
                     rollout={"responses_per_prompt": 2, "max_new_tokens": 6}, dapo=dapo)
     return model, metrics, captured
 
@@ -198,7 +198,7 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups_and_refills(parity_
             assert trajectories[i].reward != trajectories[i + 1].reward
 
 
-def test_overlong_shaping_and_truncation_masking(parity_env):
+def test_overlong_shaping_and_truncation_masking(parity_env, tmp_path):
     """max_new_tokens 6, cache 2: completions of 5 and 6 tokens lose 0.5 and 1; truncated ones leave the loss."""
     _, _, captured = _parity_run(parity_env, overlong_cache_length=2)
     lengths = {t.completion_length for ts in captured for t in ts}
@@ -206,7 +206,10 @@ def test_overlong_shaping_and_truncation_masking(parity_env):
     for t in (t for ts in captured for t in ts):
         penalty = max(0.0, (t.completion_length - 4) / 2)
         assert t.reward + penalty in (0.0, 1.0)
-    _, metrics, captured = _parity_run(parity_env, mask_truncated=True)
+    from rl_lightning.callbacks.rollout_dump import RolloutDump
+    from rl_lightning.rollout.replay import _read_rollouts
+
+    _, metrics, captured = _parity_run(parity_env, [RolloutDump(str(tmp_path / "dump"))], mask_truncated=True)
     cut = [t for ts in captured for t in ts if not t.finished]
     assert cut  # some completions were cut at max_new_tokens
     for t in (t for ts in captured for t in ts):
@@ -218,6 +221,10 @@ def test_overlong_shaping_and_truncation_masking(parity_env):
         generated = [len(t.input_ids) - len(t.prompt.prompt_ids) for t in trajectories]  # single turn
         assert [t.completion_length for t in trajectories] == generated
         assert history["train/completion_length"] == pytest.approx(sum(generated) / len(generated))
+    # the dump keeps the cut completions' lengths beside their zeroed masks, and a replay reads them back
+    dumped = _read_rollouts(tmp_path / "dump", 0)
+    assert [[line["completion_length"] for line in dumped[k + 1]] for k in range(len(captured))] == [
+        [t.completion_length for t in trajectories] for trajectories in captured]
 
 
 def test_kl_controller_moves_the_coefficient_by_its_rule(parity_env):
