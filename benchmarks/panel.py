@@ -66,6 +66,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "lr1e-5": {"model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
     "t0.5": {"model": {"init_args": {"rollout": {"temperature": 0.5}}}},
     "rollouts16": {"model": {"init_args": {"max_rollouts": 16}}},
+    "rollouts20": {"model": {"init_args": {"max_rollouts": 20}}},  # as many completions as prompts16, 8 x 4
     "group8": {"model": {"init_args": {"rollout": {"responses_per_prompt": 8}}}},  # the recipe's 8 x 8
     "prompts16": {"data": {"init_args": {"batch_size": 16}}},  # 16 x 4: as many completions as group8
     "trl": {},  # TRL's GRPOTrainer with the default's settings (`TRL_FLAGS`, `train_trl`)
@@ -251,8 +252,9 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "correctness alone, full marks only, no length punishment); `gated` DAPO's length punishment over the last 8 "
         "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "
         "punishment everywhere (before stop 44); `mask_truncated` truncated completions out of the loss; `kl_anchor` "
-        "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16` 16 rollouts; "
-        "`group8` 8 completions per prompt (8 x 8, the real recipe's); `prompts16` 16 prompts per rollout (16 x 4); "
+        "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16`, `rollouts20` "
+        "16, 20 rollouts; `group8` 8 completions per prompt (8 x 8, the real recipe's); `prompts16` 16 prompts per "
+        "rollout (16 x 4); "
         "`trl`, `trl_gated`, `trl_prompts16` TRL's GRPOTrainer with the same reward, size and lr (the last two: "
         "with the gated length punishment; with 16 prompts per rollout). A suffix marks a run made with an "
         "earlier code: `_stop44` before stop 45, when AdamW still stepped on an all-zero gradient (its momentum moved "
