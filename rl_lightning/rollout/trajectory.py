@@ -27,9 +27,10 @@ class Trajectory:
     Its tokens, which the loss trains on (`completion_mask`: the generated ones, or none of a cut completion that
     overlong filtering dropped; `completion_length` counts what was generated either way), the engine's
     log-probabilities of the generated tokens (0 elsewhere), the decoded conversation and its reward. With in-flight
-    weight updates (`rl_lightning.rollout.inflight`) also the policy version that sampled each token (`policy_versions`, -1 on
-    tokens not generated) and the version of the policy the trainer updates with it (`trained_version`, set when
-    the rollout is handed over): each token's lag between the two rides along into the loss (``policy_lags``).
+    weight updates (`rl_lightning.rollout.inflight`) also the policy version that sampled each token
+    (`policy_versions`, -1 on tokens not generated) and the version of the policy the trainer updates with it
+    (`trained_version`, set when the rollout is handed over): each token's lag between the two rides along into the
+    loss (``policy_lags``).
     """
 
     prompt: Prompt
