@@ -53,33 +53,36 @@ MODEL = "asset:SmolLM2-135M-Instruct"
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py")
 MAX_NEW_TOKENS = 32  # the recipe's
 # Named overlays on rl_lightning/cli/demo.yaml (over recipes/real/grpo.yaml). "demo" is the recipe's default: since
-# stop 46 correctness alone, full marks only (`rl_lightning.rewards.reasoning_gym.score`), no length punishment. Runs
-# measured with an earlier code carry a suffix in the results file (`_stop44`, `_stop45`, and a note saying what
-# differed); their overlays were on the default of their day, so only the settings below can be rerun.
+# stop 46 correctness alone, full marks only (`rl_lightning.rewards.reasoning_gym.score`), no length punishment; since
+# stop 49 16 prompts x 4 per rollout. The exploratory settings were measured on the 8 x 4 default of stops 46-48, so
+# they keep its size (`PROMPTS8`) and still mean what their runs measured. Runs measured with an earlier code carry a
+# suffix in the results file (`_stop44`, `_stop45`, and a note saying what differed); their overlays were on the
+# default of their day, so only the settings below can be rerun.
+PROMPTS8 = {"data": {"init_args": {"batch_size": 8}}}  # 8 prompts x 4 per rollout: the default of stops 46-48
 LENGTH_PUNISHMENT = {"dapo": {"overlong_cache_length": 8}}  # DAPO's soft punishment over the last 8 of 32 tokens
 SETTINGS: dict[str, dict[str, Any]] = {
     "demo": {},
-    "gated": {"model": {"init_args": LENGTH_PUNISHMENT}},  # counted where a group has a correct completion
-    "ungated": {"model": {"init_args": {**LENGTH_PUNISHMENT, "rollout": {"gate_shaping": False}}}},
-    "mask_truncated": {"model": {"init_args": {"dapo": {"mask_truncated": True}}}},
-    "kl_anchor": {"model": {"init_args": {"kl": {"coef": 0.05}}}},
-    "lr1e-5": {"model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
-    "t0.5": {"model": {"init_args": {"rollout": {"temperature": 0.5}}}},
-    "rollouts16": {"model": {"init_args": {"max_rollouts": 16}}},
-    "rollouts20": {"model": {"init_args": {"max_rollouts": 20}}},  # as many completions as prompts16, 8 x 4
-    "group8": {"model": {"init_args": {"rollout": {"responses_per_prompt": 8}}}},  # the recipe's 8 x 8
-    "prompts16": {"data": {"init_args": {"batch_size": 16}}},  # 16 x 4: as many completions as group8
+    "prompts8": PROMPTS8,  # half the completions: the default of stops 46-48
+    "gated": {**PROMPTS8, "model": {"init_args": LENGTH_PUNISHMENT}},  # counted where a group has a correct one
+    "ungated": {**PROMPTS8, "model": {"init_args": {**LENGTH_PUNISHMENT, "rollout": {"gate_shaping": False}}}},
+    "mask_truncated": {**PROMPTS8, "model": {"init_args": {"dapo": {"mask_truncated": True}}}},
+    "kl_anchor": {**PROMPTS8, "model": {"init_args": {"kl": {"coef": 0.05}}}},
+    "lr1e-5": {**PROMPTS8, "model": {"init_args": {"lm": {"optim": {"lr": 1.0e-5}}}}},
+    "t0.5": {**PROMPTS8, "model": {"init_args": {"rollout": {"temperature": 0.5}}}},
+    "rollouts16": {**PROMPTS8, "model": {"init_args": {"max_rollouts": 16}}},
+    "rollouts20": {**PROMPTS8, "model": {"init_args": {"max_rollouts": 20}}},  # as many completions as the default
+    "group8": {**PROMPTS8, "model": {"init_args": {"rollout": {"responses_per_prompt": 8}}}},  # the recipe's 8 x 8
     "trl": {},  # TRL's GRPOTrainer with the default's settings (`TRL_FLAGS`, `train_trl`)
-    "trl_gated": {},  # the same with the gated length punishment
-    "trl_prompts16": {},  # the same with 16 prompts per rollout
+    "trl_gated": {},  # the same with 8 prompts per rollout and the gated length punishment
+    "trl_prompts8": {},  # the same with 8 prompts per rollout
 }
 # The default's settings as `benchmarks/real_grpo.py`'s flags, for TRL: the demo's size and lr, correctness alone
 # (the same `score`: full marks only); per TRL setting, what it changes.
-TRL_FLAGS = {"rollouts": 10, "prompts": 8, "group": 4, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7,
+TRL_FLAGS = {"rollouts": 10, "prompts": 16, "group": 4, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7,
              "lr": 2e-5, "warmup": 2, "format_weight": 0.0, "overlong_cache": 0, "gate_shaping": True}
-TRL_SETTINGS = {"trl": {}, "trl_gated": {"overlong_cache": 8}, "trl_prompts16": {"prompts": 16}}
-# The results page's first table, by seed: the default, the candidate being measured to replace it, TRL with each.
-MAIN = ("demo", "prompts16", "trl", "trl_prompts16")
+TRL_SETTINGS = {"trl": {}, "trl_gated": {"prompts": 8, "overlong_cache": 8}, "trl_prompts8": {"prompts": 8}}
+# The results page's first table, by seed: the default, the one it replaced (8 x 4), TRL with each.
+MAIN = ("demo", "prompts8", "trl", "trl_prompts8")
 
 
 def unit_overlay(task: str) -> dict[str, Any]:
@@ -238,25 +241,30 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "```bash", "python benchmarks/panel.py --base                        # base accuracies",
         "python benchmarks/panel.py --seeds 0,1,2 --settings demo   # the sweep (kill and rerun at will)",
         "python benchmarks/panel.py --seeds 0 --settings trl         # TRL, the same settings",
-        "python benchmarks/panel.py --tasks 2 --seeds 1 --settings trl   # TRL's aiw, a second seed",
-        "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings demo   # more seeds of the sums",
-        "python benchmarks/panel.py --seeds 0,1,2 --settings prompts16   # the candidate default",
+        "python benchmarks/panel.py --seeds 0,1,2 --settings prompts8    # the default of stops 46-48 (8 x 4)",
+        "python benchmarks/panel.py --tasks 0 --seeds 3,4,5,6 --settings prompts8   # more seeds of its sums",
+        "python benchmarks/panel.py --seeds 0 --settings trl_prompts8   # TRL with it",
+        "python benchmarks/panel.py --tasks 2 --seeds 1 --settings trl_prompts8   # its aiw, a second seed",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        *section("The default (`demo`), the candidate to replace it (`prompts16`: 16 prompts x 4 per rollout, "
-                 "twice the completions) and TRL with the same settings (`trl`, `trl_prompts16`), each seed's "
+        *section("The default (`demo`: since stop 49 16 prompts x 4 per rollout), the one it replaced (`prompts8`: "
+                 "8 x 4, half the completions) and TRL with the same settings (`trl`, `trl_prompts8`), each seed's "
                  "accuracy after:",
                  table(records, tasks, main, per_seed=True), bool(main)),
         *section("Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):",
                  table(records, tasks, [s for s in settings if s not in main]), len(settings) > len(main)),
         "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (since stop 46: "
-        "correctness alone, full marks only, no length punishment); `gated` DAPO's length punishment over the last 8 "
+        "correctness alone, full marks only, no length punishment; since stop 49: 16 prompts x 4 per rollout); "
+        "`prompts8` 8 prompts x 4 (the default of stops 46-48; every setting below keeps its size, since it was "
+        "measured on it); `gated` DAPO's length punishment over the last 8 "
         "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "
         "punishment everywhere (before stop 44); `mask_truncated` truncated completions out of the loss; `kl_anchor` "
         "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16`, `rollouts20` "
-        "16, 20 rollouts; `group8` 8 completions per prompt (8 x 8, the real recipe's); `prompts16` 16 prompts per "
-        "rollout (16 x 4); "
-        "`trl`, `trl_gated`, `trl_prompts16` TRL's GRPOTrainer with the same reward, size and lr (the last two: "
-        "with the gated length punishment; with 16 prompts per rollout). A suffix marks a run made with an "
+        "16, 20 rollouts; `group8` 8 completions per prompt (8 x 8, the real recipe's); "
+        "`trl`, `trl_gated`, `trl_prompts8` TRL's GRPOTrainer with the same reward, size and lr (the last two: "
+        "8 x 4, with the gated length punishment; 8 x 4). Runs recorded under another name at the time say so "
+        "(`relabelled`: the 8 x 4 default's runs of stops 46-48 as `demo` and `trl`, the first 16 x 4 ones as "
+        "`prompts16`). "
+        "A suffix marks a run made with an "
         "earlier code: `_stop44` before stop 45, when AdamW still stepped on an all-zero gradient (its momentum moved "
         "the weights on empty rollouts); `_stop45` before stop 46, when `correct` was reasoning-gym's partial credit "
         "(a wrong answer containing the right one scored a fraction) and the overlays were on the gated default.", "",

@@ -112,6 +112,9 @@ def test_trl_flags_are_the_recipes_and_the_demos_settings():
     assert set(TRL_SETTINGS) <= set(SETTINGS) and all(set(c) <= set(TRL_FLAGS) for c in TRL_SETTINGS.values())
     assert TRL_SETTINGS["trl_gated"]["overlong_cache"] == SETTINGS["gated"]["model"]["init_args"]["dapo"][
         "overlong_cache_length"]
+    # the 8 x 4 settings (the default of stops 46-48) keep that size in both libraries
+    for ours, trl in (("prompts8", "trl_prompts8"), ("gated", "trl_gated")):
+        assert TRL_SETTINGS[trl]["prompts"] == SETTINGS[ours]["data"]["init_args"]["batch_size"] == 8
 
 
 def test_results_page_splits_the_default_and_trl_from_the_rest_and_drops_an_empty_table(tmp_path):

@@ -61,9 +61,9 @@ def test_demo_overlay_instantiates_on_the_real_recipe(workdir):
     hp = cli.model.hparams
     optim = hp.lm["optim"]  # as kept: plain data
     assert (hp.max_rollouts, hp.max_length_per_device, optim["lr"], optim["warmup_steps"]) == (10, 4096, 2e-5, 2)
-    assert cli.datamodule.hparams.batch_size == 8 and cli.trainer.val_check_interval == 10
+    assert cli.datamodule.hparams.batch_size == 16 and cli.trainer.val_check_interval == 10
     # the recipe's reward, chosen on the panel (benchmarks/results/panel_cpu.md): correctness alone, no length
-    # punishment, with the gate on for any shaping a user adds; the demo's 8 prompts x 4
+    # punishment, with the gate on for any shaping a user adds; the demo's 16 prompts x 4
     rollout = hp.rollout
     assert rollout["reward_weights"] == {"correct": 1.0, "format": 0.0} and hp.dapo["overlong_cache_length"] is None
     assert rollout["gate_shaping"] is True
