@@ -246,22 +246,22 @@ def report(records: list[dict[str, Any]], results: Path) -> str:
         "python benchmarks/panel.py --seeds 0 --settings trl_prompts8   # TRL with it",
         "python benchmarks/panel.py --tasks 2 --seeds 1 --settings trl_prompts8   # its aiw, a second seed",
         f"python benchmarks/panel.py --table > benchmarks/results/panel_cpu.md   # results: {results.name}", "```", "",
-        *section("The default (`demo`: since stop 49 16 prompts x 4 per rollout), the one it replaced (`prompts8`: "
+        *section("The default (`demo`: 16 prompts x 4 per rollout since stop 49), the one it replaced (`prompts8`: "
                  "8 x 4, half the completions) and TRL with the same settings (`trl`, `trl_prompts8`), each seed's "
                  "accuracy after:",
                  table(records, tasks, main, per_seed=True), bool(main)),
         *section("Every other setting measured (exploratory, mostly one seed; mean ± sample std over seeds):",
                  table(records, tasks, [s for s in settings if s not in main]), len(settings) > len(main)),
         "Settings (overlays on the demo's, `SETTINGS` in `benchmarks/panel.py`): `demo` the default (since stop 46: "
-        "correctness alone, full marks only, no length punishment; since stop 49: 16 prompts x 4 per rollout); "
-        "`prompts8` 8 prompts x 4 (the default of stops 46-48; every setting below keeps its size, since it was "
-        "measured on it); `gated` DAPO's length punishment over the last 8 "
+        "correctness alone, full marks only, no length punishment; 16 prompts x 4 per rollout since stop 49); "
+        "`prompts8` 8 prompts x 4 (the default of stops 46-48; every exploratory setting below and `trl_gated` keep "
+        "its size, since they were measured on it); `gated` DAPO's length punishment over the last 8 "
         "of 32 tokens, counted only in groups with a correct completion (the default at stops 44-45); `ungated` the "
         "punishment everywhere (before stop 44); `mask_truncated` truncated completions out of the loss; `kl_anchor` "
         "a KL term (coef 0.05); `lr1e-5` half the learning rate; `t0.5` temperature 0.5; `rollouts16`, `rollouts20` "
         "16, 20 rollouts; `group8` 8 completions per prompt (8 x 8, the real recipe's); "
-        "`trl`, `trl_gated`, `trl_prompts8` TRL's GRPOTrainer with the same reward, size and lr (the last two: "
-        "8 x 4, with the gated length punishment; 8 x 4). Runs recorded under another name at the time say so "
+        "`trl`, `trl_gated`, `trl_prompts8` TRL's GRPOTrainer with the settings of `demo`, `gated` and `prompts8`. "
+        "Runs recorded under another name at the time say so "
         "(`relabelled`: the 8 x 4 default's runs of stops 46-48 as `demo` and `trl`, the first 16 x 4 ones as "
         "`prompts16`). "
         "A suffix marks a run made with an "
