@@ -52,12 +52,12 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "asset:SmolLM2-135M-Instruct"
 ENV = str(REPO / "rl_lightning" / "recipes" / "envs" / "reasoning_gym_env.py")
 MAX_NEW_TOKENS = 32  # the recipe's
-# Named overlays on rl_lightning/cli/demo.yaml (over recipes/real/grpo.yaml). "demo" is the recipe's default: since
-# stop 46 correctness alone, full marks only (`rl_lightning.rewards.reasoning_gym.score`), no length punishment; and
-# 16 prompts x 4 per rollout since stop 49. The exploratory settings were measured on the 8 x 4 default of stops
-# 46-48, so they keep its size (`PROMPTS8`) and still mean what their runs measured. Runs measured with an earlier code carry a
-# suffix in the results file (`_stop44`, `_stop45`, and a note saying what differed); their overlays were on the
-# default of their day, so only the settings below can be rerun.
+# Named overlays on rl_lightning/cli/demo.yaml (over recipes/real/grpo.yaml). "demo" is the recipe's default: since stop
+# 46 correctness alone, full marks only (`rl_lightning.rewards.reasoning_gym.score`), no length punishment; and 16
+# prompts x 4 per rollout since stop 49. The exploratory settings were measured on the 8 x 4 default of stops 46-48, so
+# they keep its size (`PROMPTS8`) and still mean what their runs measured. Runs measured with an earlier code carry a
+# suffix in the results file (`_stop44`, `_stop45`, and a note saying what differed); their overlays were on the default
+# of their day, so only the settings below can be rerun.
 PROMPTS8 = {"data": {"init_args": {"batch_size": 8}}}  # 8 prompts x 4 per rollout: the default of stops 46-48
 LENGTH_PUNISHMENT = {"dapo": {"overlong_cache_length": 8}}  # DAPO's soft punishment over the last 8 of 32 tokens
 SETTINGS: dict[str, dict[str, Any]] = {
